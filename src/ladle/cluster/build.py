@@ -1,0 +1,290 @@
+"""Build the pinned Kubernetes components from Go modules and cache them by version.
+
+There is no Docker and no binary download on our machines, so kind, k3d and setup-envtest are
+out; the wrapper modules in ``hack/k8s/`` pin every component and ``go build`` does the rest.
+The cache folder is keyed by a hash of those modules, so a version bump builds afresh and an
+unchanged pin reuses the binaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Bump when the way binaries are built changes (flags, layout), so old caches are not reused.
+RECIPE = "1"
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+HACK_DIR = REPO_ROOT / "hack" / "k8s"
+
+# kwok has had no built-in stages since v0.8; these come from the module's kustomize/stage/.
+KWOK_STAGES = (
+    "node/fast/node-initialize.yaml",
+    "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "pod/fast/pod-ready.yaml",
+    "pod/fast/pod-complete.yaml",
+    "pod/fast/pod-delete.yaml",
+)
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One binary: which wrapper module builds it and which ``-X`` flags make it truthful."""
+
+    name: str
+    module_dir: str
+    package: str
+    version_module: str
+    xflags: tuple[str, ...] = field(default=())
+
+
+def _kube_xflags() -> tuple[str, ...]:
+    # Without these, every component reports v0.0.0-master. Values are filled in per build.
+    names = ("gitVersion", "gitMajor", "gitMinor", "gitTreeState", "buildDate")
+    pkgs = ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+    return tuple(f"{pkg}.{name}" for pkg in pkgs for name in names)
+
+
+TOOLS = (
+    *(
+        Tool(
+            name, "kubernetes", f"k8s.io/kubernetes/cmd/{name}", "k8s.io/kubernetes", _kube_xflags()
+        )
+        for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+    ),
+    Tool("etcd", "etcd", "go.etcd.io/etcd/server/v3", "go.etcd.io/etcd/server/v3"),
+    Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
+    Tool(
+        "helm",
+        "helm",
+        "helm.sh/helm/v3/cmd/helm",
+        "helm.sh/helm/v3",
+        ("helm.sh/helm/v3/internal/version.version",),
+    ),
+)
+
+
+class BuildError(RuntimeError):
+    """The toolchain is missing or a ``go`` command failed; the message carries its output."""
+
+
+def cache_root() -> Path:
+    """``$LADLE_CACHE_DIR``, else ``$XDG_CACHE_HOME/ladle``, else ``~/.cache/ladle``."""
+    if env := os.environ.get("LADLE_CACHE_DIR"):
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "ladle"
+
+
+def versions_hash() -> str:
+    """Hash of every wrapper go.mod/go.sum plus the recipe and platform: the cache key."""
+    digest = hashlib.sha256(f"{RECIPE} {sys.platform} {platform.machine()}".encode())
+    for module_dir in sorted({tool.module_dir for tool in TOOLS}):
+        for name in ("go.mod", "go.sum"):
+            path = HACK_DIR / module_dir / name
+            if not path.is_file():
+                raise BuildError(f"{path} is missing; is this a Ladle checkout?")
+            digest.update(f"{module_dir}/{name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """The versioned cache folder; ``bin/`` and ``stages/`` live inside it."""
+    return cache_root() / "k8s" / versions_hash()
+
+
+def bin_dir() -> Path:
+    return build_dir() / "bin"
+
+
+def stages_dir() -> Path:
+    return build_dir() / "stages"
+
+
+def missing() -> list[str]:
+    """Names of binaries (and ``stages``) that a build would still have to produce."""
+    names = [tool.name for tool in TOOLS if not (bin_dir() / tool.name).is_file()]
+    if not all((stages_dir() / Path(stage).name).is_file() for stage in KWOK_STAGES):
+        names.append("stages")
+    return names
+
+
+def binary(name: str) -> Path:
+    """Path of a built binary; raises if it has not been built yet."""
+    path = bin_dir() / name
+    if not path.is_file():
+        raise BuildError(f"{path} is missing; run `ladle cluster build` first")
+    return path
+
+
+def find_go() -> str:
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not Path(go).is_file():
+        raise BuildError("no Go toolchain: put `go` (1.26+) on PATH or in /usr/local/go/bin")
+    return go
+
+
+def _go_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        CGO_ENABLED="0",
+        # Never fetch a different toolchain behind our back; use the one we were given.
+        GOTOOLCHAIN="local",
+        GOFLAGS="-mod=readonly -buildvcs=false",
+    )
+    return env
+
+
+def _nice() -> list[str]:
+    # The build is background work on a shared 2-core machine; keep tests and editors responsive.
+    nice = shutil.which("nice")
+    return [nice, "-n", "10"] if nice else []
+
+
+def _go_json(go: str, module_dir: str, *args: str) -> dict[str, object]:
+    proc = subprocess.run(
+        [go, *args],
+        cwd=HACK_DIR / module_dir,
+        env=_go_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise BuildError(f"go {' '.join(args)} failed in {module_dir}:\n{proc.stderr}")
+    result: dict[str, object] = json.loads(proc.stdout)
+    return result
+
+
+def _module_info(go: str, module_dir: str, module: str) -> tuple[str, str, Path]:
+    """Version, release time and source folder of ``module`` as resolved by the wrapper."""
+    info = _go_json(go, module_dir, "list", "-m", "-json", module)
+    if "Dir" not in info:
+        _go_json(go, module_dir, "mod", "download", "-json", module)
+        info = _go_json(go, module_dir, "list", "-m", "-json", module)
+    return str(info["Version"]), str(info.get("Time", "")), Path(str(info["Dir"]))
+
+
+def _xvalue(flag: str, version: str, released: str) -> str:
+    name = flag.rsplit(".", 1)[1]
+    major, minor = version.lstrip("v").split(".")[:2]
+    return {
+        "gitVersion": version,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitTreeState": "clean",
+        "buildDate": released,
+        "version": version,
+    }[name]
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _run_build(cmd: list[str], cwd: Path, label: str) -> None:
+    """Run ``go build -v`` and report how many packages it has compiled every 30 s."""
+    tail: deque[str] = deque(maxlen=60)
+    count = 0
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=_go_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(30):
+            _log(f"      {label}: {count} packages compiled, {time.monotonic() - start:.0f}s")
+
+    ticker = threading.Thread(target=heartbeat, daemon=True)
+    ticker.start()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        count += 1
+    rc = proc.wait()
+    done.set()
+    ticker.join()
+    if rc != 0:
+        raise BuildError(f"building {label} failed (exit {rc}):\n" + "\n".join(tail))
+
+
+def build(force: bool = False) -> Path:
+    """Build whatever is missing from the versioned cache and return its ``bin/`` folder.
+
+    Each binary is written under a temporary name and renamed, so an interrupted build resumes
+    where it stopped and never leaves a truncated binary that looks complete.
+    """
+    target = bin_dir()
+    todo = [tool.name for tool in TOOLS] + ["stages"] if force else missing()
+    if not todo:
+        _log(f"cluster binaries up to date in {target}")
+        return target
+    go = find_go()
+    target.mkdir(parents=True, exist_ok=True)
+    _log(f"building {', '.join(todo)} into {target} (CGO_ENABLED=0, {len(todo)} steps)")
+    total_start = time.monotonic()
+    downloaded: set[str] = set()
+    steps = [tool for tool in TOOLS if tool.name in todo]
+    for index, tool in enumerate(steps, 1):
+        if tool.module_dir not in downloaded:
+            t0 = time.monotonic()
+            _log(f"[{index}/{len(todo)}] downloading modules for hack/k8s/{tool.module_dir}")
+            _download(go, tool.module_dir)
+            downloaded.add(tool.module_dir)
+            _log(f"      modules ready in {time.monotonic() - t0:.0f}s")
+        version, released, _ = _module_info(go, tool.module_dir, tool.version_module)
+        xflags = [f"-X {flag}={_xvalue(flag, version, released)}" for flag in tool.xflags]
+        ldflags = " ".join(["-s", "-w", *xflags])
+        partial = target / f".{tool.name}.partial"
+        cmd = [*_nice(), go, "build", "-v", "-trimpath", "-ldflags", ldflags]
+        cmd += ["-o", str(partial), tool.package]
+        _log(f"[{index}/{len(todo)}] {tool.name} ({tool.version_module} {version})")
+        t0 = time.monotonic()
+        _run_build(cmd, HACK_DIR / tool.module_dir, tool.name)
+        partial.replace(target / tool.name)
+        size = (target / tool.name).stat().st_size / 2**20
+        _log(f"      {tool.name} built in {time.monotonic() - t0:.0f}s ({size:.0f} MiB)")
+    if "stages" in todo:
+        _copy_stages(go)
+        _log(f"[{len(todo)}/{len(todo)}] kwok stages copied to {stages_dir()}")
+    _log(f"done in {time.monotonic() - total_start:.0f}s: {target}")
+    return target
+
+
+def _download(go: str, module_dir: str) -> None:
+    proc = subprocess.run(
+        [go, "mod", "download"],
+        cwd=HACK_DIR / module_dir,
+        env=_go_env(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise BuildError(f"go mod download failed in hack/k8s/{module_dir}:\n{proc.stderr}")
+
+
+def _copy_stages(go: str) -> None:
+    """Copy kwok's stage files out of the module cache, so `up` never needs Go."""
+    _, _, source = _module_info(go, "kwok", "sigs.k8s.io/kwok")
+    dest = stages_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    for stage in KWOK_STAGES:
+        shutil.copyfile(source / "kustomize" / "stage" / stage, dest / Path(stage).name)

@@ -1,0 +1,117 @@
+"""``ladle cluster build|up|down|status``: a real local Kubernetes with fake GPU nodes.
+
+Imports only the standard library at import time (see ``ladle.cli``); the work happens in
+``ladle.cluster.build`` and ``ladle.cluster.control_plane``, imported by the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def default_state_dir() -> Path:
+    """Where ``up`` keeps a cluster unless told otherwise (next to the binary cache)."""
+    from ladle.cluster.build import cache_root
+
+    return cache_root() / "clusters" / "default"
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cluster = sub.add_parser(
+        "cluster",
+        help="a local Kubernetes (etcd, apiserver, controllers, scheduler, kwok GPU nodes)",
+        description="Build and run a real local Kubernetes control plane with fake GPU nodes.",
+    )
+    verbs = cluster.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    p = verbs.add_parser("build", help="build the pinned binaries into the versioned cache")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--print-bin-dir", action="store_true", help="only print the bin folder")
+    p.set_defaults(func=_build)
+
+    def state_arg(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--state-dir",
+            type=Path,
+            default=None,
+            help="cluster state folder (default: $LADLE_CACHE_DIR/clusters/default)",
+        )
+
+    p = verbs.add_parser("up", help="start the control plane and fake GPU nodes")
+    state_arg(p)
+    p.add_argument("--nodes", type=int, default=2, help="fake GPU nodes (default 2)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="nvidia.com/gpu per node")
+    p.add_argument("--gpu-product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Ready")
+    p.set_defaults(func=_up)
+
+    p = verbs.add_parser("down", help="stop the processes `up` started and remove the state")
+    state_arg(p)
+    p.set_defaults(func=_down)
+
+    p = verbs.add_parser("status", help="show processes, API health and nodes")
+    state_arg(p)
+    p.set_defaults(func=_status)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from ladle.cluster import build
+
+    if args.print_bin_dir:
+        print(build.bin_dir())
+        return 0
+    try:
+        build.build(force=args.force)
+    except build.BuildError as exc:
+        print(f"ladle cluster build: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ladle.cluster.control_plane import Cluster, ClusterError, Options
+
+    cluster = Cluster(args.state_dir or default_state_dir())
+    options = Options(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_product=args.gpu_product,
+        timeout=args.timeout,
+    )
+    print(f"starting cluster in {cluster.state_dir} ...", flush=True)
+    try:
+        seconds = cluster.up(options)
+    except ClusterError as exc:
+        print(f"ladle cluster up: {exc}", file=sys.stderr)
+        print(f"logs kept in {cluster.log_dir}", file=sys.stderr)
+        return 1
+    print(f"cluster Ready in {seconds:.1f}s: {cluster.server}, {args.nodes} GPU nodes")
+    print(f"kubeconfig: {cluster.kubeconfig}")
+    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from ladle.cluster.control_plane import Cluster
+
+    cluster = Cluster(args.state_dir or default_state_dir())
+    stopped = cluster.down()
+    print(f"stopped {', '.join(stopped) or 'nothing'}; removed {cluster.state_dir}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ladle.cluster.control_plane import Cluster, ClusterError
+
+    cluster = Cluster(args.state_dir or default_state_dir())
+    try:
+        report = cluster.status()
+    except ClusterError as exc:
+        print(exc)
+        return 1
+    print(json.dumps(report, indent=2))
+    healthy = report.get("readyz") == "ok" and all(report["processes"].values())
+    return 0 if healthy else 1

@@ -1,0 +1,470 @@
+"""Start, check and stop a local control plane: etcd, kube-apiserver, controller-manager,
+scheduler and kwok, all on 127.0.0.1 with ports picked free so that clusters never clash.
+
+Processes run in their own sessions and outlive ``ladle cluster up``; their pids and start
+times go into ``state.json`` so that ``down`` stops exactly those processes and nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from ladle.cluster import build, nodes, pki
+
+HOST = "127.0.0.1"
+SERVICE_CIDR = "10.96.0.0/16"
+POD_CIDR = "10.244.0.1/16"
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# Stop order: dependents first, so nothing logs a storm of errors about a vanished apiserver.
+STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+PORT_NAMES = (
+    "etcd",
+    "etcd-peer",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+)
+
+
+class ClusterError(RuntimeError):
+    """The cluster failed to start or is not running; the message names the component."""
+
+
+@dataclass(frozen=True)
+class Options:
+    nodes: int = 2
+    gpus_per_node: int = 8
+    gpu_product: str = "NVIDIA-H200"
+    timeout: float = 180.0
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct ports the kernel considers free right now (all held open until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((HOST, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
+
+
+def _write_kubeconfig(path: Path, server: str, ca: Path, client: pki.CertPair, user: str) -> None:
+    """A kubeconfig with everything embedded, so it can be copied anywhere and still work."""
+
+    def b64(file: Path) -> str:
+        return base64.b64encode(file.read_bytes()).decode()
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "ladle", "cluster": {"server": server, "certificate-authority-data": b64(ca)}}
+        ],
+        "users": [
+            {
+                "name": user,
+                "user": {
+                    "client-certificate-data": b64(client.cert),
+                    "client-key-data": b64(client.key),
+                },
+            }
+        ],
+        "contexts": [{"name": "ladle", "context": {"cluster": "ladle", "user": user}}],
+        "current-context": "ladle",
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.chmod(0o600)
+
+
+def _ready(node: dict[str, Any]) -> str:
+    """The status of a Node's Ready condition: "True", "False" or "Unknown"."""
+    for condition in node.get("status", {}).get("conditions", []):
+        if condition["type"] == "Ready":
+            return str(condition["status"])
+    return "Unknown"
+
+
+class Cluster:
+    """One control plane rooted in ``state_dir`` (certificates, etcd data, logs, state.json)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir.resolve()
+
+    # -- paths ---------------------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "admin.kubeconfig"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def state(self) -> dict[str, Any]:
+        if not self.state_file.is_file():
+            raise ClusterError(f"no cluster in {self.state_dir} (no state.json)")
+        result: dict[str, Any] = json.loads(self.state_file.read_text())
+        return result
+
+    @property
+    def server(self) -> str:
+        return str(self.state()["server"])
+
+    def _save(self, state: dict[str, Any]) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    # -- processes -----------------------------------------------------------------------------
+    def _live(self, record: dict[str, Any]) -> psutil.Process | None:
+        """The recorded process if it still runs; a pid reused by another program is not ours."""
+        try:
+            proc = psutil.Process(int(record["pid"]))
+            if abs(proc.create_time() - float(record["create_time"])) > 1.0:
+                return None
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except psutil.Error:
+            return None
+
+    def running(self) -> dict[str, bool]:
+        """Component name → whether its recorded process is alive."""
+        processes: dict[str, dict[str, Any]] = self.state().get("processes", {})
+        return {name: self._live(rec) is not None for name, rec in processes.items()}
+
+    def _start(self, state: dict[str, Any], name: str, argv: list[str]) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.state_dir,
+                start_new_session=True,
+            )
+        state["processes"][name] = {
+            "pid": proc.pid,
+            "create_time": psutil.Process(proc.pid).create_time(),
+            "argv": argv,
+        }
+        self._save(state)
+
+    # -- talking to components -----------------------------------------------------------------
+    def _admin_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki_dir / "ca.crt"))
+        ctx.load_cert_chain(str(self.pki_dir / "admin.crt"), str(self.pki_dir / "admin.key"))
+        return ctx
+
+    def api(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One admin request to the API server; returns decoded JSON (or text for health)."""
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(
+            self.server + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json", "Accept": "application/json"},
+        )
+        with urllib.request.urlopen(request, context=self._admin_context(), timeout=10) as rsp:
+            raw = rsp.read().decode()
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw
+
+    def _healthy(self, port: int) -> bool:
+        """kube-controller-manager/scheduler /healthz (their self-signed serving certs)."""
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        try:
+            url = f"https://{HOST}:{port}/healthz"
+            with urllib.request.urlopen(url, context=ctx, timeout=5) as rsp:
+                return bool(rsp.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def _wait(self, what: str, check: Callable[[], bool], deadline: float) -> None:
+        while True:
+            self._assert_alive()
+            with contextlib.suppress(OSError, urllib.error.URLError, ValueError):
+                if check():
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out waiting for {what}\n{self.log_tails()}")
+            time.sleep(0.25)
+
+    def _assert_alive(self) -> None:
+        dead = [name for name, alive in self.running().items() if not alive]
+        if dead:
+            raise ClusterError(f"{', '.join(dead)} exited during start-up\n{self.log_tails()}")
+
+    def log_tails(self, lines: int = 40) -> str:
+        """The last lines of every component log: what a failure report needs."""
+        parts = []
+        for log in sorted(self.log_dir.glob("*.log")) if self.log_dir.is_dir() else []:
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"----- {log.name} (last {len(tail)} lines) -----\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def up(self, options: Options | None = None) -> float:
+        """Start everything and wait until the cluster is Ready; returns the seconds it took.
+
+        Ready means: the API server's /readyz passes, the controller-manager and scheduler are
+        healthy, every fake node is Ready without the not-ready taint (so node-lifecycle runs),
+        and the ``default`` ServiceAccount exists (so the serviceaccount controller runs).
+        """
+        opts = options or Options()
+        start = time.monotonic()
+        deadline = start + opts.timeout
+        if self.state_file.is_file():
+            if any(self.running().values()):
+                raise ClusterError(f"a cluster already runs from {self.state_dir}; `down` first")
+            shutil.rmtree(self.state_dir)
+        bins = build.bin_dir()
+        if missing := build.missing():
+            raise ClusterError(f"not built: {', '.join(missing)}; run `ladle cluster build`")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
+        server = f"https://{HOST}:{ports['kube-apiserver']}"
+        state: dict[str, Any] = {
+            "server": server,
+            "ports": ports,
+            "bin_dir": str(bins),
+            "options": vars(opts),
+            "processes": {},
+        }
+        self._save(state)
+        try:
+            self._write_pki(server)
+            self._start(state, "etcd", self._etcd_argv(bins, ports))
+            self._start(state, "kube-apiserver", self._apiserver_argv(bins, ports))
+            self._wait(
+                "kube-apiserver /readyz", lambda: self.api("GET", "/readyz") == "ok", deadline
+            )
+            for index in range(opts.nodes):
+                node = nodes.gpu_node(index, gpus=opts.gpus_per_node, product=opts.gpu_product)
+                self.api("POST", "/api/v1/nodes", node)
+            self._start(state, "kube-controller-manager", self._kcm_argv(bins, ports))
+            self._start(state, "kube-scheduler", self._scheduler_argv(bins, ports))
+            self._start(state, "kwok", self._kwok_argv(bins, ports))
+            for name in ("kube-controller-manager", "kube-scheduler"):
+                self._wait(
+                    f"{name} /healthz", functools.partial(self._healthy, ports[name]), deadline
+                )
+            self._wait(f"{opts.nodes} Ready GPU nodes", lambda: self._nodes_ready(opts), deadline)
+            self._wait(
+                "the default ServiceAccount",
+                lambda: bool(self.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")),
+                deadline,
+            )
+        except BaseException:
+            self.stop_processes()
+            raise
+        elapsed = time.monotonic() - start
+        state["ready_seconds"] = round(elapsed, 2)
+        self._save(state)
+        return elapsed
+
+    def _nodes_ready(self, opts: Options) -> bool:
+        node_list = self.api("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
+        ready = 0
+        for node in node_list:
+            taints = [t["key"] for t in node.get("spec", {}).get("taints", [])]
+            if _ready(node) == "True" and "node.kubernetes.io/not-ready" not in taints:
+                ready += 1
+        return ready >= opts.nodes
+
+    def stop_processes(self, grace: float = 10.0) -> list[str]:
+        """Terminate the recorded processes (dependents first); returns the names stopped."""
+        if not self.state_file.is_file():
+            return []
+        processes: dict[str, dict[str, Any]] = self.state().get("processes", {})
+        stopped = []
+        for name in STOP_ORDER:
+            record = processes.get(name)
+            proc = self._live(record) if record else None
+            if proc is None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+                _, alive = psutil.wait_procs([proc], timeout=grace)
+                for straggler in alive:
+                    straggler.kill()
+                psutil.wait_procs(alive, timeout=grace)
+            stopped.append(name)
+        return stopped
+
+    def down(self) -> list[str]:
+        """Stop our processes and remove the state folder."""
+        stopped = self.stop_processes()
+        if self.state_dir.is_dir():
+            shutil.rmtree(self.state_dir)
+        return stopped
+
+    def status(self) -> dict[str, Any]:
+        """What ``ladle cluster status`` prints: processes, API health and node readiness."""
+        state = self.state()
+        report: dict[str, Any] = {
+            "state_dir": str(self.state_dir),
+            "kubeconfig": str(self.kubeconfig),
+            "server": state["server"],
+            "processes": self.running(),
+        }
+        try:
+            report["readyz"] = self.api("GET", "/readyz")
+            node_list = self.api("GET", "/api/v1/nodes")["items"]
+            report["nodes"] = {n["metadata"]["name"]: _ready(n) for n in node_list}
+        except (OSError, urllib.error.URLError) as exc:
+            report["readyz"] = f"unreachable: {exc}"
+        return report
+
+    # -- configuration -------------------------------------------------------------------------
+    def _write_pki(self, server: str) -> None:
+        ca = pki.CertificateAuthority(self.pki_dir)
+        ca.issue(
+            "apiserver",
+            "kube-apiserver",
+            server=True,
+            dns_names=(
+                "localhost",
+                "kubernetes",
+                "kubernetes.default",
+                "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ),
+            ips=(HOST, "10.96.0.1"),
+        )
+        pki.service_account_keys(self.pki_dir)
+        identities = {
+            # The admin and kwok act as cluster-admins; the other two get their bootstrap roles.
+            "admin": ("ladle-admin", "system:masters"),
+            "kwok": ("kwok", "system:masters"),
+            "kube-controller-manager": ("system:kube-controller-manager", None),
+            "kube-scheduler": ("system:kube-scheduler", None),
+        }
+        for stem, (common_name, org) in identities.items():
+            pair = ca.issue(stem, common_name, org)
+            target = self.kubeconfig if stem == "admin" else self.pki_dir / f"{stem}.kubeconfig"
+            _write_kubeconfig(target, server, ca.pair.cert, pair, common_name)
+
+    def _etcd_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+        client = f"http://{HOST}:{ports['etcd']}"
+        peer = f"http://{HOST}:{ports['etcd-peer']}"
+        return [
+            str(bins / "etcd"),
+            "--name=ladle",
+            f"--data-dir={self.state_dir / 'etcd'}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=ladle={peer}",
+            # A test cluster's data is disposable; skipping fsync makes every write much faster.
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ]
+
+    def _apiserver_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+        p = self.pki_dir
+        return [
+            str(bins / "kube-apiserver"),
+            f"--etcd-servers=http://{HOST}:{ports['etcd']}",
+            f"--bind-address={HOST}",
+            f"--advertise-address={HOST}",
+            f"--secure-port={ports['kube-apiserver']}",
+            f"--cert-dir={p}",
+            f"--tls-cert-file={p / 'apiserver.crt'}",
+            f"--tls-private-key-file={p / 'apiserver.key'}",
+            f"--client-ca-file={p / 'ca.crt'}",
+            "--authorization-mode=RBAC",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-account-key-file={p / 'sa.pub'}",
+            f"--service-account-signing-key-file={p / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--allow-privileged=true",
+            "--profiling=false",
+        ]
+
+    def _component_common(self, name: str, ports: dict[str, int]) -> list[str]:
+        kubeconfig = self.pki_dir / f"{name}.kubeconfig"
+        return [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            f"--bind-address={HOST}",
+            f"--secure-port={ports[name]}",
+            f"--cert-dir={self.state_dir / name}",
+            # One instance per cluster: leader election would only add seconds to start-up.
+            "--leader-elect=false",
+            "--profiling=false",
+        ]
+
+    def _kcm_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+        return [
+            str(bins / "kube-controller-manager"),
+            *self._component_common("kube-controller-manager", ports),
+            "--controllers=*",
+            "--use-service-account-credentials=true",
+            f"--root-ca-file={self.pki_dir / 'ca.crt'}",
+            f"--service-account-private-key-file={self.pki_dir / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+        ]
+
+    def _scheduler_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+        return [
+            str(bins / "kube-scheduler"),
+            *self._component_common("kube-scheduler", ports),
+        ]
+
+    def _kwok_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+        stages = ",".join(str(build.stages_dir() / Path(s).name) for s in build.KWOK_STAGES)
+        return [
+            str(bins / "kwok"),
+            f"--kubeconfig={self.pki_dir / 'kwok.kubeconfig'}",
+            f"--config={stages}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={nodes.KWOK_SELECTOR}",
+            f"--cidr={POD_CIDR}",
+            f"--node-ip={HOST}",
+            f"--server-address={HOST}:{ports['kwok']}",
+        ]
+
+
+@contextlib.contextmanager
+def running_cluster(state_dir: Path, options: Options | None = None) -> Iterator[Cluster]:
+    """A cluster for the length of a ``with`` block, torn down even when the block fails."""
+    cluster = Cluster(state_dir)
+    cluster.up(options)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
