@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 
-.PHONY: setup run test lint
+.PHONY: setup run test lint cluster-build
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -22,5 +22,9 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+# Builds (or reuses, from the versioned cache) the local Kubernetes binaries the tests run against.
+cluster-build: setup
+	$(BIN)/ladle cluster build
+
+test: lint cluster-build
 	$(BIN)/pytest
