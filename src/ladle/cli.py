@@ -17,6 +17,7 @@ from ladle import __version__
 # Modules that register subcommands, in the order they appear in ``ladle --help``.
 COMMAND_MODULES = (
     "ladle.runtime.cli",
+    "ladle.operator.cli",
     "ladle.cluster.cli",
 )
 
