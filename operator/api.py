@@ -1,0 +1,235 @@
+"""The InferenceService and GPUPool API, as the operator reads it.
+
+``crds/`` is the contract: by the time an object reaches the operator, the API server has
+validated and defaulted it. Parsing therefore only maps JSON onto typed values; the fallbacks
+mirror the CRD defaults so that objects stored before a default existed still reconcile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+GROUP = "ladle.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+ISVC_KIND = "InferenceService"
+ISVC_PLURAL = "inferenceservices"
+POOL_KIND = "GPUPool"
+POOL_PLURAL = "gpupools"
+
+# Labels on every child; the first two are also the Deployment/Service selectors.
+LABEL_ISVC = "ladle.dev/inferenceservice"
+LABEL_VARIANT = "ladle.dev/variant"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "ladle-operator"
+MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+
+# The node label NVIDIA GPU feature discovery sets; GPUPool.spec.product selects on it.
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+
+# Only the stable variant exists today; canary variants arrive with quantized rollouts.
+STABLE = "stable"
+
+JSON = dict[str, Any]
+SourceKind = Literal["builtin", "pvc", "image"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the runtime loads weights from: its embedded default, a PVC, or its own image."""
+
+    kind: SourceKind
+    claim_name: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Engine knobs; each maps onto one ``ladle serve`` flag (None: the runtime's default)."""
+
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
+    enable_prefix_caching: bool | None = None
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory: str | None = None
+    seed: int | None = None
+    max_waiting_requests: int | None = None
+    drain_timeout_seconds: int = 30
+
+
+@dataclass(frozen=True)
+class Resources:
+    gpus: int = 1
+    cpu: str | None = None
+    memory: str | None = None
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    served_model_name: str
+    source: ModelSource
+    quantization: str = "none"
+    runtime_image: str | None = None
+    startup_timeout_seconds: int = 600
+    engine: EngineSettings = EngineSettings()
+    resources: Resources = Resources()
+    gpu_pool: str | None = None
+    replicas: int = 1
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    api_key_secret: SecretKeyRef | None = None
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    created: str
+    deleting: bool
+
+
+@dataclass(frozen=True)
+class InferenceService:
+    meta: ObjectMeta
+    spec: InferenceServiceSpec
+    status: JSON
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.meta.namespace, self.meta.name)
+
+
+@dataclass(frozen=True)
+class GPUPoolSpec:
+    node_selector: Mapping[str, str]
+    tolerations: tuple[JSON, ...]
+    resource_name: str = DEFAULT_GPU_RESOURCE
+    product: str | None = None
+    quota_gpus: int | None = None
+
+    def scheduling_selector(self) -> dict[str, str]:
+        """The nodeSelector a runtime pod gets: the pool's own plus its GPU product."""
+        selector = dict(self.node_selector)
+        if self.product:
+            selector[GPU_PRODUCT_LABEL] = self.product
+        return selector
+
+
+@dataclass(frozen=True)
+class GPUPool:
+    meta: ObjectMeta
+    spec: GPUPoolSpec
+    status: JSON
+
+
+def _meta(obj: Mapping[str, Any]) -> ObjectMeta:
+    meta = obj.get("metadata") or {}
+    return ObjectMeta(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta["name"]),
+        uid=str(meta.get("uid") or ""),
+        generation=int(meta.get("generation") or 0),
+        created=str(meta.get("creationTimestamp") or ""),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def parse_source(raw: Mapping[str, Any] | None) -> ModelSource:
+    raw = raw or {}
+    if "pvc" in raw:
+        pvc = raw["pvc"]
+        return ModelSource("pvc", claim_name=str(pvc["claimName"]), path=str(pvc["path"]))
+    if "image" in raw:
+        return ModelSource("image", path=str(raw["image"]["path"]))
+    return ModelSource("builtin")
+
+
+def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
+    raw = raw or {}
+    util = raw.get("gpuMemoryUtilization")
+    prefix = raw.get("enablePrefixCaching")
+    return EngineSettings(
+        dtype=_opt_str(raw.get("dtype")),
+        max_model_len=_opt_int(raw.get("maxModelLen")),
+        max_num_seqs=_opt_int(raw.get("maxNumSeqs")),
+        max_num_batched_tokens=_opt_int(raw.get("maxNumBatchedTokens")),
+        block_size=_opt_int(raw.get("blockSize")),
+        enable_prefix_caching=None if prefix is None else bool(prefix),
+        gpu_memory_utilization=None if util is None else float(util),
+        kv_cache_memory=_opt_str(raw.get("kvCacheMemory")),
+        seed=_opt_int(raw.get("seed")),
+        max_waiting_requests=_opt_int(raw.get("maxWaitingRequests")),
+        drain_timeout_seconds=int(raw.get("drainTimeoutSeconds", 30)),
+    )
+
+
+def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:
+    spec = obj.get("spec") or {}
+    model = spec.get("model") or {}
+    runtime = spec.get("runtime") or {}
+    resources = spec.get("resources") or {}
+    secret = spec.get("apiKeySecret")
+    return InferenceService(
+        meta=_meta(obj),
+        spec=InferenceServiceSpec(
+            served_model_name=str(model["name"]),
+            source=parse_source(model.get("source")),
+            quantization=str(spec.get("quantization", "none")),
+            runtime_image=_opt_str(runtime.get("image")),
+            startup_timeout_seconds=int(runtime.get("startupTimeoutSeconds", 600)),
+            engine=parse_engine(spec.get("engine")),
+            resources=Resources(
+                gpus=int(resources.get("gpus", 1)),
+                cpu=_opt_str(resources.get("cpu")),
+                memory=_opt_str(resources.get("memory")),
+            ),
+            gpu_pool=_opt_str(spec.get("gpuPool")),
+            replicas=int(spec.get("replicas", 1)),
+            min_replicas=int(spec.get("minReplicas", 1)),
+            max_replicas=_opt_int(spec.get("maxReplicas")),
+            api_key_secret=(
+                SecretKeyRef(name=str(secret["name"]), key=str(secret.get("key", "api-key")))
+                if secret
+                else None
+            ),
+        ),
+        status=dict(obj.get("status") or {}),
+    )
+
+
+def parse_pool(obj: Mapping[str, Any]) -> GPUPool:
+    spec = obj.get("spec") or {}
+    quota = spec.get("quota") or {}
+    return GPUPool(
+        meta=_meta(obj),
+        spec=GPUPoolSpec(
+            node_selector={str(k): str(v) for k, v in (spec.get("nodeSelector") or {}).items()},
+            tolerations=tuple(dict(t) for t in spec.get("tolerations") or ()),
+            resource_name=str(spec.get("resourceName") or DEFAULT_GPU_RESOURCE),
+            product=_opt_str(spec.get("product")),
+            quota_gpus=_opt_int(quota.get("gpus")),
+        ),
+        status=dict(obj.get("status") or {}),
+    )

@@ -1,0 +1,24 @@
+"""Operator-wide settings that shape every child object (not per-InferenceService spec)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ladle import __version__
+
+DEFAULT_RUNTIME_IMAGE = f"ghcr.io/ladle-dev/ladle-runtime:{__version__}"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    # Used when an InferenceService leaves spec.runtime.image unset; the chart sets it.
+    runtime_image: str = DEFAULT_RUNTIME_IMAGE
+    # The in-cluster DNS suffix, for status.url.
+    cluster_domain: str = "cluster.local"
+    # The GPU resource for InferenceServices that name no GPUPool.
+    default_gpu_resource: str = "nvidia.com/gpu"
+    # The single server-side-apply field manager for everything the operator writes.
+    field_manager: str = "ladle-operator"
+    # Engine settings whose rendered flags exceed this many bytes move into a ConfigMap,
+    # so that the pod spec stays readable and the config stays diffable.
+    config_map_threshold_bytes: int = 256

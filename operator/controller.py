@@ -1,0 +1,676 @@
+"""The reconcilers: watch caches → work queue → desired children → apply → status.
+
+kopf delivers watch events; the handlers only update in-memory caches and queue keys, without
+awaiting anything, so the caches change atomically. Workers then reconcile one key at a time
+(level-based: every reconcile recomputes everything from the caches, whatever event caused it).
+Decisions are pure functions in ``desired``, ``quota`` and ``status``; this module is the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import kopf
+
+from ladle.operator.api import (
+    API_VERSION,
+    GROUP,
+    ISVC_KIND,
+    ISVC_PLURAL,
+    JSON,
+    LABEL_ISVC,
+    LABEL_VARIANT,
+    MANAGED_SELECTOR,
+    POOL_KIND,
+    POOL_PLURAL,
+    STABLE,
+    VERSION,
+    GPUPool,
+    InferenceService,
+    parse_isvc,
+    parse_pool,
+)
+from ladle.operator.config import OperatorConfig
+from ladle.operator.desired import (
+    Children,
+    config_map_name,
+    desired_children,
+    label_selector,
+    object_digest,
+    service_url,
+    variant_name,
+)
+from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
+from ladle.operator.quota import Claim, PoolPlan, plan_pool
+from ladle.operator.status import (
+    DEGRADED,
+    PROGRESSING,
+    READY,
+    NodeInfo,
+    UnschedulablePod,
+    VariantObservation,
+    derive_isvc_status,
+    derive_pool_status,
+)
+from ladle.operator.telemetry import Metrics
+from ladle.operator.workqueue import WorkQueue
+
+log = logging.getLogger("ladle.operator.controller")
+
+IsvcKey = tuple[str, str]  # (namespace, name)
+ChildKey = tuple[str, str, str]  # (kind, namespace, name)
+# Kinds whose metadata.generation moves only when their spec does.
+GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
+
+
+@dataclass(frozen=True)
+class WorkKey:
+    kind: Literal["isvc", "pool"]
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What the operator last applied to a child, to skip applies that would change nothing."""
+
+    digest: str
+    version: str
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def child_version(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    if obj.get("kind") in GENERATION_KINDS:
+        return str(meta.get("generation") or "")
+    return str(meta.get("resourceVersion") or "")
+
+
+def trim(obj: Mapping[str, Any]) -> JSON:
+    """Keep what reconciles read; managedFields and pod templates would only cost memory."""
+    meta = obj.get("metadata") or {}
+    out: JSON = {
+        "apiVersion": obj.get("apiVersion"),
+        "kind": obj.get("kind"),
+        "metadata": {
+            key: meta[key]
+            for key in ("name", "namespace", "uid", "generation", "resourceVersion", "labels")
+            if key in meta
+        },
+    }
+    if obj.get("kind") == "Deployment":
+        out["spec"] = {"replicas": (obj.get("spec") or {}).get("replicas", 1)}
+        out["status"] = obj.get("status") or {}
+    return out
+
+
+def _unschedulable_message(pod: Mapping[str, Any]) -> str | None:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending"):
+        return None
+    for cond in status.get("conditions") or ():
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            return str(cond.get("message") or "unschedulable")
+    return None
+
+
+class Controller:
+    def __init__(
+        self,
+        client: KubeClient,
+        config: OperatorConfig,
+        metrics: Metrics,
+        *,
+        identity: str = "ladle-operator",
+        workers: int = 8,
+        resync_seconds: float = 600.0,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+        self.identity = identity
+        self.workers = workers
+        self.resync_seconds = resync_seconds
+        self.queue: WorkQueue[WorkKey] = WorkQueue()
+        self.isvcs: dict[IsvcKey, InferenceService] = {}
+        self.pools: dict[str, GPUPool] = {}
+        self.pool_members: dict[str, set[IsvcKey]] = {}
+        self.nodes: dict[str, NodeInfo] = {}
+        self.children: dict[ChildKey, JSON] = {}
+        self.unschedulable: dict[IsvcKey, dict[str, tuple[str, str]]] = {}
+        self.applied: dict[ChildKey, Applied] = {}
+        self.grants: dict[IsvcKey, int] = {}
+        # The status last written per object (by uid), fresher than the watch cache.
+        self.written_status: dict[str, JSON] = {}
+        # Children changed or deleted by someone else, to say so in an Event once restored.
+        self.drifted: dict[ChildKey, str] = {}
+        self.deleted: set[ChildKey] = set()
+        self.primed = False
+
+    # ---- observation: called from kopf's event handlers; no awaits, so caches stay coherent.
+
+    def observe_isvc(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (str(meta.get("namespace")), str(meta.get("name")))
+        old = self.isvcs.get(key)
+        if event_type == "DELETED":
+            self.isvcs.pop(key, None)
+            if old is not None:
+                self.written_status.pop(old.meta.uid, None)
+        else:
+            try:
+                self.isvcs[key] = parse_isvc(obj)
+            except (KeyError, TypeError, ValueError) as err:
+                log.error("unreadable InferenceService", extra={"object": key, "error": str(err)})
+                return
+        new = self.isvcs.get(key)
+        for pool in {i.spec.gpu_pool for i in (old, new) if i is not None and i.spec.gpu_pool}:
+            members = self.pool_members.setdefault(pool, set())
+            if new is not None and new.spec.gpu_pool == pool:
+                members.add(key)
+            else:
+                members.discard(key)
+            self.queue.add(WorkKey("pool", "", pool))
+        self.queue.add(WorkKey("isvc", *key))
+
+    def observe_pool(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        name = str((obj.get("metadata") or {}).get("name"))
+        if event_type == "DELETED":
+            gone = self.pools.pop(name, None)
+            if gone is not None:
+                self.written_status.pop(gone.meta.uid, None)
+        else:
+            self.pools[name] = parse_pool(obj)
+        self.queue.add(WorkKey("pool", "", name))
+        for key in self.pool_members.get(name, ()):
+            self.queue.add(WorkKey("isvc", *key))
+
+    def observe_node(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        info = NodeInfo.from_node(obj)
+        old = self.nodes.get(info.name)
+        if event_type == "DELETED":
+            self.nodes.pop(info.name, None)
+        elif old == info:
+            return  # a heartbeat: nothing pools care about changed
+        else:
+            self.nodes[info.name] = info
+        for pool in self.pools:
+            self.queue.add(WorkKey("pool", "", pool))
+
+    def observe_child(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        namespace = str(meta.get("namespace"))
+        key = (str(obj.get("kind")), namespace, str(meta.get("name")))
+        owner = (meta.get("labels") or {}).get(LABEL_ISVC)
+        if event_type == "DELETED":
+            self.children.pop(key, None)
+            isvc = self.isvcs.get((namespace, str(owner)))
+            if key in self.applied and isvc is not None and not isvc.meta.deleting:
+                self.deleted.add(key)
+        else:
+            self.children[key] = trim(obj)
+            record = self.applied.get(key)
+            version = child_version(obj)
+            if (
+                record is not None
+                and key[0] in GENERATION_KINDS
+                and version.isdigit()
+                and record.version.isdigit()
+                and int(version) > int(record.version)
+            ):
+                self.drifted[key] = version
+        if owner:
+            self.queue.add(WorkKey("isvc", namespace, str(owner)))
+
+    def observe_pod(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        owner = labels.get(LABEL_ISVC)
+        if not owner:
+            return
+        key = (str(meta.get("namespace")), str(owner))
+        pod = str(meta.get("name"))
+        message = None if event_type == "DELETED" else _unschedulable_message(obj)
+        pods = self.unschedulable.setdefault(key, {})
+        before = pods.get(pod)
+        if message is None:
+            pods.pop(pod, None)
+            if not pods:
+                self.unschedulable.pop(key, None)
+        else:
+            pods[pod] = (str(labels.get(LABEL_VARIANT, STABLE)), message)
+        if (before and before[1]) != message:
+            self.queue.add(WorkKey("isvc", *key))
+
+    # ---- running
+
+    async def prime(self) -> None:
+        """Fill the caches before the first reconcile, so quota plans see every claim."""
+        isvcs = await self.client.list(f"/apis/{GROUP}/{VERSION}/{ISVC_PLURAL}")
+        pools = await self.client.list(f"/apis/{GROUP}/{VERSION}/{POOL_PLURAL}")
+        nodes = await self.client.list("/api/v1/nodes")
+        deployments = await self.client.list(
+            "/apis/apps/v1/deployments", {"labelSelector": MANAGED_SELECTOR}
+        )
+        for obj in pools:
+            self.observe_pool("ADDED", {**obj, "kind": POOL_KIND})
+        for obj in nodes:
+            self.observe_node("ADDED", obj)
+        for obj in deployments:
+            self.observe_child("ADDED", {**obj, "kind": "Deployment"})
+        for obj in isvcs:
+            self.observe_isvc("ADDED", obj)
+        self.primed = True
+        log.info(
+            "caches primed",
+            extra={"inferenceservices": len(isvcs), "gpupools": len(pools), "nodes": len(nodes)},
+        )
+
+    async def run(self) -> None:
+        """Reconcile forever (until cancelled)."""
+        async with asyncio.TaskGroup() as group:
+            for index in range(self.workers):
+                group.create_task(self._worker(), name=f"reconcile-worker-{index}")
+            group.create_task(self._resync(), name="resync")
+
+    async def _resync(self) -> None:
+        # Watches catch drift as it happens; this is the safety net for missed events.
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            for key in list(self.isvcs):
+                self.queue.add(WorkKey("isvc", *key))
+            for name in list(self.pools):
+                self.queue.add(WorkKey("pool", "", name))
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            self.metrics.queue_depth.set(len(self.queue))
+            started = time.perf_counter()
+            try:
+                if key.kind == "isvc":
+                    await self.reconcile_isvc((key.namespace, key.name))
+                else:
+                    await self.reconcile_pool(key.name)
+            except REQUEST_ERRORS as err:
+                delay = self.queue.retry(key)
+                self.metrics.errors.labels(key.kind).inc()
+                self.metrics.reconciles.labels(key.kind, "error").inc()
+                log.warning(
+                    "reconcile failed; will retry",
+                    extra={
+                        "object": f"{key.namespace}/{key.name}",
+                        "kind": key.kind,
+                        "error": str(err),
+                        "retry_in_seconds": delay,
+                    },
+                )
+            except Exception:
+                delay = self.queue.retry(key)
+                self.metrics.errors.labels(key.kind).inc()
+                self.metrics.reconciles.labels(key.kind, "error").inc()
+                log.exception(
+                    "reconcile crashed; will retry",
+                    extra={"object": f"{key.namespace}/{key.name}", "retry_in_seconds": delay},
+                )
+            else:
+                self.queue.forget(key)
+                self.metrics.reconciles.labels(key.kind, "ok").inc()
+            finally:
+                self.metrics.duration.labels(key.kind).observe(time.perf_counter() - started)
+                self.queue.done(key)
+
+    # ---- quota
+
+    def _current_replicas(self, key: IsvcKey) -> int:
+        if key in self.grants:
+            return self.grants[key]
+        live = self.children.get(("Deployment", key[0], variant_name(key[1], STABLE)))
+        return int(((live or {}).get("spec") or {}).get("replicas") or 0)
+
+    def plan(self, pool_name: str, reconciling: IsvcKey | None = None) -> PoolPlan[IsvcKey]:
+        """Plan the pool and record the grants at once (no await: concurrent plans agree).
+
+        Members whose grant changed are queued, except the one being reconciled right now."""
+        pool = self.pools.get(pool_name)
+        claims = [
+            Claim(
+                key=key,
+                created=isvc.meta.created,
+                requested_replicas=isvc.spec.replicas,
+                gpus_per_replica=isvc.spec.resources.gpus,
+                current_replicas=self._current_replicas(key),
+            )
+            for key in sorted(self.pool_members.get(pool_name, ()))
+            if (isvc := self.isvcs.get(key)) is not None and not isvc.meta.deleting
+        ]
+        plan = plan_pool(pool.spec.quota_gpus if pool else None, claims)
+        for key, granted in plan.granted.items():
+            if self.grants.get(key) != granted:
+                self.grants[key] = granted
+                if key != reconciling:
+                    self.queue.add(WorkKey("isvc", *key))
+        return plan
+
+    # ---- InferenceService
+
+    async def reconcile_isvc(self, key: IsvcKey) -> None:
+        isvc = self.isvcs.get(key)
+        if isvc is None:
+            self._forget_isvc(key)
+            return
+        if isvc.meta.deleting:
+            return  # the garbage collector removes the children
+        pool: GPUPool | None = None
+        pool_problem = None
+        quota_note = None
+        granted = isvc.spec.replicas
+        pool_name = isvc.spec.gpu_pool
+        if pool_name:
+            pool = self.pools.get(pool_name)
+            if pool is None:
+                pool_problem = f'GPUPool "{pool_name}" does not exist'
+            else:
+                plan = self.plan(pool_name, reconciling=key)
+                granted = self.grants[key]
+                self.queue.add(WorkKey("pool", "", pool_name))
+                if granted < isvc.spec.replicas:
+                    quota_note = (
+                        f"GPUPool {pool_name} quota of {plan.quota_gpus} GPUs allows "
+                        f"{granted} of {isvc.spec.replicas} replicas "
+                        f"({plan.claimed_gpus} GPUs claimed, {plan.requested_gpus} requested)"
+                    )
+        else:
+            self.grants[key] = granted
+
+        namespace, name = key
+        deployment_key = ("Deployment", namespace, variant_name(name, STABLE))
+        if pool_problem is None:
+            children = desired_children(
+                isvc, pool.spec if pool else None, granted, self.config, STABLE
+            )
+            await self._apply_children(isvc, children)
+        deployment = self.children.get(deployment_key)
+
+        unschedulable = await self._unschedulable_pods(key)
+        image = isvc.spec.runtime_image or self.config.runtime_image
+        variant = VariantObservation(
+            name=STABLE,
+            quantization=isvc.spec.quantization,
+            image=image,
+            deployment_name=deployment_key[2],
+            deployment=deployment,
+            requested_replicas=isvc.spec.replicas,
+            granted_replicas=granted,
+            gpu_resource=pool.spec.resource_name if pool else self.config.default_gpu_resource,
+            unschedulable=tuple(unschedulable),
+            quota_note=quota_note,
+        )
+        previous = self.written_status.get(isvc.meta.uid) or isvc.status
+        status = derive_isvc_status(
+            isvc,
+            [variant],
+            url=service_url(isvc, self.config.cluster_domain),
+            selector=label_selector(name),
+            now=now_rfc3339(),
+            previous=previous,
+            pool_problem=pool_problem,
+        )
+        if status != previous:
+            await self._write_status(isvc, status, previous)
+
+    async def _apply_children(self, isvc: InferenceService, children: Children) -> None:
+        for obj in children.all():
+            result = await self._ensure(isvc, obj)
+            if obj["kind"] == "Deployment" and result is not None:
+                # The apply answer is fresher than the watch; status must not lag our write.
+                self.children[("Deployment", isvc.meta.namespace, obj["metadata"]["name"])] = trim(
+                    result
+                )
+        if children.config_map is None:
+            cm_key = ("ConfigMap", isvc.meta.namespace, children.config_map_name)
+            if cm_key in self.children or cm_key in self.applied:
+                path = resource_path("v1", "ConfigMap", isvc.meta.namespace, cm_key[2])
+                await self.client.delete(path)
+                self.applied.pop(cm_key, None)
+                self.deleted.discard(cm_key)
+
+    async def _ensure(self, isvc: InferenceService, obj: JSON) -> JSON | None:
+        """Apply one child unless the live object is exactly what we last applied."""
+        meta = obj["metadata"]
+        key = (str(obj["kind"]), str(meta["namespace"]), str(meta["name"]))
+        digest = object_digest(obj)
+        record = self.applied.get(key)
+        live = self.children.get(key)
+        if (
+            record is not None
+            and live is not None
+            and record.digest == digest
+            and child_version(live) == record.version
+        ):
+            return None
+        if live is None and key in self.deleted and not await self._still_owned(isvc):
+            return None
+        result = await self.client.apply(obj)
+        self.metrics.applies.labels(key[0]).inc()
+        self.applied[key] = Applied(digest, child_version(result))
+        if key in self.deleted:
+            self.deleted.discard(key)
+            await self.emit(
+                isvc,
+                "Normal",
+                "Restored",
+                f"Recreated {key[0]} {key[2]}, which was deleted outside the operator",
+            )
+        seen = self.drifted.pop(key, None)
+        if seen is not None and child_version(result) != seen:
+            await self.emit(
+                isvc,
+                "Normal",
+                "Reverted",
+                f"Reverted changes made to {key[0]} {key[2]} outside the operator",
+            )
+        return result
+
+    async def _still_owned(self, isvc: InferenceService) -> bool:
+        """Before recreating a deleted child, check the owner was not deleted meanwhile."""
+        fresh = await self.client.get(
+            resource_path(API_VERSION, ISVC_KIND, isvc.meta.namespace, isvc.meta.name)
+        )
+        meta = (fresh or {}).get("metadata") or {}
+        return meta.get("uid") == isvc.meta.uid and not meta.get("deletionTimestamp")
+
+    async def _unschedulable_pods(self, key: IsvcKey) -> list[UnschedulablePod]:
+        pods = self.unschedulable.get(key)
+        if not pods:
+            return []
+        # The scheduler's FailedScheduling events carry its reasoning; the pod condition
+        # holds the same text and stands in when events have expired.
+        events = await self.client.list(
+            resource_path("v1", "Event", key[0]),
+            {"fieldSelector": "involvedObject.kind=Pod,reason=FailedScheduling"},
+        )
+        latest: dict[str, tuple[str, str]] = {}
+        for event in events:
+            pod = str((event.get("involvedObject") or {}).get("name"))
+            when = str(
+                event.get("lastTimestamp") or event.get("eventTime") or event.get("firstTimestamp")
+            )
+            if pod in pods and (pod not in latest or when >= latest[pod][0]):
+                latest[pod] = (when, str(event.get("message") or ""))
+        return [
+            UnschedulablePod(pod, latest.get(pod, ("", message))[1] or message)
+            for pod, (_, message) in sorted(pods.items())
+        ]
+
+    async def _write_status(
+        self, obj: InferenceService | GPUPool, status: JSON, previous: Mapping[str, Any]
+    ) -> None:
+        """Server-side apply the status subresource, then announce condition transitions."""
+        kind = ISVC_KIND if isinstance(obj, InferenceService) else POOL_KIND
+        metadata = {"name": obj.meta.name}
+        if obj.meta.namespace:
+            metadata["namespace"] = obj.meta.namespace
+        body = {"apiVersion": API_VERSION, "kind": kind, "metadata": metadata, "status": status}
+        try:
+            await self.client.apply(body, subresource="status")
+        except ApiError as err:
+            if err.status == 404:
+                return  # deleted meanwhile
+            raise
+        self.written_status[obj.meta.uid] = status
+        old = {c.get("type"): c for c in previous.get("conditions") or ()}
+        for cond in status["conditions"]:
+            prior = old.get(cond["type"]) or {}
+            if (prior.get("status"), prior.get("reason")) == (cond["status"], cond["reason"]):
+                continue
+            type_, on = cond["type"], cond["status"] == "True"
+            if type_ == READY and on:
+                await self.emit(obj, "Normal", "Ready", cond["message"])
+            elif type_ == PROGRESSING and on:
+                await self.emit(obj, "Normal", "RollingOut", cond["message"])
+            elif type_ == DEGRADED and on:
+                await self.emit(obj, "Warning", cond["reason"], cond["message"])
+            elif type_ == DEGRADED and prior.get("status") == "True":
+                await self.emit(obj, "Normal", "Recovered", "No longer degraded")
+
+    def _forget_isvc(self, key: IsvcKey) -> None:
+        namespace, name = key
+        self.grants.pop(key, None)
+        self.unschedulable.pop(key, None)
+        for kind, child in (
+            ("Deployment", variant_name(name, STABLE)),
+            ("PodDisruptionBudget", variant_name(name, STABLE)),
+            ("Service", name),
+            ("ConfigMap", config_map_name(name, STABLE)),
+        ):
+            self.applied.pop((kind, namespace, child), None)
+            self.drifted.pop((kind, namespace, child), None)
+            self.deleted.discard((kind, namespace, child))
+        for pool, members in self.pool_members.items():
+            if key in members:
+                members.discard(key)
+            # Freed GPUs may let others in the pool grow.
+            self.queue.add(WorkKey("pool", "", pool))
+            self.plan(pool)
+
+    # ---- GPUPool
+
+    async def reconcile_pool(self, name: str) -> None:
+        pool = self.pools.get(name)
+        if pool is None:
+            return
+        plan = self.plan(name)
+        services = len(self.pool_members.get(name, ()))
+        previous = self.written_status.get(pool.meta.uid) or pool.status
+        status = derive_pool_status(
+            pool, list(self.nodes.values()), plan, services, now_rfc3339(), previous
+        )
+        if status != previous:
+            await self._write_status(pool, status, previous)
+
+    # ---- events
+
+    async def emit(
+        self, obj: InferenceService | GPUPool, type_: str, reason: str, message: str
+    ) -> None:
+        """Post a core/v1 Event; failing to post one never fails a reconcile."""
+        kind = ISVC_KIND if isinstance(obj, InferenceService) else POOL_KIND
+        namespace = obj.meta.namespace or "default"
+        now = now_rfc3339()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{obj.meta.name}.", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": kind,
+                "name": obj.meta.name,
+                "uid": obj.meta.uid,
+                **({"namespace": obj.meta.namespace} if obj.meta.namespace else {}),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "ladle-operator"},
+            "reportingComponent": f"{GROUP}/operator",
+            "reportingInstance": self.identity,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.client.create(resource_path("v1", "Event", namespace), event)
+            self.metrics.events.labels(type_, reason).inc()
+        except REQUEST_ERRORS as err:
+            log.warning("could not post event", extra={"reason": reason, "error": str(err)})
+        log.info(
+            message,
+            extra={"event": reason, "type": type_, "object": f"{namespace}/{obj.meta.name}"},
+        )
+
+
+def build_registry(
+    controller: Controller, login_fn: Callable[[], kopf.ConnectionInfo]
+) -> kopf.OperatorRegistry:
+    """kopf handlers that feed the controller's caches; one registry per leadership term."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def _login(**_: Any) -> kopf.ConnectionInfo:
+        return login_fn()
+
+    def feed(fn: Any) -> Any:
+        async def handler(event: Mapping[str, Any], **_: Any) -> None:
+            fn(event.get("type"), event["object"])
+
+        return handler
+
+    kopf.on.event(GROUP, VERSION, ISVC_PLURAL, registry=registry)(feed(controller.observe_isvc))
+    kopf.on.event(GROUP, VERSION, POOL_PLURAL, registry=registry)(feed(controller.observe_pool))
+    kopf.on.event("v1", "nodes", registry=registry)(feed(controller.observe_node))
+    kopf.on.event("v1", "pods", registry=registry)(feed(controller.observe_pod))
+    for group_version, plural in (
+        ("apps/v1", "deployments"),
+        ("v1", "services"),
+        ("policy/v1", "poddisruptionbudgets"),
+        ("v1", "configmaps"),
+    ):
+        kopf.on.event(group_version, plural, registry=registry)(feed(controller.observe_child))
+    return registry
+
+
+def build_settings(workers: int) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = True  # one active instance is ensured by the Lease instead
+    settings.posting.enabled = False  # the controller posts its own, meaningful Events
+    settings.scanning.disabled = True  # no CRD/namespace watching, so no RBAC for it
+    settings.watching.inactivity_timeout = 70.0
+    settings.watching.connect_timeout = 10.0
+    settings.networking.request_timeout = 30.0
+    settings.queueing.worker_limit = max(workers * 8, 64)
+    # Children and pods are filtered on the server: the operator never sees foreign objects.
+    for selector in (
+        ("v1", "pods"),
+        ("apps/v1", "deployments"),
+        ("v1", "services"),
+        ("policy/v1", "poddisruptionbudgets"),
+        ("v1", "configmaps"),
+    ):
+        settings.watching.label_selectors[selector] = MANAGED_SELECTOR
+    return settings

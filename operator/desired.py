@@ -1,0 +1,377 @@
+"""Spec → desired child objects: a pure function of the InferenceService, its pool and its grant.
+
+Everything here is deterministic (names, labels, ordering), so that server-side apply of the
+same inputs is a no-op and a reviewer can predict every child from the spec alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from ladle.operator.api import (
+    API_VERSION,
+    ISVC_KIND,
+    JSON,
+    LABEL_ISVC,
+    LABEL_MANAGED_BY,
+    LABEL_VARIANT,
+    MANAGED_BY,
+    STABLE,
+    GPUPoolSpec,
+    InferenceService,
+)
+from ladle.operator.config import OperatorConfig
+from ladle.operator.quantity import quantity_to_int
+
+HTTP_PORT = 8000
+SERVICE_PORT = 80
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/ladle/config"
+CONFIG_FILE = "config.yaml"
+API_KEY_MOUNT = "/etc/ladle/auth"
+API_KEY_FILE = "api-key"
+CACHE_DIR = "/var/cache/ladle"
+# The preStop pause lets endpoint removal reach clients before the server starts draining.
+PRESTOP_SLEEP_SECONDS = 5
+# Slack between the end of the drain and SIGKILL, for the process to flush and exit.
+EXIT_SLACK_SECONDS = 10
+STARTUP_PROBE_PERIOD_SECONDS = 10
+RUNTIME_UID = 10001
+CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
+
+
+def variant_name(isvc_name: str, variant: str) -> str:
+    """Deployment/PDB name of a variant; CRD validation keeps it within 63 characters."""
+    return f"{isvc_name}-{variant}"
+
+
+def config_map_name(isvc_name: str, variant: str) -> str:
+    return f"{variant_name(isvc_name, variant)}-config"
+
+
+def service_url(isvc: InferenceService, cluster_domain: str) -> str:
+    """The OpenAI base URL inside the cluster."""
+    meta = isvc.meta
+    return f"http://{meta.name}.{meta.namespace}.svc.{cluster_domain}/v1"
+
+
+def selector_labels(isvc_name: str, variant: str | None = None) -> dict[str, str]:
+    labels = {LABEL_ISVC: isvc_name}
+    if variant is not None:
+        labels[LABEL_VARIANT] = variant
+    return labels
+
+
+def label_selector(isvc_name: str) -> str:
+    """The string form of the selector, as the scale subresource publishes it."""
+    return f"{LABEL_ISVC}={isvc_name}"
+
+
+def common_labels(isvc_name: str, variant: str | None = None) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "ladle-runtime",
+        "app.kubernetes.io/instance": isvc_name,
+        "app.kubernetes.io/component": "inference",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        **selector_labels(isvc_name, variant),
+    }
+
+
+def owner_reference(isvc: InferenceService) -> JSON:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": ISVC_KIND,
+        "name": isvc.meta.name,
+        "uid": isvc.meta.uid,
+        "controller": True,
+    }
+
+
+def engine_config(isvc: InferenceService) -> dict[str, Any]:
+    """The ``ladle serve`` settings, keyed by flag name (the same keys its --config YAML uses)."""
+    spec = isvc.spec
+    engine = spec.engine
+    config: dict[str, Any] = {"served-model-name": spec.served_model_name}
+    if spec.source.kind == "pvc":
+        config["model"] = f"{MODEL_MOUNT}/{spec.source.path}"
+    elif spec.source.kind == "image":
+        config["model"] = spec.source.path
+    optional: list[tuple[str, Any]] = [
+        ("dtype", engine.dtype),
+        ("max-model-len", engine.max_model_len),
+        ("max-num-seqs", engine.max_num_seqs),
+        ("max-num-batched-tokens", engine.max_num_batched_tokens),
+        ("block-size", engine.block_size),
+        ("enable-prefix-caching", engine.enable_prefix_caching),
+        ("gpu-memory-utilization", engine.gpu_memory_utilization),
+        (
+            "kv-cache-memory",
+            None if engine.kv_cache_memory is None else quantity_to_int(engine.kv_cache_memory),
+        ),
+        ("seed", engine.seed),
+        ("max-waiting-requests", engine.max_waiting_requests),
+    ]
+    config.update((key, value) for key, value in optional if value is not None)
+    if spec.api_key_secret is not None:
+        config["api-key-file"] = f"{API_KEY_MOUNT}/{API_KEY_FILE}"
+    config["drain-timeout"] = engine.drain_timeout_seconds
+    return config
+
+
+def render_flags(config: dict[str, Any]) -> list[str]:
+    args: list[str] = []
+    for key, value in config.items():
+        if isinstance(value, bool):
+            args.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            args.extend((f"--{key}", str(value)))
+    return args
+
+
+def _digest(data: str) -> str:
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
+def object_digest(obj: JSON) -> str:
+    """A stable fingerprint of a desired object, to skip applies that would change nothing."""
+    return _digest(json.dumps(obj, sort_keys=True, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class Children:
+    """Every object one InferenceService owns; ``config_map`` is None when flags suffice."""
+
+    deployment: JSON
+    service: JSON
+    pdb: JSON
+    config_map: JSON | None
+    config_map_name: str
+
+    def all(self) -> list[JSON]:
+        """In apply order: the ConfigMap exists before the pods that mount it."""
+        head = [self.config_map] if self.config_map is not None else []
+        return [*head, self.deployment, self.service, self.pdb]
+
+
+def _resources(isvc: InferenceService, gpu_resource: str) -> JSON:
+    res = isvc.spec.resources
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if res.cpu is not None:
+        requests["cpu"] = res.cpu
+    if res.memory is not None:
+        requests["memory"] = res.memory
+        limits["memory"] = res.memory
+    if res.gpus > 0:
+        requests[gpu_resource] = str(res.gpus)
+        limits[gpu_resource] = str(res.gpus)
+    out: JSON = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, timeout: int, failures: int) -> JSON:
+    return {
+        "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def desired_children(
+    isvc: InferenceService,
+    pool: GPUPoolSpec | None,
+    replicas: int,
+    config: OperatorConfig,
+    variant: str = STABLE,
+) -> Children:
+    """Build the children of one variant running ``replicas`` pods (already quota-limited)."""
+    spec = isvc.spec
+    name = isvc.meta.name
+    namespace = isvc.meta.namespace
+    owner = [owner_reference(isvc)]
+    labels = common_labels(name, variant)
+    gpu_resource = pool.resource_name if pool is not None else config.default_gpu_resource
+
+    engine = engine_config(isvc)
+    engine_flags = render_flags(engine)
+    cm_name = config_map_name(name, variant)
+    config_map: JSON | None = None
+    template_annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    volumes: list[JSON] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    mounts: list[JSON] = [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_DIR},
+    ]
+    if len(" ".join(engine_flags)) > config.config_map_threshold_bytes:
+        rendered = yaml.safe_dump(engine, sort_keys=False, default_flow_style=False)
+        config_map = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": cm_name,
+                "namespace": namespace,
+                "labels": labels,
+                "ownerReferences": owner,
+            },
+            "data": {CONFIG_FILE: rendered},
+        }
+        # ConfigMap edits do not restart pods by themselves; a changed hash rolls them.
+        template_annotations[CONFIG_HASH_ANNOTATION] = _digest(rendered)
+        volumes.append({"name": "config", "configMap": {"name": cm_name}})
+        mounts.append({"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
+        engine_flags = ["--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"]
+
+    if spec.source.kind == "pvc":
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": spec.source.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if spec.api_key_secret is not None:
+        volumes.append(
+            {
+                "name": "api-key",
+                "secret": {
+                    "secretName": spec.api_key_secret.name,
+                    "items": [{"key": spec.api_key_secret.key, "path": API_KEY_FILE}],
+                },
+            }
+        )
+        mounts.append({"name": "api-key", "mountPath": API_KEY_MOUNT, "readOnly": True})
+
+    drain = spec.engine.drain_timeout_seconds
+    container: JSON = {
+        "name": "runtime",
+        "image": spec.runtime_image or config.runtime_image,
+        "command": ["ladle", "serve"],
+        "args": ["--host", "0.0.0.0", "--port", str(HTTP_PORT), *engine_flags],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "env": [{"name": "XDG_CACHE_HOME", "value": CACHE_DIR}],
+        "resources": _resources(isvc, gpu_resource),
+        "volumeMounts": mounts,
+        # Startup covers model load; liveness only takes over once the model is ready.
+        "startupProbe": _probe(
+            "/health/ready",
+            STARTUP_PROBE_PERIOD_SECONDS,
+            5,
+            max(1, math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS)),
+        ),
+        "livenessProbe": _probe("/health/live", 10, 5, 3),
+        "readinessProbe": _probe("/health/ready", 5, 3, 2),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod_spec: JSON = {
+        "containers": [container],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + EXIT_SLACK_SECONDS,
+        # The runtime never calls the API server, and hundreds of Services would otherwise
+        # become hundreds of environment variables in every pod.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if pool is not None:
+        selector = pool.scheduling_selector()
+        if selector:
+            pod_spec["nodeSelector"] = selector
+        if pool.tolerations:
+            pod_spec["tolerations"] = [dict(t) for t in pool.tolerations]
+
+    deployment: JSON = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": variant_name(name, variant),
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": owner,
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name, variant)},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec.startup_timeout_seconds + 120,
+            # Surge rather than unavailability: a replica is only retired once its successor
+            # has loaded the model, at the cost of one spare GPU set during a rollout.
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {"labels": labels, "annotations": template_annotations},
+                "spec": pod_spec,
+            },
+        },
+    }
+    service: JSON = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": common_labels(name),
+            "ownerReferences": owner,
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+    pdb: JSON = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": variant_name(name, variant),
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": owner,
+        },
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(name, variant)},
+            # A pod that never became ready must not block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+    return Children(
+        deployment=deployment,
+        service=service,
+        pdb=pdb,
+        config_map=config_map,
+        config_map_name=cm_name,
+    )

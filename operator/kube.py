@@ -1,0 +1,201 @@
+"""A thin asyncio Kubernetes client: server-side apply, get, list, create, replace, delete.
+
+kopf owns the watch streams; this client does the writes. It reuses kopf's login (the same
+credentials kopf watches with) and speaks plain REST over aiohttp, so the operator needs
+neither the ``kubernetes`` package nor threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import kopf
+
+from ladle.operator.api import API_VERSION, ISVC_KIND, JSON, POOL_KIND
+
+# (apiVersion, kind) → (plural, namespaced), for every kind the operator touches.
+RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
+    ("apps/v1", "Deployment"): ("deployments", True),
+    ("v1", "Service"): ("services", True),
+    ("v1", "ConfigMap"): ("configmaps", True),
+    ("v1", "Pod"): ("pods", True),
+    ("v1", "Event"): ("events", True),
+    ("v1", "Node"): ("nodes", False),
+    ("policy/v1", "PodDisruptionBudget"): ("poddisruptionbudgets", True),
+    ("coordination.k8s.io/v1", "Lease"): ("leases", True),
+    (API_VERSION, ISVC_KIND): ("inferenceservices", True),
+    (API_VERSION, POOL_KIND): ("gpupools", False),
+}
+
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+class ApiError(Exception):
+    """A non-2xx answer, with the API server's own Status message."""
+
+    def __init__(self, status: int, message: str, reason: str = "") -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+# What a request can fail with; callers retry these rather than crash.
+REQUEST_ERRORS = (ApiError, aiohttp.ClientError, OSError, TimeoutError)
+
+
+def resource_path(
+    api_version: str, kind: str, namespace: str | None = None, name: str | None = None
+) -> str:
+    plural, namespaced = RESOURCES[(api_version, kind)]
+    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    scope = f"/namespaces/{namespace}" if namespaced and namespace else ""
+    tail = f"/{name}" if name else ""
+    return f"{base}{scope}/{plural}{tail}"
+
+
+def object_path(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    return resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+
+
+def _absolute(value: Any, base: Path) -> Any:
+    if isinstance(value, str) and value and not os.path.isabs(value):
+        return str(base / value)
+    return value
+
+
+def login() -> kopf.ConnectionInfo:
+    """In-cluster ServiceAccount first, then $KUBECONFIG / ~/.kube/config."""
+    settings = kopf.OperatorSettings()
+    info = kopf.login_with_service_account(settings=settings)
+    if info is not None:
+        return info
+    info = kopf.login_with_kubeconfig(settings=settings)
+    if info is None:
+        raise kopf.LoginError("no in-cluster ServiceAccount and no kubeconfig")
+    # kubeconfig file paths are relative to the kubeconfig itself; kopf passes them through.
+    first = os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0]
+    base = Path(os.path.expanduser(first)).resolve().parent
+    return dataclasses.replace(
+        info,
+        ca_path=_absolute(info.ca_path, base),
+        certificate_path=_absolute(info.certificate_path, base),
+        private_key_path=_absolute(info.private_key_path, base),
+    )
+
+
+class KubeClient:
+    def __init__(
+        self,
+        field_manager: str,
+        login_fn: Callable[[], kopf.ConnectionInfo] = login,
+        timeout_seconds: float = 30.0,
+    ) -> None:
+        self.field_manager = field_manager
+        self._login = login_fn
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._info = login_fn()
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            self._session = aiohttp.ClientSession(
+                base_url=self._info.server, connector=connector, timeout=self._timeout
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> JSON:
+        data = None if body is None else json.dumps(body)
+        for attempt in (1, 2):
+            headers = {"Accept": "application/json", **self._info.as_http_headers()}
+            if data is not None:
+                headers["Content-Type"] = content_type
+            session = self._open()
+            async with session.request(
+                method, path, params=params, data=data, headers=headers
+            ) as resp:
+                text = await resp.text()
+                if resp.status == 401 and attempt == 1:
+                    # Projected ServiceAccount tokens rotate; read the credentials again.
+                    self._info = self._login()
+                    continue
+                if resp.status >= 400:
+                    raise _api_error(resp.status, text)
+                result: JSON = json.loads(text) if text else {}
+                return result
+        raise AssertionError("unreachable")
+
+    async def apply(self, obj: Mapping[str, Any], *, subresource: str | None = None) -> JSON:
+        """Server-side apply under the operator's single field manager, taking ownership."""
+        path = object_path(obj) + (f"/{subresource}" if subresource else "")
+        params = {"fieldManager": self.field_manager, "force": "true"}
+        return await self.request("PATCH", path, params=params, body=obj, content_type=APPLY_PATCH)
+
+    async def get(self, path: str) -> JSON | None:
+        try:
+            return await self.request("GET", path)
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def list(self, path: str, params: Mapping[str, str] | None = None) -> list[JSON]:
+        items: list[JSON] = []
+        query = dict(params or {})
+        while True:
+            page = await self.request("GET", path, params=query)
+            items.extend(page.get("items") or ())
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+            query["continue"] = token
+
+    async def create(self, path: str, obj: Mapping[str, Any]) -> JSON:
+        return await self.request(
+            "POST", path, params={"fieldManager": self.field_manager}, body=obj
+        )
+
+    async def replace(self, path: str, obj: Mapping[str, Any]) -> JSON:
+        return await self.request(
+            "PUT", path, params={"fieldManager": self.field_manager}, body=obj
+        )
+
+    async def delete(self, path: str) -> bool:
+        """Delete; False when it was already gone."""
+        try:
+            await self.request("DELETE", path)
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+
+def _api_error(status: int, text: str) -> ApiError:
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return ApiError(status, text.strip()[:500])
+    if not isinstance(payload, dict):
+        return ApiError(status, text.strip()[:500])
+    return ApiError(status, str(payload.get("message", "")), str(payload.get("reason", "")))

@@ -1,0 +1,252 @@
+"""Spec → children: names, wiring, security and flags, without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from ladle.operator.api import parse_isvc, parse_pool
+from ladle.operator.config import OperatorConfig
+from ladle.operator.desired import (
+    CONFIG_HASH_ANNOTATION,
+    desired_children,
+    engine_config,
+    object_digest,
+    render_flags,
+)
+
+CONFIG = OperatorConfig(runtime_image="registry.test/ladle-runtime:1")
+Builder = Any
+
+
+def container(children: Any) -> dict[str, Any]:
+    containers: list[dict[str, Any]] = children.deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def test_children_are_named_labelled_and_owned_deterministically(make_isvc: Builder) -> None:
+    isvc = parse_isvc(make_isvc("chat", "team-a"))
+    children = desired_children(isvc, None, 2, CONFIG)
+    names = [(c["kind"], c["metadata"]["name"]) for c in children.all()]
+    assert names == [
+        ("Deployment", "chat-stable"),
+        ("Service", "chat"),
+        ("PodDisruptionBudget", "chat-stable"),
+    ]
+    for child in children.all():
+        meta = child["metadata"]
+        assert meta["namespace"] == "team-a"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "ladle-operator"
+        assert meta["labels"]["ladle.dev/inferenceservice"] == "chat"
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "ladle.dev/v1alpha1",
+                "kind": "InferenceService",
+                "name": "chat",
+                "uid": "uid-team-a-chat",
+                "controller": True,
+            }
+        ]
+    assert children.config_map is None
+    again = desired_children(parse_isvc(make_isvc("chat", "team-a")), None, 2, CONFIG)
+    assert [object_digest(c) for c in again.all()] == [object_digest(c) for c in children.all()]
+
+
+def test_deployment_runs_ladle_serve_with_probes_drain_and_hardening(make_isvc: Builder) -> None:
+    isvc = parse_isvc(make_isvc(spec={"engine": {"drainTimeoutSeconds": 45}}))
+    children = desired_children(isvc, None, 3, CONFIG)
+    spec = children.deployment["spec"]
+    pod = spec["template"]["spec"]
+    ctr = container(children)
+    assert spec["replicas"] == 3
+    assert spec["selector"]["matchLabels"] == {
+        "ladle.dev/inferenceservice": "chat",
+        "ladle.dev/variant": "stable",
+    }
+    assert ctr["image"] == "registry.test/ladle-runtime:1"
+    assert ctr["command"] == ["ladle", "serve"]
+    assert ctr["args"][:4] == ["--host", "0.0.0.0", "--port", "8000"]
+    assert ctr["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    startup = ctr["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load budget
+    # SIGTERM arrives after the preStop pause; the drain must end before SIGKILL.
+    pause = ctr["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > pause + 45
+    assert ctr["args"][-2:] == ["--drain-timeout", "45"]
+    assert ctr["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["automountServiceAccountToken"] is False
+    annotations = spec["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "8000"
+    assert ctr["resources"] == {
+        "requests": {"nvidia.com/gpu": "1"},
+        "limits": {"nvidia.com/gpu": "1"},
+    }
+
+
+def test_pool_supplies_gpu_resource_node_selector_and_tolerations(
+    make_isvc: Builder, make_pool: Builder
+) -> None:
+    pool = parse_pool(
+        make_pool(
+            spec={
+                "nodeSelector": {"pool": "a"},
+                "product": "NVIDIA-H200",
+                "resourceName": "example.com/gpu",
+                "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            }
+        )
+    )
+    isvc = parse_isvc(
+        make_isvc(spec={"gpuPool": "h200", "resources": {"gpus": 2, "cpu": 4, "memory": "16Gi"}})
+    )
+    children = desired_children(isvc, pool.spec, 1, CONFIG)
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "a", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert container(children)["resources"] == {
+        "requests": {"cpu": "4", "memory": "16Gi", "example.com/gpu": "2"},
+        "limits": {"memory": "16Gi", "example.com/gpu": "2"},
+    }
+
+
+def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
+    isvc = parse_isvc(
+        make_isvc(
+            spec={
+                "model": {"name": "llama", "source": {"pvc": {"claimName": "m", "path": "l/8b"}}},
+                "engine": {
+                    "dtype": "bfloat16",
+                    "maxModelLen": 8192,
+                    "maxNumSeqs": 64,
+                    "enablePrefixCaching": False,
+                    "gpuMemoryUtilization": 0.85,
+                    "seed": 7,
+                },
+            }
+        )
+    )
+    assert render_flags(engine_config(isvc)) == [
+        "--served-model-name", "llama",
+        "--model", "/models/l/8b",
+        "--dtype", "bfloat16",
+        "--max-model-len", "8192",
+        "--max-num-seqs", "64",
+        "--no-enable-prefix-caching",
+        "--gpu-memory-utilization", "0.85",
+        "--seed", "7",
+        "--drain-timeout", "30",
+    ]  # fmt: skip
+
+
+def test_pvc_source_mounts_the_claim_read_only(make_isvc: Builder) -> None:
+    isvc = parse_isvc(
+        make_isvc(spec={"model": {"name": "m", "source": {"pvc": {"claimName": "w", "path": "x"}}}})
+    )
+    children = desired_children(isvc, None, 1, CONFIG)
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "w", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(children)[
+        "volumeMounts"
+    ]
+
+
+def test_image_source_and_api_key_secret(make_isvc: Builder) -> None:
+    isvc = parse_isvc(
+        make_isvc(
+            spec={
+                "model": {"name": "q", "source": {"image": {"path": "/opt/models/q"}}},
+                "runtime": {"image": "registry.test/custom:2"},
+                "apiKeySecret": {"name": "keys", "key": "token"},
+            }
+        )
+    )
+    children = desired_children(isvc, None, 1, CONFIG)
+    ctr = container(children)
+    assert ctr["image"] == "registry.test/custom:2"
+    assert ctr["args"][ctr["args"].index("--model") + 1] == "/opt/models/q"
+    assert ctr["args"][ctr["args"].index("--api-key-file") + 1] == "/etc/ladle/auth/api-key"
+    volumes = children.deployment["spec"]["template"]["spec"]["volumes"]
+    assert {
+        "name": "api-key",
+        "secret": {"secretName": "keys", "items": [{"key": "token", "path": "api-key"}]},
+    } in volumes
+
+
+def test_cpu_replicas_get_kv_cache_memory_in_bytes_and_no_gpu(make_isvc: Builder) -> None:
+    isvc = parse_isvc(
+        make_isvc(spec={"resources": {"gpus": 0}, "engine": {"kvCacheMemory": "2Gi"}})
+    )
+    ctr = container(desired_children(isvc, None, 1, CONFIG))
+    assert ctr["args"][ctr["args"].index("--kv-cache-memory") + 1] == str(2 * 2**30)
+    assert "nvidia.com/gpu" not in str(ctr["resources"])
+
+
+def test_large_configuration_moves_into_a_config_map(make_isvc: Builder) -> None:
+    long_path = "models/" + "x" * 300
+    isvc = parse_isvc(
+        make_isvc(
+            spec={
+                "model": {"name": "m", "source": {"pvc": {"claimName": "w", "path": long_path}}},
+                "engine": {"maxModelLen": 4096},
+            }
+        )
+    )
+    children = desired_children(isvc, None, 1, CONFIG)
+    assert children.config_map is not None
+    assert children.all()[0] is children.config_map  # created before the pods that mount it
+    assert children.config_map["metadata"]["name"] == "chat-stable-config"
+    config = yaml.safe_load(children.config_map["data"]["config.yaml"])
+    assert config == {
+        "served-model-name": "m",
+        "model": f"/models/{long_path}",
+        "max-model-len": 4096,
+        "drain-timeout": 30,
+    }
+    ctr = container(children)
+    assert ctr["args"] == [
+        "--host", "0.0.0.0", "--port", "8000", "--config", "/etc/ladle/config/config.yaml"
+    ]  # fmt: skip
+    template = children.deployment["spec"]["template"]
+    first_hash = template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    # A config change rolls the pods through the template annotation.
+    isvc2 = parse_isvc(
+        make_isvc(
+            spec={
+                "model": {"name": "m", "source": {"pvc": {"claimName": "w", "path": long_path}}},
+                "engine": {"maxModelLen": 2048},
+            }
+        )
+    )
+    template2 = desired_children(isvc2, None, 1, CONFIG).deployment["spec"]["template"]
+    assert template2["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] != first_hash
+
+
+def test_threshold_is_operator_configuration(make_isvc: Builder) -> None:
+    isvc = parse_isvc(make_isvc())
+    small = OperatorConfig(config_map_threshold_bytes=10)
+    assert desired_children(isvc, None, 1, small).config_map is not None
+    assert desired_children(isvc, None, 1, CONFIG).config_map is None
+
+
+def test_service_fronts_every_variant_and_pdb_keeps_drains_moving(make_isvc: Builder) -> None:
+    children = desired_children(parse_isvc(make_isvc()), None, 1, CONFIG)
+    assert children.service["spec"]["selector"] == {"ladle.dev/inferenceservice": "chat"}
+    assert children.service["spec"]["ports"] == [
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+    ]
+    assert children.pdb["spec"]["maxUnavailable"] == 1
+    assert children.pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"

@@ -1,0 +1,43 @@
+import asyncio
+
+from ladle.operator.workqueue import WorkQueue
+
+
+async def test_a_key_waits_in_the_queue_at_most_once() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    for key in ("a", "b", "a", "a"):
+        queue.add(key)
+    assert len(queue) == 2
+    assert [await queue.get(), await queue.get()] == ["a", "b"]
+
+
+async def test_an_event_during_processing_requeues_the_key_after_it() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    key = await queue.get()
+    queue.add("a")  # arrives while a worker holds "a": no second concurrent reconcile
+    assert len(queue) == 0
+    queue.done(key)
+    assert len(queue) == 1
+    assert await queue.get() == "a"
+
+
+async def test_retries_back_off_exponentially_and_reset_on_success() -> None:
+    queue: WorkQueue[str] = WorkQueue(base_delay=0.01, max_delay=0.04)
+    delays = [queue.retry("a") for _ in range(4)]
+    assert delays == [0.01, 0.02, 0.04, 0.04]
+    assert await asyncio.wait_for(queue.get(), timeout=1) == "a"
+    queue.done("a")
+    queue.forget("a")
+    assert queue.retry("a") == 0.01
+    queue.close()
+
+
+async def test_an_event_supersedes_a_pending_retry() -> None:
+    queue: WorkQueue[str] = WorkQueue(base_delay=60)
+    queue.retry("a")
+    queue.add("a")
+    assert await asyncio.wait_for(queue.get(), timeout=1) == "a"
+    queue.done("a")
+    await asyncio.sleep(0)
+    assert len(queue) == 0
