@@ -1,0 +1,111 @@
+"""Attention in plain torch, for CPU (and as the reference for the Triton kernels).
+
+Decodes are batched into one SDPA call: each sequence's blocks are gathered into a reused
+workspace, and the query heads that share a KV head are packed as rows of one query, so grouped
+KV is never repeated. Prefill chunks run one SDPA call each, reading any earlier context (prefix
+hits, previous chunks) from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ladle.runtime.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVCacheSpec,
+    LayerKVCache,
+)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
+        super().__init__(spec, device)
+        self._workspace = torch.empty(0, dtype=self.spec.dtype, device=self.device)
+        self._decode_blocks = torch.empty(0, dtype=torch.long, device=self.device)
+        self._decode_mask = torch.empty(0, dtype=torch.bool, device=self.device)
+        self._prefill_masks: dict[int, torch.Tensor] = {}
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        bs = self.spec.block_size
+        nd = meta.num_decodes
+        if nd:
+            max_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+            self._decode_blocks = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+            span = torch.arange(max_blocks * bs, device=self.device)
+            self._decode_mask = (span[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+            per_cache = nd * max_blocks * bs * self.spec.num_kv_heads * self.spec.head_dim
+            if self._workspace.numel() < 2 * per_cache:
+                self._workspace = torch.empty(
+                    2 * per_cache, dtype=self.spec.dtype, device=self.device
+                )
+        self._prefill_masks = {}
+        for i in range(nd, meta.num_seqs):
+            q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+            ctx = meta.seq_lens_cpu[i]
+            if ctx != q_len:
+                # Causal, aligned to the end: query j sits at absolute position ctx - q_len + j.
+                rows = torch.arange(ctx - q_len, ctx, device=self.device)[:, None]
+                self._prefill_masks[i] = torch.arange(ctx, device=self.device)[None, :] <= rows
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, part: int) -> torch.Tensor:
+        n = blocks.numel() * self.spec.block_size
+        size = n * self.spec.num_kv_heads * self.spec.head_dim
+        out = self._workspace[part * size : (part + 1) * size].view(
+            blocks.numel(), self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim
+        )
+        return torch.index_select(cache, 0, blocks, out=out)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
+        cache.key.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, k)
+        cache.value.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            span = self._decode_mask.shape[-1]
+            keys = self._gather(cache.key, self._decode_blocks, 0).view(nd, span, hkv, dim)
+            values = self._gather(cache.value, self._decode_blocks, 1).view(nd, span, hkv, dim)
+            group = q.shape[1] // hkv
+            packed = q[:nd].view(nd, hkv, group, dim)
+            attn = F.scaled_dot_product_attention(
+                packed,
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=self._decode_mask,
+                scale=scale,
+            )
+            out[:nd] = attn.reshape(nd, hkv * group, dim)
+        bs = self.spec.block_size
+        for i in range(nd, meta.num_seqs):
+            start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            ctx = meta.seq_lens_cpu[i]
+            mask = self._prefill_masks.get(i)
+            if mask is None:
+                keys, values = k[start:end], v[start:end]
+            else:
+                blocks = meta.block_tables[i, : -(-ctx // bs)].long()
+                keys = cache.key[blocks].view(-1, hkv, dim)[:ctx]
+                values = cache.value[blocks].view(-1, hkv, dim)[:ctx]
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start:end] = attn[0].transpose(0, 1)
+        return out

@@ -1,0 +1,104 @@
+"""Engine arguments, named and defaulted like vLLM's so that users can bring their flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SchedulingPolicy = Literal["fcfs", "priority"]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem; the message names the setting and what is allowed."""
+
+
+def parse_memory_size(value: str | int) -> int:
+    """Parse ``4GiB``, ``512m`` or a byte count into bytes (binary units, like Kubernetes' Gi)."""
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower().removesuffix("b").removesuffix("i")
+    number, unit = text, ""
+    if text and text[-1] in _UNITS:
+        number, unit = text[:-1], text[-1]
+    try:
+        size = int(float(number) * _UNITS[unit])
+    except ValueError:
+        raise ConfigError(
+            f"invalid memory size {value!r}: use e.g. 4GiB, 512MiB or bytes"
+        ) from None
+    if size <= 0:
+        raise ConfigError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class EngineArgs:
+    """Everything that shapes an engine instance. Field names follow vLLM's ``EngineArgs``."""
+
+    model: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int = 4 << 30
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    seed: int = 0
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    attention_backend: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1; got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(
+                f"scheduling_policy must be fcfs or priority; got {self.scheduling_policy!r}"
+            )
+        self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the engine flags, spelled as vLLM spells them."""
+        group = parser.add_argument_group("engine")
+        group.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2)")
+        group.add_argument("--served-model-name", help="the OpenAI `model` name")
+        group.add_argument("--dtype", choices=DTYPES, default="auto")
+        group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+        group.add_argument("--max-model-len", type=int)
+        group.add_argument("--max-num-seqs", type=int, default=256)
+        group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        group.add_argument("--block-size", type=int, default=16)
+        group.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
+        group.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget on CPU")
+        group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        group.add_argument("--num-gpu-blocks-override", type=int)
+        group.add_argument("--seed", type=int, default=0)
+        group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+        group.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,1 @@
+"""Paged KV-cache bookkeeping: which physical blocks hold which tokens."""

@@ -1,0 +1,96 @@
+"""The offline API, shaped like vLLM's ``LLM`` class."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceOf
+from typing import Any
+
+from tqdm import tqdm
+
+from ladle.runtime.config import EngineArgs
+from ladle.runtime.engine import LLMEngine, PromptInput
+from ladle.runtime.outputs import RequestOutput
+from ladle.runtime.sampling_params import RequestOutputKind, SamplingParams
+
+Message = dict[str, Any]
+
+
+def _as_prompt_list(prompts: PromptInput | SequenceOf[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+class LLM:
+    """Batch generation over the continuous-batching engine.
+
+    ``LLM()`` serves the embedded default model; keyword arguments are vLLM's engine arguments.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | SequenceOf[PromptInput],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: SequenceOf[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        items = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError("sampling_params must be one per prompt")
+        order: list[str] = []
+        for i, (prompt, p) in enumerate(zip(items, params, strict=True)):
+            rid = str(next(self._ids))
+            final = SamplingParams(**{**p.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
+            self.engine.add_request(rid, prompt, final, priority=priority[i] if priority else 0)
+            order.append(rid)
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations: list[list[Message]] = (
+            [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[assignment]
+        )
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            ids = self.engine.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update()
+        return [done[rid] for rid in order]

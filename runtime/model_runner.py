@@ -1,0 +1,86 @@
+"""Turn a scheduler decision into tensors, run the model, sample next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from ladle.runtime.kv_cache.manager import KVCacheManager
+from ladle.runtime.models.llama import LlamaModel
+from ladle.runtime.sampler import Sampler
+from ladle.runtime.scheduler import ScheduledSequence, SchedulerOutput
+from ladle.runtime.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        attention: AttentionBackend,
+        caches: list[LayerKVCache],
+        kv: KVCacheManager,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.caches = caches
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.sampler = Sampler(device)
+
+    def _prepare(
+        self, batch: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        seq_index: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for i, item in enumerate(batch):
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            token_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_index.extend([i] * n)
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(start + n)
+            tables.append(self.kv.block_tables[seq.seq_id])
+        width = max(len(t) for t in tables)
+        dev = self.device
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.tensor(seq_index, dtype=torch.long)
+        slots = block_tables[rows, pos // self.block_size].long() * self.block_size
+        slots += pos % self.block_size
+        num_decodes = sum(1 for item in batch if item.num_new_tokens == 1)
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=block_tables.to(dev),
+            slot_mapping=slots.to(dev),
+            max_query_len=max(item.num_new_tokens for item in batch),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.tensor(token_ids, dtype=torch.long, device=dev), pos.to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, int]:
+        """Run one step; return the sampled token for each sequence that reached its end."""
+        self.attention.copy_blocks(self.caches, out.block_copies)
+        # Decodes first: the attention backends batch the one-token queries together.
+        batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model.forward(input_ids, positions, self.caches, meta)
+        sample_rows = [i for i, item in enumerate(batch) if item.completes_prompt]
+        if not sample_rows:
+            return {}
+        last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sample_rows])
+        logits = self.model.compute_logits(hidden[last.to(self.device)])
+        seqs: list[Sequence] = [batch[i].seq for i in sample_rows]
+        tokens = self.sampler(logits, seqs)
+        return {seq.seq_id: tok for seq, tok in zip(seqs, tokens, strict=True)}

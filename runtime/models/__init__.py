@@ -1,0 +1,1 @@
+"""Model definitions (our own forward passes) and weight loading."""

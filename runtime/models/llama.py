@@ -1,0 +1,173 @@
+"""Our forward pass for the Llama family (Llama/SmolLM2, Mistral, Qwen2, Qwen3).
+
+Weights come straight from the HF state dict; Q/K/V and gate/up projections are concatenated
+so that each layer runs four GEMMs. Numerics follow transformers' modeling code (RoPE in
+rotate-half form, fp32 RMSNorm), so greedy outputs agree token for token.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from ladle.runtime.models.config import ModelConfig
+
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# HF parameter suffix -> (our fused tensor, slot within it).
+_FUSED = {
+    "self_attn.q_proj.weight": ("qkv", 0),
+    "self_attn.k_proj.weight": ("qkv", 1),
+    "self_attn.v_proj.weight": ("qkv", 2),
+    "self_attn.q_proj.bias": ("qkv_bias", 0),
+    "self_attn.k_proj.bias": ("qkv_bias", 1),
+    "self_attn.v_proj.bias": ("qkv_bias", 2),
+    "mlp.gate_proj.weight": ("gate_up", 0),
+    "mlp.up_proj.weight": ("gate_up", 1),
+}
+_PLAIN = {
+    "self_attn.o_proj.weight": "o_proj",
+    "mlp.down_proj.weight": "down",
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+}
+
+
+@dataclass
+class LayerWeights:
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.attention = attention
+        self.dtype = dtype
+        self.device = device
+        self.scale = config.head_dim**-0.5
+        self.layers: list[LayerWeights] = []
+        self.embed = torch.empty(0)
+        self.norm = torch.empty(0)
+        self.lm_head = torch.empty(0)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * config.inv_freq[None, :]
+        scaling = config.rope_attention_scaling
+        self.cos = (freqs.cos() * scaling).to(device=device, dtype=dtype)
+        self.sin = (freqs.sin() * scaling).to(device=device, dtype=dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take HF-named tensors, in any order, and build the fused per-layer weights."""
+        cfg = self.config
+        parts: list[dict[str, object]] = [{} for _ in range(cfg.num_layers)]
+        top: dict[str, torch.Tensor] = {}
+        for name, tensor in weights:
+            t = tensor.to(device=self.device, dtype=self.dtype)
+            match = _LAYER_KEY.match(name)
+            if match is None:
+                top[name] = t
+                continue
+            layer, suffix = int(match.group(1)), match.group(2)
+            if suffix in _FUSED:
+                key, slot = _FUSED[suffix]
+                parts[layer].setdefault(key, {})[slot] = t  # type: ignore[index]
+            elif suffix in _PLAIN:
+                parts[layer][_PLAIN[suffix]] = t
+        self.embed = top["model.embed_tokens.weight"]
+        self.norm = top["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else top["lm_head.weight"]
+        self.layers = [self._layer(i, p) for i, p in enumerate(parts)]
+
+    def _layer(self, index: int, p: dict[str, object]) -> LayerWeights:
+        def fused(key: str, n: int) -> torch.Tensor | None:
+            slots = p.get(key)
+            if slots is None:
+                return None
+            assert isinstance(slots, dict)
+            if len(slots) != n:
+                raise ValueError(f"layer {index}: incomplete {key} weights in checkpoint")
+            return torch.cat([slots[i] for i in range(n)], dim=0).contiguous()
+
+        def plain(key: str) -> torch.Tensor:
+            if key not in p:
+                raise ValueError(f"layer {index}: missing {key} weight in checkpoint")
+            t = p[key]
+            assert isinstance(t, torch.Tensor)
+            return t
+
+        qkv, gate_up = fused("qkv", 3), fused("gate_up", 2)
+        if qkv is None or gate_up is None:
+            raise ValueError(f"layer {index}: missing projection weights in checkpoint")
+        return LayerWeights(
+            qkv=qkv,
+            qkv_bias=fused("qkv_bias", 3) if self.config.qkv_bias else None,
+            o_proj=plain("o_proj"),
+            gate_up=gate_up,
+            down=plain("down"),
+            input_norm=plain("input_norm"),
+            post_norm=plain("post_norm"),
+            q_norm=plain("q_norm") if self.config.qk_norm else None,
+            k_norm=plain("k_norm") if self.config.qk_norm else None,
+        )
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token."""
+        cfg = self.config
+        n = input_ids.shape[0]
+        eps = cfg.rms_norm_eps
+        hidden_shape = (cfg.hidden_size,)
+        head_shape = (cfg.head_dim,)
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        self.attention.begin_step(meta)
+        residual = F.embedding(input_ids, self.embed)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = F.rms_norm(residual, hidden_shape, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(n, cfg.num_heads, cfg.head_dim)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = F.rms_norm(q, head_shape, layer.q_norm, eps)
+                k = F.rms_norm(k, head_shape, layer.k_norm, eps)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+            attn = self.attention.forward(q, k, v, cache, meta, self.scale)
+            residual = residual + F.linear(attn.view(n, cfg.q_size), layer.o_proj)
+            x = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            residual = residual + F.linear(F.silu(gate) * up, layer.down)
+        return F.rms_norm(residual, hidden_shape, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
