@@ -7,13 +7,21 @@ reconcile sees. (Fixtures rather than a module: tests run with --import-mode=imp
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
-from typing import Any
+import subprocess
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator.api import API_VERSION
+from ladle.operator.testing import Kube, OperatorFactory, OperatorProcess
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 Builder = Callable[..., dict[str, Any]]
 
@@ -111,3 +119,110 @@ def make_pool() -> Builder:
 @pytest.fixture
 def make_deployment() -> Builder:
     return deployment_object
+
+
+# ---- cluster fixtures: the chart's RBAC, and the operator as a real process under it --------
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ladle"
+SYSTEM_NAMESPACE = "ladle-system"
+RELEASE = "ladle"
+# The chart names its ServiceAccount after the release's full name ("ladle" for "ladle").
+SERVICE_ACCOUNT = "ladle"
+TEST_RUNTIME_IMAGE = "registry.test/ladle-runtime:test"
+_RUNNING: list[OperatorProcess] = []
+
+
+def helm(cluster: KubeCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(cluster.helm), *args],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def ladle_chart(k8s_cluster: KubeCluster) -> str:
+    """The chart installed once per session with no operator replicas: its CRDs, ServiceAccount
+    and RBAC are what the operator processes in these tests run under. Returns its namespace."""
+    result = helm(
+        k8s_cluster,
+        "upgrade", "--install", RELEASE, str(CHART),
+        "--namespace", SYSTEM_NAMESPACE, "--create-namespace",
+        "--set", "replicas=0", "--wait", "--timeout", "120s",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for crd in ("inferenceservices.ladle.dev", "gpupools.ladle.dev"):
+        waited = k8s_cluster.run_kubectl(
+            "wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s"
+        )
+        assert waited.returncode == 0, waited.stderr
+    return SYSTEM_NAMESPACE
+
+
+# The chart's Role grants get/update on this one Lease only, so every test operator uses it;
+# modules run one after another and a stopping operator hands the Lease over at once.
+LEASE = "ladle-operator"
+
+
+@pytest.fixture(scope="module")
+def operator_factory(
+    k8s_cluster: KubeCluster, ladle_chart: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorFactory]:
+    """``start(identity)``: an operator authenticated as the chart's ServiceAccount."""
+    folder = tmp_path_factory.mktemp("operator")
+    kubeconfig = k8s_cluster.service_account_kubeconfig(
+        ladle_chart, SERVICE_ACCOUNT, folder / "operator.kubeconfig"
+    )
+    started: list[OperatorProcess] = []
+
+    def start(identity: str) -> OperatorProcess:
+        op = OperatorProcess(
+            kubeconfig,
+            folder / f"{identity}.log",
+            lease_namespace=ladle_chart,
+            lease=LEASE,
+            identity=identity,
+            extra_args=["--runtime-image", TEST_RUNTIME_IMAGE],
+        )
+        started.append(op)
+        _RUNNING.append(op)
+        return op
+
+    yield start
+    for op in started:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            op.stop()
+        if op.proc.poll() is None:
+            op.proc.kill()
+            op.proc.wait()
+        _RUNNING.remove(op)
+
+
+@pytest.fixture(scope="module")
+def operator(operator_factory: OperatorFactory, request: pytest.FixtureRequest) -> OperatorProcess:
+    """One leading operator for a whole test module."""
+    name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    op = operator_factory(f"{name}-0")
+    op.wait_leading()
+    return op
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test shows what each running operator logged last."""
+    report = yield
+    if report.failed:
+        for op in _RUNNING:
+            report.sections.append((f"operator {op.identity} log", op.log_tail()))
+    return report
+
+
+@pytest.fixture(scope="session")
+def kube(k8s_cluster: KubeCluster, k8s_api: ApiClient) -> Kube:
+    return Kube(k8s_cluster.kubectl, k8s_cluster.env(), k8s_api)

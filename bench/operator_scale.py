@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Operator scale benchmark: 500 InferenceServices on 100 fake GPU nodes of 8 GPUs.
+
+It starts a dedicated local cluster (``ladle cluster``, kwok nodes), installs the chart with no
+operator replicas (CRDs, ServiceAccount, RBAC), runs ``ladle operator`` as a process under that
+ServiceAccount, and creates the InferenceServices (1 replica, 1 GPU each) at a fixed rate. It
+reports, against the targets:
+
+- p50/p99 from the create request to the child Deployment appearing in a watch;
+- the time from the first create until every InferenceService reports Ready;
+- the operator's peak RSS (VmHWM).
+
+Run: .venv/bin/python bench/operator_scale.py [--services 500] [--nodes 100] [--rate 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, watch
+from kubernetes.client import ApiClient
+
+from ladle.cluster import build
+from ladle.cluster.control_plane import Options, running_cluster
+from ladle.cluster.pytest_plugin import KubeCluster
+from ladle.operator.testing import OperatorProcess, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "bench"
+SYSTEM = "ladle-system"
+TARGET_P99_SECONDS = 1.0
+TARGET_ALL_READY_SECONDS = 120.0
+TARGET_RSS_MB = 300.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+class Recorder:
+    """Watches Deployments and InferenceServices, noting when each is first seen / Ready."""
+
+    def __init__(self, api: ApiClient) -> None:
+        self.api = api
+        self.deployments: dict[str, float] = {}
+        self.ready: dict[str, float] = {}
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    def _watch(self, list_fn: Callable[..., Any], on_event: Callable[[dict[str, Any]], None],
+               **kwargs: Any) -> None:  # fmt: skip
+        while not self.stop.is_set():
+            stream = watch.Watch()
+            for event in stream.stream(list_fn, timeout_seconds=5, **kwargs):
+                on_event(event)
+                if self.stop.is_set():
+                    stream.stop()
+
+    def _deployment(self, event: dict[str, Any]) -> None:
+        name = event["object"].metadata.name
+        with self.lock:
+            self.deployments.setdefault(name.removesuffix("-stable"), time.monotonic())
+
+    def _isvc(self, event: dict[str, Any]) -> None:
+        obj = event["object"]
+        for cond in (obj.get("status") or {}).get("conditions") or ():
+            if cond["type"] == "Ready" and cond["status"] == "True":
+                with self.lock:
+                    self.ready.setdefault(obj["metadata"]["name"], time.monotonic())
+
+    def start(self) -> list[threading.Thread]:
+        apps = client.AppsV1Api(self.api)
+        custom = client.CustomObjectsApi(self.api)
+        threads = [
+            threading.Thread(
+                target=self._watch,
+                args=(apps.list_namespaced_deployment, self._deployment),
+                kwargs={"namespace": NAMESPACE},
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._watch,
+                args=(custom.list_namespaced_custom_object, self._isvc),
+                kwargs={
+                    "group": "ladle.dev",
+                    "version": "v1alpha1",
+                    "namespace": NAMESPACE,
+                    "plural": "inferenceservices",
+                },
+                daemon=True,
+            ),
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+
+def isvc(index: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "ladle.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": f"svc-{index:04d}"},
+        "spec": {
+            "model": {"name": "smollm2"},
+            "gpuPool": "bench",
+            "replicas": 1,
+            "resources": {"gpus": 1, "cpu": "1", "memory": "4Gi"},
+        },
+    }
+
+
+def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
+    options = Options(nodes=args.nodes, gpus_per_node=8, timeout=600)
+    print(f"starting a cluster with {args.nodes} fake GPU nodes ...", flush=True)
+    with running_cluster(state_dir / "cluster", options) as cluster:
+        handle = KubeCluster(cluster, build.bin_dir())
+        helm = subprocess.run(
+            [str(handle.helm), "upgrade", "--install", "ladle", str(ROOT / "charts" / "ladle"),
+             "--namespace", SYSTEM, "--create-namespace", "--set", "replicas=0", "--wait"],
+            env=handle.env(), capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if helm.returncode != 0:
+            raise SystemExit(helm.stderr)
+        kubeconfig = handle.service_account_kubeconfig(SYSTEM, "ladle", state_dir / "sa.kubeconfig")
+        operator = OperatorProcess(
+            kubeconfig,
+            state_dir / "operator.log",
+            lease_namespace=SYSTEM,
+            lease="ladle-operator",
+            identity="bench",
+            extra_args=["--log-level", "WARNING"],
+        )
+        try:
+            operator.wait_leading()
+            with handle.api_client() as api:
+                return measure(args, api, operator)
+        finally:
+            operator.stop()
+
+
+def measure(args: argparse.Namespace, api: ApiClient, operator: OperatorProcess) -> dict[str, Any]:
+    core = client.CoreV1Api(api)
+    custom = client.CustomObjectsApi(api)
+    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
+    custom.create_cluster_custom_object(
+        "ladle.dev", "v1alpha1", "gpupools",
+        {"apiVersion": "ladle.dev/v1alpha1", "kind": "GPUPool", "metadata": {"name": "bench"},
+         "spec": {"nodeSelector": {"nvidia.com/gpu.present": "true"}}},
+    )  # fmt: skip
+    wait_for(
+        lambda: core.read_namespaced_service_account("default", NAMESPACE),
+        "the bench namespace's default ServiceAccount",
+    )
+    recorder = Recorder(api)
+    threads = recorder.start()
+    time.sleep(1.0)  # let the watches establish
+
+    print(f"creating {args.services} InferenceServices at {args.rate}/s ...", flush=True)
+    sent: dict[str, float] = {}
+    first = time.monotonic()
+    for index in range(args.services):
+        due = first + index / args.rate
+        time.sleep(max(0.0, due - time.monotonic()))
+        body = isvc(index)
+        sent[body["metadata"]["name"]] = time.monotonic()
+        custom.create_namespaced_custom_object(
+            "ladle.dev", "v1alpha1", NAMESPACE, "inferenceservices", body
+        )
+    created = time.monotonic() - first
+    print(f"created in {created:.1f}s; waiting for Ready ...", flush=True)
+
+    def all_ready() -> bool:
+        with recorder.lock:
+            return len(recorder.ready) >= args.services
+
+    try:
+        wait_for(all_ready, "every InferenceService to be Ready", timeout=args.timeout)
+    except TimeoutError as err:
+        print(err, file=sys.stderr)
+    recorder.stop.set()
+    for thread in threads:
+        thread.join(timeout=10)
+
+    with recorder.lock:
+        latencies = [
+            recorder.deployments[n] - t for n, t in sent.items() if n in recorder.deployments
+        ]
+        ready_at = max(recorder.ready.values()) - first if recorder.ready else float("nan")
+        ready_count = len(recorder.ready)
+    rss_mb = operator.peak_rss_bytes() / 2**20
+    return {
+        "services": args.services,
+        "nodes": args.nodes,
+        "rate_per_second": args.rate,
+        "create_seconds": round(created, 2),
+        "deployments_seen": len(latencies),
+        "apply_to_deployment_p50_seconds": round(percentile(latencies, 50), 3),
+        "apply_to_deployment_p99_seconds": round(percentile(latencies, 99), 3),
+        "apply_to_deployment_max_seconds": round(max(latencies), 3),
+        "ready": ready_count,
+        "all_ready_seconds": round(ready_at, 1),
+        "operator_peak_rss_mb": round(rss_mb, 1),
+        "reconciles": operator.metric("ladle_operator_reconcile_total"),
+        "reconcile_errors": operator.metric("ladle_operator_reconcile_errors_total"),
+        "applies": operator.metric("ladle_operator_applies_total"),
+    }
+
+
+def report(result: dict[str, Any]) -> bool:
+    checks = [
+        ("p50 apply -> Deployment", result["apply_to_deployment_p50_seconds"], "s", None),
+        ("p99 apply -> Deployment", result["apply_to_deployment_p99_seconds"], "s",
+         TARGET_P99_SECONDS),
+        ("all Ready after first apply", result["all_ready_seconds"], "s",
+         TARGET_ALL_READY_SECONDS),
+        ("operator peak RSS", result["operator_peak_rss_mb"], "MB", TARGET_RSS_MB),
+    ]  # fmt: skip
+    ok = result["ready"] == result["services"]
+    print(f"\n{result['services']} InferenceServices, {result['nodes']} nodes x 8 GPUs, "
+          f"{result['rate_per_second']}/s ({result['ready']} Ready)")  # fmt: skip
+    for label, value, unit, target in checks:
+        verdict = "" if target is None else ("PASS" if value < target else "FAIL")
+        goal = "" if target is None else f"(target < {target:g} {unit})"
+        print(f"  {label:30s} {value:8.3f} {unit:2s} {goal:22s} {verdict}")
+        ok = ok and (target is None or value < target)
+    print(f"  reconciles={result['reconciles']:.0f} errors={result['reconcile_errors'] or 0:.0f} "
+          f"applies={result['applies']:.0f}")  # fmt: skip
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--services", type=int, default=500)
+    parser.add_argument("--nodes", type=int, default=100)
+    parser.add_argument("--rate", type=float, default=10.0, help="creates per second")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for Ready")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args()
+    if build.missing():
+        raise SystemExit("cluster binaries missing: run `ladle cluster build`")
+    with tempfile.TemporaryDirectory(prefix="ladle-bench-") as tmp:
+        result = run(args, Path(tmp))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if report(result) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

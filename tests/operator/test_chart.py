@@ -1,0 +1,157 @@
+"""The Helm chart: lint, server-side dry run, install/upgrade/uninstall, and least privilege."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ladle.cluster.pytest_plugin import KubeCluster
+from ladle.operator.testing import Kube, wait_for
+
+pytestmark = pytest.mark.cluster
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "ladle"
+
+
+def helm(cluster: KubeCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(cluster.helm), *args],
+        env=cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_helm_lint_passes_strictly(k8s_cluster: KubeCluster) -> None:
+    result = helm(k8s_cluster, "lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_rendered_chart_passes_a_server_side_dry_run(
+    k8s_cluster: KubeCluster, kube: Kube, k8s_namespace: str
+) -> None:
+    rendered = helm(
+        k8s_cluster, "template", "dry", str(CHART), "--namespace", k8s_namespace,
+        "--include-crds", "--kube-version", "1.34.0",
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    applied = kube.kubectl("apply", "--dry-run=server", "-f", "-", stdin=rendered.stdout)
+    assert applied.returncode == 0, applied.stderr
+    kinds = {line.split("/")[0] for line in applied.stdout.splitlines()}
+    assert {
+        "customresourcedefinition.apiextensions.k8s.io",
+        "serviceaccount",
+        "clusterrole.rbac.authorization.k8s.io",
+        "clusterrolebinding.rbac.authorization.k8s.io",
+        "role.rbac.authorization.k8s.io",
+        "rolebinding.rbac.authorization.k8s.io",
+        "deployment.apps",
+        "service",
+        "poddisruptionbudget.policy",
+    } <= kinds
+
+
+def test_install_upgrade_and_uninstall(
+    k8s_cluster: KubeCluster, kube: Kube, k8s_namespace: str
+) -> None:
+    release = "ladle-chart-test"
+    installed = helm(
+        k8s_cluster, "install", release, str(CHART), "--namespace", k8s_namespace,
+        "--wait", "--timeout", "120s",
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stderr
+    dep = kube.apps.read_namespaced_deployment(release, k8s_namespace)
+    assert dep.spec.replicas == 2
+    assert dep.status.available_replicas == 2  # kwok runs the pods on the fake nodes
+    env = {e.name: e.value for e in dep.spec.template.spec.containers[0].env}
+    assert env["LADLE_OPERATOR_LEADER_ELECT"] == "true"
+    assert env["LADLE_OPERATOR_RUNTIME_IMAGE"] == "ghcr.io/ladle-dev/ladle-runtime:0.1.0"
+    assert kube.policy.read_namespaced_pod_disruption_budget(release, k8s_namespace)
+
+    upgraded = helm(
+        k8s_cluster, "upgrade", release, str(CHART), "--namespace", k8s_namespace,
+        "--set", "logLevel=DEBUG", "--set", "workers=4", "--wait", "--timeout", "120s",
+    )  # fmt: skip
+    assert upgraded.returncode == 0, upgraded.stderr
+    dep = kube.apps.read_namespaced_deployment(release, k8s_namespace)
+    env = {e.name: e.value for e in dep.spec.template.spec.containers[0].env}
+    assert (env["LADLE_OPERATOR_LOG_LEVEL"], env["LADLE_OPERATOR_WORKERS"]) == ("DEBUG", "4")
+    history = json.loads(
+        helm(k8s_cluster, "history", release, "-n", k8s_namespace, "-o", "json").stdout
+    )
+    assert [h["revision"] for h in history] == [1, 2]
+
+    removed = helm(k8s_cluster, "uninstall", release, "--namespace", k8s_namespace, "--wait")
+    assert removed.returncode == 0, removed.stderr
+    for kind in ("deployment", "serviceaccount", "role", "service"):
+        wait_for(
+            lambda kind=kind: (
+                not kube.kubectl(
+                    "get", kind, release, "-n", k8s_namespace, "--ignore-not-found", "-o", "name"
+                ).stdout.strip()
+            ),
+            f"{kind} {release} to be uninstalled",
+        )
+    assert not kube.kubectl("get", "clusterrole", release, "--ignore-not-found").stdout
+    # CRDs outlive the release: deleting them would delete every InferenceService.
+    assert kube.kubectl("get", "crd", "inferenceservices.ladle.dev").returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("verb", "resource", "allowed"),
+    [
+        ("watch", "inferenceservices.ladle.dev", True),
+        ("patch", "inferenceservices.ladle.dev/status", True),
+        ("patch", "gpupools.ladle.dev/status", True),
+        ("patch", "deployments.apps", True),
+        ("delete", "configmaps", True),
+        ("list", "events", True),
+        ("create", "events", True),
+        ("watch", "nodes", True),
+        # What it must not do:
+        ("update", "inferenceservices.ladle.dev", False),
+        ("patch", "inferenceservices.ladle.dev", False),
+        ("delete", "inferenceservices.ladle.dev", False),
+        ("create", "deployments.apps", False),
+        ("delete", "deployments.apps", False),
+        ("update", "deployments.apps", False),
+        ("create", "pods", False),
+        ("delete", "pods", False),
+        ("get", "secrets", False),
+        ("list", "secrets", False),
+        ("patch", "nodes", False),
+        ("create", "customresourcedefinitions.apiextensions.k8s.io", False),
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io", False),
+    ],
+)
+def test_operator_service_account_has_only_what_it_needs(
+    kube: Kube, ladle_chart: str, verb: str, resource: str, allowed: bool
+) -> None:
+    answer = kube.kubectl(
+        "auth", "can-i", verb, resource, "--all-namespaces",
+        f"--as=system:serviceaccount:{ladle_chart}:ladle",
+    )  # fmt: skip
+    assert answer.stdout.strip() == ("yes" if allowed else "no")
+
+
+def test_leader_election_is_limited_to_its_own_lease(kube: Kube, ladle_chart: str) -> None:
+    who = f"--as=system:serviceaccount:{ladle_chart}:ladle"
+
+    def can(*args: str) -> str:
+        return kube.kubectl("auth", "can-i", *args, who, "-n", ladle_chart).stdout.strip()
+
+    assert can("update", "leases.coordination.k8s.io/ladle-operator") == "yes"
+    assert can("update", "leases.coordination.k8s.io/someone-else") == "no"
+    assert can("create", "leases.coordination.k8s.io") == "yes"
+    assert (
+        kube.kubectl(
+            "auth", "can-i", "create", "leases.coordination.k8s.io", who, "-n", "default"
+        ).stdout.strip()
+        == "no"
+    )

@@ -1,0 +1,271 @@
+"""The CRDs reject bad objects at apply time, with messages a person understands.
+
+Each case goes through the real kubectl to the real API server: structural schema, defaults,
+CEL rules, transition rules and the scale subresource. No operator is needed for any of it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from ladle.operator.testing import Kube
+
+pytestmark = pytest.mark.cluster
+
+VALID_ISVC: dict[str, Any] = {
+    "apiVersion": "ladle.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "chat"},
+    "spec": {"model": {"name": "smollm2"}},
+}
+VALID_POOL: dict[str, Any] = {
+    "apiVersion": "ladle.dev/v1alpha1",
+    "kind": "GPUPool",
+    "metadata": {"name": "validation-pool"},
+    "spec": {"nodeSelector": {"nvidia.com/gpu.present": "true"}},
+}
+
+
+def with_spec(base: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(base)
+    obj["spec"].update(spec)
+    return obj
+
+
+ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "name-with-a-dot",
+        {**copy.deepcopy(VALID_ISVC), "metadata": {"name": "chat.v2"}},
+        "metadata.name must be a DNS-1035 label",
+    ),
+    ("no-model", {**VALID_ISVC, "spec": {}}, "spec.model: Required value"),
+    (
+        "blank-model-name",
+        with_spec(VALID_ISVC, model={"name": "my model"}),
+        "model.name must not contain whitespace",
+    ),
+    (
+        "two-sources",
+        with_spec(
+            VALID_ISVC, model={"name": "m", "source": {"builtin": {}, "image": {"path": "/m"}}}
+        ),
+        "model.source must set exactly one of builtin, pvc or image",
+    ),
+    (
+        "absolute-pvc-path",
+        with_spec(
+            VALID_ISVC, model={"name": "m", "source": {"pvc": {"claimName": "c", "path": "/etc"}}}
+        ),
+        "model.source.pvc.path must be relative to the volume root and must not contain '..'",
+    ),
+    (
+        "escaping-pvc-path",
+        with_spec(
+            VALID_ISVC,
+            model={"name": "m", "source": {"pvc": {"claimName": "c", "path": "a/../../etc"}}},
+        ),
+        "must not contain '..'",
+    ),
+    (
+        "relative-image-path",
+        with_spec(VALID_ISVC, model={"name": "m", "source": {"image": {"path": "models/m"}}}),
+        "model.source.image.path must be an absolute path",
+    ),
+    (
+        "unsupported-quantization",
+        with_spec(VALID_ISVC, quantization="int8"),
+        'Unsupported value: "int8": supported values: "none"',
+    ),
+    (
+        "replicas-above-max",
+        with_spec(VALID_ISVC, replicas=5, maxReplicas=4),
+        "replicas (5) must be at most maxReplicas (4)",
+    ),
+    (
+        "replicas-below-min",
+        with_spec(VALID_ISVC, replicas=1, minReplicas=2),
+        "replicas (1) must be at least minReplicas (2)",
+    ),
+    (
+        "min-above-max",
+        with_spec(VALID_ISVC, replicas=3, minReplicas=3, maxReplicas=2),
+        "minReplicas must not exceed maxReplicas",
+    ),
+    (
+        "bad-cpu",
+        with_spec(VALID_ISVC, resources={"cpu": "two"}),
+        "resources.cpu must be a positive quantity such as 2 or 500m",
+    ),
+    (
+        "negative-memory",
+        with_spec(VALID_ISVC, resources={"memory": "-1Gi"}),
+        "resources.memory must be a positive quantity such as 16Gi",
+    ),
+    (
+        "too-many-gpus",
+        with_spec(VALID_ISVC, resources={"gpus": 17}),
+        "spec.resources.gpus: Invalid value: 17: spec.resources.gpus in body should be less than "
+        "or equal to 16",
+    ),
+    (
+        "kv-cache-memory-on-gpu",
+        with_spec(VALID_ISVC, engine={"kvCacheMemory": "4Gi"}),
+        "engine.kvCacheMemory sizes the KV cache of CPU replicas (resources.gpus: 0)",
+    ),
+    (
+        "gpu-memory-utilization-on-cpu",
+        with_spec(VALID_ISVC, resources={"gpus": 0}, engine={"gpuMemoryUtilization": 0.9}),
+        "engine.gpuMemoryUtilization needs GPUs (resources.gpus > 0)",
+    ),
+    (
+        "gpu-memory-utilization-above-one",
+        with_spec(VALID_ISVC, engine={"gpuMemoryUtilization": 1.5}),
+        "gpuMemoryUtilization in body should be less than or equal to 1",
+    ),
+    (
+        "zero-gpu-memory-utilization",
+        with_spec(VALID_ISVC, engine={"gpuMemoryUtilization": 0}),
+        "gpuMemoryUtilization in body should be greater than 0",
+    ),
+    (
+        "odd-block-size",
+        with_spec(VALID_ISVC, engine={"blockSize": 12}),
+        "spec.engine.blockSize: Unsupported value: 12",
+    ),
+    (
+        "unknown-dtype",
+        with_spec(VALID_ISVC, engine={"dtype": "fp8"}),
+        'spec.engine.dtype: Unsupported value: "fp8"',
+    ),
+    (
+        "token-budget-below-batch",
+        with_spec(VALID_ISVC, engine={"maxNumSeqs": 256, "maxNumBatchedTokens": 128}),
+        "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs",
+    ),
+    (
+        "api-key-secret-without-name",
+        with_spec(VALID_ISVC, apiKeySecret={"key": "k"}),
+        "spec.apiKeySecret.name: Required value",
+    ),
+    (
+        "unknown-field",
+        with_spec(VALID_ISVC, replica=2),
+        'unknown field "spec.replica"',
+    ),
+]
+
+POOL_CASES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "undomained-resource",
+        with_spec(VALID_POOL, resourceName="gpu"),
+        "resourceName must be a domain-prefixed resource name such as nvidia.com/gpu",
+    ),
+    (
+        "product-with-space",
+        with_spec(VALID_POOL, product="NVIDIA H200"),
+        "product must be a valid label value, such as NVIDIA-H100-80GB-HBM3",
+    ),
+    (
+        "product-twice",
+        with_spec(VALID_POOL, product="A", nodeSelector={"nvidia.com/gpu.product": "B"}),
+        "set the GPU product in product or in nodeSelector['nvidia.com/gpu.product'], not both",
+    ),
+    (
+        "bad-selector-key",
+        with_spec(VALID_POOL, nodeSelector={"bad key": "x"}),
+        "nodeSelector keys must be valid label keys",
+    ),
+    (
+        "exists-with-value",
+        with_spec(VALID_POOL, tolerations=[{"key": "gpu", "operator": "Exists", "value": "x"}]),
+        "a toleration with operator Exists must not set a value",
+    ),
+    (
+        "negative-quota",
+        with_spec(VALID_POOL, quota={"gpus": -1}),
+        "spec.quota.gpus in body should be greater than or equal to 0",
+    ),
+]
+
+
+def rejected(kube: Kube, obj: dict[str, Any], namespace: str | None) -> str:
+    scope = ["-n", namespace] if namespace else []
+    result = kube.kubectl("apply", *scope, "-f", "-", stdin=yaml.safe_dump(obj))
+    assert result.returncode != 0, f"accepted: {obj}"
+    return result.stderr
+
+
+@pytest.mark.usefixtures("ladle_chart")
+def test_invalid_inference_services_are_rejected_with_their_message(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    failures = []
+    for case, obj, message in ISVC_CASES:
+        error = rejected(kube, obj, k8s_namespace)
+        if message not in error:
+            failures.append(f"{case}: expected {message!r} in {error!r}")
+    assert not failures, "\n".join(failures)
+    listed = kube.custom.list_namespaced_custom_object(
+        "ladle.dev", "v1alpha1", k8s_namespace, "inferenceservices"
+    )
+    assert listed["items"] == []
+
+
+@pytest.mark.usefixtures("ladle_chart")
+def test_invalid_gpu_pools_are_rejected_with_their_message(kube: Kube) -> None:
+    failures = []
+    for case, obj, message in POOL_CASES:
+        error = rejected(kube, obj, None)
+        if message not in error:
+            failures.append(f"{case}: expected {message!r} in {error!r}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.usefixtures("ladle_chart")
+def test_defaults_fill_a_minimal_inference_service(kube: Kube, k8s_namespace: str) -> None:
+    kube.apply(yaml.safe_dump(VALID_ISVC), k8s_namespace)
+    spec = kube.isvc(k8s_namespace, "chat")["spec"]
+    assert spec == {
+        "model": {"name": "smollm2", "source": {"builtin": {}}},
+        "quantization": "none",
+        "runtime": {"startupTimeoutSeconds": 600},
+        "engine": {"drainTimeoutSeconds": 30},
+        "resources": {"gpus": 1},
+        "replicas": 1,
+        "minReplicas": 1,
+    }
+
+
+@pytest.mark.usefixtures("ladle_chart")
+def test_pool_and_resource_name_are_immutable(kube: Kube, k8s_namespace: str) -> None:
+    pool_name = f"{k8s_namespace}-pool"
+    pool = with_spec(VALID_POOL)
+    pool["metadata"]["name"] = pool_name
+    kube.apply(yaml.safe_dump(pool))
+    try:
+        moved = with_spec(pool, resourceName="example.com/gpu")
+        assert "resourceName is immutable" in rejected(kube, moved, None)
+
+        isvc = with_spec(VALID_ISVC, gpuPool=pool_name)
+        kube.apply(yaml.safe_dump(isvc), k8s_namespace)
+        for changed in (with_spec(isvc, gpuPool="elsewhere"), copy.deepcopy(VALID_ISVC)):
+            assert "gpuPool is immutable" in rejected(kube, changed, k8s_namespace)
+        # Other fields stay editable.
+        kube.apply(yaml.safe_dump(with_spec(isvc, replicas=2)), k8s_namespace)
+    finally:
+        kube.kubectl("delete", "gpupool", pool_name, "--wait=false")
+
+
+@pytest.mark.usefixtures("ladle_chart")
+def test_scale_subresource_obeys_the_replica_bounds(kube: Kube, k8s_namespace: str) -> None:
+    kube.apply(yaml.safe_dump(with_spec(VALID_ISVC, maxReplicas=3)), k8s_namespace)
+    scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=3")
+    assert scaled.returncode == 0, scaled.stderr
+    assert kube.isvc(k8s_namespace, "chat")["spec"]["replicas"] == 3
+    too_far = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=4")
+    assert too_far.returncode != 0
+    assert "replicas (4) must be at most maxReplicas (3)" in too_far.stderr

@@ -1,0 +1,88 @@
+"""High availability: two operators, one Lease, exactly one active, and failover in time."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client import ApiClient
+
+from ladle.operator.testing import Kube, OperatorFactory, wait_for
+
+pytestmark = pytest.mark.cluster
+
+FAILOVER_TARGET_SECONDS = 30
+
+
+def isvc(name: str) -> str:
+    return yaml.safe_dump(
+        {
+            "apiVersion": "ladle.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": {"model": {"name": "smollm2"}},
+        }
+    )
+
+
+def holder(api: ApiClient, namespace: str) -> str:
+    lease = client.CoordinationV1Api(api).read_namespaced_lease("ladle-operator", namespace)
+    return str(lease.spec.holder_identity or "")
+
+
+def test_killing_the_active_operator_fails_over(
+    operator_factory: OperatorFactory,
+    kube: Kube,
+    k8s_namespace: str,
+    k8s_api: ApiClient,
+    ladle_chart: str,
+) -> None:
+    first = operator_factory("ha-first")
+    first.wait_leading()
+    second = operator_factory("ha-second")
+    wait_for(lambda: second.get("/readyz")[0] == 200, "the standby to be ready")
+    # The standby stays passive: no leadership, no reconciles.
+    for _ in range(5):
+        assert second.metric("ladle_operator_leader") == 0.0
+        time.sleep(0.2)
+    assert not second.metric("ladle_operator_reconcile_total")
+    assert holder(k8s_api, ladle_chart) == "ha-first"
+
+    kube.apply(isvc("before"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "before", "Ready")
+
+    first.stop(signal.SIGKILL)  # no chance to release the Lease
+    killed = time.monotonic()
+    second.wait_leading(timeout=FAILOVER_TARGET_SECONDS)
+    failover = time.monotonic() - killed
+    print(f"\nfailover after SIGKILL took {failover:.1f}s")
+    assert failover < FAILOVER_TARGET_SECONDS
+    assert holder(k8s_api, ladle_chart) == "ha-second"
+
+    kube.apply(isvc("after"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "after", "Ready")
+    assert second.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
+
+
+def test_a_stopping_leader_hands_over_at_once(
+    operator_factory: OperatorFactory,
+    kube: Kube,
+    k8s_namespace: str,
+    k8s_api: ApiClient,
+    ladle_chart: str,
+) -> None:
+    leader = operator_factory("handover-first")
+    leader.wait_leading()
+    standby = operator_factory("handover-second")
+    wait_for(lambda: standby.get("/readyz")[0] == 200, "the standby to be ready")
+
+    assert leader.stop(signal.SIGTERM) == 0
+    stopped = time.monotonic()
+    standby.wait_leading(timeout=10)
+    print(f"\nhandover after SIGTERM took {time.monotonic() - stopped:.1f}s")
+    assert holder(k8s_api, ladle_chart) == "handover-second"
+    kube.apply(isvc("handed-over"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "handed-over", "Ready")

@@ -1,0 +1,201 @@
+"""crds/, the chart and manifests/ agree; the Dockerfiles copy and run what the package holds.
+
+There is no container engine here, so the Dockerfiles are checked for what can be checked:
+pinned bases, non-root users, entry points that exist, sources that exist, and that the wheel
+they install carries the operator and imports nothing the operator image leaves out.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+
+from ladle.cluster import build
+from ladle.operator.desired import RUNTIME_UID
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def helm() -> Path:
+    path = build.bin_dir() / "helm"
+    if not path.is_file():
+        pytest.fail("helm is not built: run `ladle cluster build`")
+    return path
+
+
+def load_all(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def test_generated_chart_crds_and_manifests_are_current() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gen_manifests.py"),
+            "--check",
+            "--helm",
+            str(helm()),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_crds_chart_and_manifests_carry_the_same_crds() -> None:
+    sources = {p.name: p.read_text() for p in sorted((ROOT / "crds").glob("*.yaml"))}
+    chart = {p.name: p.read_text() for p in sorted((ROOT / "charts/ladle/crds").glob("*.yaml"))}
+    assert sources
+    assert chart == sources
+    expected = {
+        doc["metadata"]["name"]: doc for text in sources.values() for doc in [yaml.safe_load(text)]
+    }
+    manifests = {
+        doc["metadata"]["name"]: doc
+        for doc in load_all(ROOT / "manifests" / "ladle.yaml")
+        if doc.get("kind") == "CustomResourceDefinition"
+    }
+    assert manifests == expected
+
+
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined."""
+    text = (ROOT / name).read_text().replace("\\\n", " ")
+    out = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "entrypoint"),
+    [("Dockerfile.operator", ["ladle", "operator"]), ("Dockerfile.runtime", ["ladle", "serve"])],
+)
+def test_dockerfile_is_pinned_non_root_and_runs_a_real_subcommand(
+    name: str, entrypoint: list[str]
+) -> None:
+    steps = dockerfile(name)
+    args = dict(arg.split("=", 1) for word, arg in steps if word == "ARG")
+    # A base image pinned to a patch release of the project's Python and a Debian release.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", args["PYTHON_IMAGE"])
+    assert all(arg.split()[0] == "${PYTHON_IMAGE}" for word, arg in steps if word == "FROM")
+    users = [arg for word, arg in steps if word == "USER"]
+    assert users == [f"{RUNTIME_UID}:{RUNTIME_UID}"]
+    final_entry = [arg for word, arg in steps if word == "ENTRYPOINT"][-1]
+    assert json.loads(final_entry) == entrypoint  # exec form
+    scripts = tomllib_scripts()
+    assert scripts["ladle"] == "ladle.cli:main"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "ladle.cli", entrypoint[1], "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert help_text.returncode == 0, help_text.stderr
+    for word, arg in steps:
+        if word == "COPY" and not arg.startswith("--from"):
+            for source in arg.split()[:-1]:
+                assert (ROOT / source).exists(), f"{name} copies missing {source}"
+
+
+def tomllib_scripts() -> dict[str, str]:
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    scripts: dict[str, str] = data["project"]["scripts"]
+    return scripts
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out), str(ROOT)],
+        check=True,
+    )  # fmt: skip
+    (path,) = out.glob("ladle-*.whl")
+    return path
+
+
+def test_wheel_carries_the_operator_and_the_console_script(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "ladle = ladle.cli:main" in zf.read(entry_points).decode()
+    for module in sorted((ROOT / "operator").glob("*.py")):
+        assert f"ladle/operator/{module.name}" in names
+    # A namespace package: an __init__ would shadow the stdlib `operator` from the repo root.
+    assert "ladle/operator/__init__.py" not in names
+    assert "ladle/cli.py" in names
+
+
+def test_operator_imports_only_what_its_image_installs() -> None:
+    """Dockerfile.operator installs the wheel with --no-deps plus a short list. Import the
+    operator with every other distribution hidden, as in that image: it must still load."""
+    install = next(
+        arg for word, arg in dockerfile("Dockerfile.operator") if word == "RUN" and "kopf" in arg
+    )
+    listed = re.search(r"constraints\.txt ([^&]+)", install)
+    assert listed is not None
+    allowed = closure(listed.group(1).split()) | {"ladle"}
+    probe = f"""
+import importlib.metadata, re, sys
+allowed = {sorted(allowed)!r}
+owners = importlib.metadata.packages_distributions()
+def canonical(name): return re.sub(r"[-_.]+", "-", name).lower()
+# Wraps every finder, so that a hidden distribution is found by none, exactly as if absent.
+class HideUninstalled:
+    def __init__(self, finders): self.finders = finders
+    def find_spec(self, name, path=None, target=None):
+        dists = owners.get(name.split(".")[0])
+        if dists and not any(canonical(d) in allowed for d in dists):
+            return None
+        for finder in self.finders:
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                return spec
+        return None
+sys.meta_path[:] = [HideUninstalled(list(sys.meta_path))]
+import ladle.operator.main, ladle.operator.cli, ladle.cli
+ladle.cli.build_parser().parse_args(["operator", "--help"])
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: ladle operator" in result.stdout
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure(roots: list[str]) -> set[str]:
+    """Distributions pip installs for ``roots`` (their non-extra requirements, transitively)."""
+    seen: set[str] = set()
+    todo = [canonical(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in importlib.metadata.requires(name) or ():
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonical(req.name))
+    return seen

@@ -1,0 +1,386 @@
+"""The operator against the real cluster, running as a process under the chart's own RBAC.
+
+One operator serves the whole module; each test works in its own namespace. kwok marks runtime
+pods Running and Ready, so everything here is about objects, status, events and scheduling.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ladle.operator.testing import Kube, OperatorProcess, wait_for
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "registry.test/ladle-runtime:test"  # the operator's --runtime-image in conftest
+
+
+def isvc_manifest(name: str, **spec: Any) -> str:
+    body: dict[str, Any] = {"model": {"name": "smollm2"}, "resources": {"gpus": 1}}
+    body.update(spec)
+    return yaml.safe_dump(
+        {
+            "apiVersion": "ladle.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": name},
+            "spec": body,
+        }
+    )
+
+
+def pool_manifest(name: str, **spec: Any) -> str:
+    body: dict[str, Any] = {"nodeSelector": {"nvidia.com/gpu.present": "true"}}
+    body.update(spec)
+    return yaml.safe_dump(
+        {
+            "apiVersion": "ladle.dev/v1alpha1",
+            "kind": "GPUPool",
+            "metadata": {"name": name},
+            "spec": body,
+        }
+    )
+
+
+def deployment(kube: Kube, namespace: str, name: str) -> Any:
+    return kube.apps.read_namespaced_deployment(name, namespace)
+
+
+def gone(kube: Kube, *args: str) -> bool:
+    result = kube.kubectl("get", *args, "--ignore-not-found", "-o", "name")
+    return result.returncode == 0 and not result.stdout.strip()
+
+
+@pytest.mark.usefixtures("operator")
+def test_every_example_applies_and_becomes_ready(kube: Kube, k8s_namespace: str) -> None:
+    examples = sorted((ROOT / "examples").glob("*.yaml"))
+    names = []
+    try:
+        for path in examples:
+            kube.apply(path.read_text(), k8s_namespace)
+            names += [
+                doc["metadata"]["name"]
+                for doc in yaml.safe_load_all(path.read_text())
+                if doc and doc["kind"] == "InferenceService"
+            ]
+        assert len(names) >= 4
+        for name in names:
+            obj = kube.wait_condition(k8s_namespace, name, "Ready", timeout=90)
+            assert kube.condition(obj, "Degraded")["status"] == "False"
+            assert obj["status"]["availableReplicas"] == obj["spec"]["replicas"]
+        pool = wait_for(
+            lambda: (p := kube.pool("h200")).get("status", {}).get("claimed") == 4 and p,
+            "GPUPool h200 to count the examples' 4 GPUs",
+        )
+        assert pool["status"]["nodes"] >= 1
+        assert kube.condition(pool, "Ready")["status"] == "True"
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", "h200", "--wait=false")
+        kube.kubectl("delete", "-n", k8s_namespace, "pvc", "--all", "--wait=false")
+        kube.kubectl("delete", "pv", "ladle-example-models", "--wait=false")
+
+
+def test_children_are_complete_and_status_is_kubernetes_grade(
+    kube: Kube, k8s_namespace: str, operator: OperatorProcess
+) -> None:
+    kube.apply(isvc_manifest("chat", replicas=2, resources={"gpus": 1, "cpu": 1}), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "chat", "Ready", reason="Available")
+    status = obj["status"]
+    assert status["url"] == f"http://chat.{k8s_namespace}.svc.cluster.local/v1"
+    assert status["selector"] == "ladle.dev/inferenceservice=chat"
+    assert (status["replicas"], status["readyReplicas"], status["availableReplicas"]) == (2, 2, 2)
+    assert status["variants"] == [
+        {
+            "name": "stable",
+            "quantization": "none",
+            "image": IMAGE,
+            "deployment": "chat-stable",
+            "requestedReplicas": 2,
+            "desiredReplicas": 2,
+            "replicas": 2,
+            "readyReplicas": 2,
+            "availableReplicas": 2,
+            "updatedReplicas": 2,
+        }
+    ]
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "True",
+        "Progressing": "False",
+        "Degraded": "False",
+    }
+
+    dep = deployment(kube, k8s_namespace, "chat-stable")
+    owner = dep.metadata.owner_references[0]
+    assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+        "InferenceService",
+        "chat",
+        obj["metadata"]["uid"],
+        True,
+    )
+    container = dep.spec.template.spec.containers[0]
+    assert container.image == IMAGE
+    assert container.resources.limits == {"nvidia.com/gpu": "1"}
+    pods = kube.core.list_namespaced_pod(k8s_namespace, label_selector=status["selector"]).items
+    assert len(pods) == 2
+    assert all(p.spec.node_name and p.spec.node_name.startswith("ladle-gpu-") for p in pods)
+    service = kube.core.read_namespaced_service("chat", k8s_namespace)
+    assert service.spec.selector == {"ladle.dev/inferenceservice": "chat"}
+    pdb = kube.policy.read_namespaced_pod_disruption_budget("chat-stable", k8s_namespace)
+    assert pdb.spec.max_unavailable == 1
+
+    # The operator never writes the user's object, only its status subresource.
+    managers = {(f["manager"], f.get("subresource", "")) for f in obj["metadata"]["managedFields"]}
+    assert ("ladle-operator", "status") in managers
+    assert not any(m == "ladle-operator" and sub != "status" for m, sub in managers)
+
+    table = kube.kubectl("get", "-n", k8s_namespace, "lisvc", "chat", "-o", "wide")
+    header, row = table.stdout.splitlines()
+    assert header.split() == [
+        "NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY", "REASON", "POOL", "URL", "AGE"
+    ]  # fmt: skip
+    assert row.split()[:6] == ["chat", "smollm2", "2", "2", "True", "Available"]
+
+    reasons = [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
+    assert "RollingOut" in reasons
+    assert "Ready" in reasons
+    assert operator.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
+
+
+def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: str) -> None:
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    before = deployment(kube, k8s_namespace, "chat-stable")
+
+    seen: list[tuple[int, str, str]] = []
+    stop = threading.Event()
+
+    def record() -> None:
+        while not stop.is_set():
+            obj = kube.isvc(k8s_namespace, "chat")
+            st = obj.get("status") or {}
+            seen.append(
+                (
+                    st.get("observedGeneration", 0),
+                    kube.condition(obj, "Ready").get("status", ""),
+                    kube.condition(obj, "Progressing").get("status", ""),
+                )
+            )
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=record)
+    watcher.start()
+    try:
+        kube.apply(isvc_manifest("chat", engine={"maxModelLen": 2048}), k8s_namespace)
+        obj = kube.wait_condition(k8s_namespace, "chat", "Ready")
+    finally:
+        stop.set()
+        watcher.join()
+    generation = obj["metadata"]["generation"]
+    assert generation == 2
+    after = deployment(kube, k8s_namespace, "chat-stable")
+    assert after.metadata.generation > before.metadata.generation
+    args = after.spec.template.spec.containers[0].args
+    assert args[args.index("--max-model-len") + 1] == "2048"
+    assert after.status.updated_replicas == 1
+    # The new generation was first reported as rolling out, then as ready.
+    new = [(ready, progressing) for gen, ready, progressing in seen if gen == generation]
+    assert ("False", "True") in new
+    assert new[-1] == ("True", "False")
+    assert new.index(("False", "True")) < len(new) - 1
+
+
+def test_hand_edits_are_reverted_and_deleted_children_restored(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+
+    patch = {"spec": {"template": {"spec": {"containers": [{"name": "runtime", "image": "evil"}]}}}}
+    edited = kube.kubectl(
+        "patch", "-n", k8s_namespace, "deployment", "chat-stable", "-p", json.dumps(patch)
+    )
+    assert edited.returncode == 0, edited.stderr
+    scaled = kube.kubectl("scale", "-n", k8s_namespace, "deployment/chat-stable", "--replicas=3")
+    assert scaled.returncode == 0, scaled.stderr
+    wait_for(
+        lambda: (
+            (d := deployment(kube, k8s_namespace, "chat-stable")).spec.replicas == 1
+            and d.spec.template.spec.containers[0].image == IMAGE
+        ),
+        "the Deployment's image and replicas to be restored",
+    )
+
+    for kind in ("service/chat", "poddisruptionbudget/chat-stable", "deployment/chat-stable"):
+        deleted = kube.kubectl("delete", "-n", k8s_namespace, kind, "--wait=true")
+        assert deleted.returncode == 0, deleted.stderr
+    wait_for(
+        lambda: (
+            not gone(kube, "-n", k8s_namespace, "service/chat")
+            and not gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable")
+            and not gone(kube, "-n", k8s_namespace, "deployment/chat-stable")
+        ),
+        "the deleted children to be recreated",
+    )
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    reasons = [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
+    assert "Reverted" in reasons
+    assert reasons.count("Restored") >= 3
+
+
+def test_deleting_an_inference_service_garbage_collects_its_children(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    deleted = kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "chat", "--wait=true")
+    assert deleted.returncode == 0, deleted.stderr
+    for kind in ("deployment/chat-stable", "service/chat", "poddisruptionbudget/chat-stable"):
+        wait_for(lambda kind=kind: gone(kube, "-n", k8s_namespace, kind), f"{kind} to go")
+    wait_for(
+        lambda: (
+            not kube.core.list_namespaced_pod(
+                k8s_namespace, label_selector="ladle.dev/inferenceservice=chat"
+            ).items
+        ),
+        "the runtime pods to go",
+    )
+
+
+def test_missing_gpus_say_degraded_in_the_schedulers_words(kube: Kube, k8s_namespace: str) -> None:
+    # No fake node has more than 8 GPUs.
+    kube.apply(isvc_manifest("huge", resources={"gpus": 9}), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "huge", "Degraded", reason="InsufficientGPUs")
+    degraded = kube.condition(obj, "Degraded")["message"]
+    assert degraded.startswith("1 pod of Deployment huge-stable cannot be scheduled: ")
+    assert "Insufficient nvidia.com/gpu" in degraded
+    assert kube.condition(obj, "Ready")["status"] == "False"
+    assert kube.condition(obj, "Ready")["reason"] == "InsufficientGPUs"
+    warnings = [(t, r) for t, r, _ in kube.events(k8s_namespace, "huge")]
+    assert ("Warning", "InsufficientGPUs") in warnings
+
+    # Asking for what fits heals it.
+    kube.apply(isvc_manifest("huge", resources={"gpus": 1}), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "huge", "Ready")
+    assert kube.condition(obj, "Degraded")["status"] == "False"
+    assert ("Normal", "Recovered") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "huge")]
+
+
+def test_gpu_pool_quota_is_enforced_and_explained(kube: Kube, k8s_namespace: str) -> None:
+    pool = f"{k8s_namespace}-quota"
+    kube.apply(pool_manifest(pool, quota={"gpus": 2}))
+    try:
+        kube.apply(isvc_manifest("first", gpuPool=pool, replicas=2), k8s_namespace)
+        kube.wait_condition(k8s_namespace, "first", "Ready")
+        kube.apply(isvc_manifest("second", gpuPool=pool), k8s_namespace)
+        obj = kube.wait_condition(k8s_namespace, "second", "Degraded", reason="QuotaExceeded")
+        assert kube.condition(obj, "Ready")["reason"] == "QuotaExceeded"
+        assert (
+            "quota of 2 GPUs allows 0 of 1 replicas" in kube.condition(obj, "Degraded")["message"]
+        )
+        assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 0
+
+        # Scaling the first past the quota is not honoured, and says so.
+        scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/first", "--replicas=3")
+        assert scaled.returncode == 0, scaled.stderr
+        obj = kube.wait_condition(k8s_namespace, "first", "Degraded", reason="QuotaExceeded")
+        assert kube.condition(obj, "Ready")["status"] == "True"
+        assert deployment(kube, k8s_namespace, "first-stable").spec.replicas == 2
+        status = wait_for(
+            lambda: (s := kube.pool(pool).get("status") or {}).get("requested") == 4 and s,
+            "the pool to count 4 requested GPUs",
+        )
+        assert (status["claimed"], status["inferenceServices"]) == (2, 2)
+        assert kube.condition(kube.pool(pool), "Degraded")["reason"] == "QuotaExceeded"
+
+        # Freed GPUs go to the oldest waiting service first: "first" is older than "second".
+        kube.kubectl("scale", "-n", k8s_namespace, "lisvc/first", "--replicas=1")
+        kube.wait_condition(k8s_namespace, "first", "Degraded", "False")
+        obj = kube.wait_condition(k8s_namespace, "second", "Ready")
+        assert kube.condition(obj, "Degraded")["status"] == "False"
+        assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 1
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+
+
+def test_missing_pool_is_degraded_until_it_exists(kube: Kube, k8s_namespace: str) -> None:
+    pool = f"{k8s_namespace}-late"
+    kube.apply(isvc_manifest("chat", gpuPool=pool), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "chat", "Degraded", reason="GPUPoolNotFound")
+    assert f'GPUPool "{pool}" does not exist' in kube.condition(obj, "Degraded")["message"]
+    assert gone(kube, "-n", k8s_namespace, "deployment/chat-stable")
+    try:
+        kube.apply(pool_manifest(pool, product="NVIDIA-H200"))
+        kube.wait_condition(k8s_namespace, "chat", "Ready")
+        pod_spec = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec
+        assert pod_spec.node_selector == {
+            "nvidia.com/gpu.present": "true",
+            "nvidia.com/gpu.product": "NVIDIA-H200",
+        }
+    finally:
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+
+
+def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_namespace: str) -> None:
+    kube.apply(isvc_manifest("chat", maxReplicas=4), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=3")
+    assert scaled.returncode == 0, scaled.stderr
+    obj = kube.wait_condition(k8s_namespace, "chat", "Ready")
+    assert obj["status"]["replicas"] == 3
+    assert deployment(kube, k8s_namespace, "chat-stable").spec.replicas == 3
+    scale = json.loads(
+        kube.kubectl(
+            "get", "-n", k8s_namespace, "lisvc", "chat", "--subresource=scale", "-o", "json"
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 3
+    assert scale["status"] == {"replicas": 3, "selector": "ladle.dev/inferenceservice=chat"}
+
+
+def test_a_large_configuration_moves_into_a_config_map_and_back(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    long_path = "/opt/models/" + "very-long-model-folder-name-" * 10
+    source = {"image": {"path": long_path}}
+    kube.apply(isvc_manifest("chat", model={"name": "m", "source": source}), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    config_map = kube.core.read_namespaced_config_map("chat-stable-config", k8s_namespace)
+    assert yaml.safe_load(config_map.data["config.yaml"])["model"] == long_path
+    args = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec.containers[0].args
+    assert args[-2:] == ["--config", "/etc/ladle/config/config.yaml"]
+
+    kube.apply(isvc_manifest("chat", model={"name": "m"}), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    wait_for(
+        lambda: gone(kube, "-n", k8s_namespace, "configmap/chat-stable-config"),
+        "the ConfigMap to be deleted once the flags fit",
+    )
+    args = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec.containers[0].args
+    assert "--config" not in args
+
+
+def test_operator_serves_health_and_metrics(operator: OperatorProcess) -> None:
+    assert operator.get("/healthz") == (200, "ok\n")
+    assert operator.get("/readyz") == (200, "ok\n")
+    status, text = operator.get("/metrics")
+    assert status == 200
+    for family in (
+        "ladle_operator_reconcile_total",
+        "ladle_operator_reconcile_errors_total",
+        "ladle_operator_reconcile_duration_seconds_bucket",
+        "ladle_operator_applies_total",
+        "ladle_operator_leader",
+        "process_resident_memory_bytes",
+    ):
+        assert family in text
+    logs = [line for line in operator.log.read_text().splitlines() if line.startswith("{")]
+    assert logs
+    assert all("message" in json.loads(line) for line in logs)
