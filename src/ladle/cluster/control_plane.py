@@ -364,6 +364,9 @@ class Cluster:
             ips=(HOST, "10.96.0.1"),
         )
         pki.service_account_keys(self.pki_dir)
+        # The aggregation layer's identity; without it every component logs errors about the
+        # missing requestheader CA, and aggregated API servers could not be tested at all.
+        ca.issue("front-proxy-client", "front-proxy-client")
         identities = {
             # The admin and kwok act as cluster-admins; the other two get their bootstrap roles.
             "admin": ("ladle-admin", "system:masters"),
@@ -400,6 +403,9 @@ class Cluster:
             f"--etcd-servers=http://{HOST}:{ports['etcd']}",
             f"--bind-address={HOST}",
             f"--advertise-address={HOST}",
+            # The endpoint reconciler refuses loopback addresses; nothing in-cluster dials the
+            # `kubernetes` Service on fake nodes anyway.
+            "--endpoint-reconciler-type=none",
             f"--secure-port={ports['kube-apiserver']}",
             f"--cert-dir={p}",
             f"--tls-cert-file={p / 'apiserver.crt'}",
@@ -411,6 +417,13 @@ class Cluster:
             f"--service-account-signing-key-file={p / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
+            f"--requestheader-client-ca-file={p / 'ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={p / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={p / 'front-proxy-client.key'}",
             "--profiling=false",
         ]
 

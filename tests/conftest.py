@@ -1,0 +1,1 @@
+pytest_plugins = ["ladle.cluster.pytest_plugin"]
