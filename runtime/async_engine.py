@@ -130,9 +130,12 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request; a consumer still reading gets a final output (finish_reason abort)."""
+
         def abort() -> None:
+            for output in self.engine.abort_request(request_id):
+                self._deliver(output)
             self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
 
         if self.error is None:
             self._commands.put(abort)

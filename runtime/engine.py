@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,19 @@ class EngineStats:
     num_free_blocks: int
 
 
+@dataclass
+class IterationStats:
+    """What one step did, for per-iteration metrics; handed to ``LLMEngine.iteration_observers``.
+
+    Prompt tokens are counted once per request, when its first token is sampled (vLLM's rule),
+    so recomputation after preemption is not counted twice.
+    """
+
+    num_batched_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,6 +135,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.attention, caches, self.kv, self.device)
         self._requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, _RequestState] = {}
+        # Called on the engine's thread after every step that ran the model.
+        self.iteration_observers: list[Callable[[IterationStats], None]] = []
         log.info(
             "engine ready",
             extra={
@@ -328,6 +343,7 @@ class LLMEngine:
         now = time.monotonic()
         changed: dict[str, _RequestState] = {}
         finished: dict[str, list[Sequence]] = {}
+        stats = IterationStats(out.num_batched_tokens, 0, 0)
         for item in out.scheduled:
             seq = item.seq
             token = sampled.get(seq.seq_id)
@@ -339,12 +355,16 @@ class LLMEngine:
             rid = state.request.request_id
             if seq.finish_reason is not None:
                 finished.setdefault(rid, []).append(seq)
+            stats.num_generation_tokens += 1
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+                stats.num_prompt_tokens += len(state.request.prompt_token_ids)
             state.metrics.last_token_time = now
             changed[rid] = state
         for rid, seqs in finished.items():
             self._finish(changed[rid], seqs)
+        for observer in self.iteration_observers:
+            observer(stats)
         return [o for o in (self._output(s) for s in changed.values()) if o is not None]
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
