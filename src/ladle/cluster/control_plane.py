@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -471,13 +471,3 @@ class Cluster:
             f"--server-address={HOST}:{ports['kwok']}",
         ]
 
-
-@contextlib.contextmanager
-def running_cluster(state_dir: Path, options: Options | None = None) -> Iterator[Cluster]:
-    """A cluster for the length of a ``with`` block, torn down even when the block fails."""
-    cluster = Cluster(state_dir)
-    cluster.up(options)
-    try:
-        yield cluster
-    finally:
-        cluster.down()
