@@ -470,4 +470,3 @@ class Cluster:
             f"--node-ip={HOST}",
             f"--server-address={HOST}:{ports['kwok']}",
         ]
-
