@@ -252,7 +252,8 @@ def build(force: bool = False) -> Path:
         version, released, _ = _module_info(go, tool.module_dir, tool.version_module)
         xflags = [f"-X {flag}={_xvalue(flag, version, released)}" for flag in tool.xflags]
         ldflags = " ".join(["-s", "-w", *xflags])
-        partial = target / f".{tool.name}.partial"
+        # Per-process name: two builds racing into one cache never write the same file.
+        partial = target / f".{tool.name}.{os.getpid()}.partial"
         cmd = [*_nice(), go, "build", "-v", "-trimpath", "-ldflags", ldflags]
         cmd += ["-o", str(partial), tool.package]
         _log(f"[{index}/{len(todo)}] {tool.name} ({tool.version_module} {version})")
