@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceOf
 from typing import Any
@@ -56,7 +57,7 @@ class LLM:
         order: list[str] = []
         for i, (prompt, p) in enumerate(zip(items, params, strict=True)):
             rid = str(next(self._ids))
-            final = SamplingParams(**{**p.__dict__, "output_kind": RequestOutputKind.FINAL_ONLY})
+            final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             self.engine.add_request(rid, prompt, final, priority=priority[i] if priority else 0)
             order.append(rid)
         return self._run(order, use_tqdm)

@@ -131,8 +131,10 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
-                if not self._preempt_for(seq, out):
+                refund = self._preempt_for(seq, out, scheduled_ids)
+                if refund is None:
                     break
+                budget += refund
                 continue
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -145,20 +147,23 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         return out
 
-    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Under the priority policy a more urgent waiting sequence may evict a running one
-        that has not been scheduled in this step."""
-        if self.policy != "priority":
-            return False
-        scheduled = {s.seq.seq_id for s in out.scheduled}
-        candidates = [s for s in self.running if s.seq_id not in scheduled]
-        if not candidates:
-            return False
-        victim = max(candidates, key=self._rank)
+    def _preempt_for(
+        self, seq: Sequence, out: SchedulerOutput, scheduled: dict[int, ScheduledSequence]
+    ) -> int | None:
+        """Under the priority policy a more urgent waiting sequence evicts the least urgent
+        running one, even if it was already scheduled in this step. Returns the tokens refunded
+        to the step's budget, or None when nothing may be evicted."""
+        if self.policy != "priority" or not self.running:
+            return None
+        victim = max(self.running, key=self._rank)
         if self._rank(victim) <= self._rank(seq):
-            return False
+            return None
         self._preempt(victim)
-        return True
+        undone = scheduled.pop(victim.seq_id, None)
+        if undone is None:
+            return 0
+        out.scheduled.remove(undone)
+        return undone.num_new_tokens
 
     def on_step_done(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and publish newly full blocks to the prefix cache."""

@@ -29,6 +29,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.block_tables: dict[int, list[int]] = {}
+        # How many leading blocks of each sequence are already published in the prefix cache.
+        self._num_published: dict[int, int] = {}
         # (src, dst) block copies that the model runner must perform before the next forward.
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_queries = 0
@@ -83,6 +85,7 @@ class KVCacheManager:
             for block in cached_blocks:
                 self.pool.acquire(block)
             table = self.block_tables[seq.seq_id] = list(cached_blocks)
+            self._num_published[seq.seq_id] = len(cached_blocks)
             seq.num_computed_tokens = start
             seq.num_cached_tokens = start
             if self.pool.enable_prefix_caching:
@@ -110,10 +113,11 @@ class KVCacheManager:
         if not self.pool.enable_prefix_caching:
             return
         table = self.block_tables[seq.seq_id]
-        first = len(seq.block_hashes)
         self._update_hashes(seq, seq.num_computed_tokens)
-        for i in range(first, len(seq.block_hashes)):
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(self._num_published[seq.seq_id], full):
             self.pool.cache(table[i], seq.block_hashes[i])
+        self._num_published[seq.seq_id] = full
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` the parent's blocks by reference; writes copy lazily."""
@@ -121,11 +125,13 @@ class KVCacheManager:
         for block in table:
             self.pool.acquire(block)
         self.block_tables[child.seq_id] = list(table)
+        self._num_published[child.seq_id] = self._num_published[parent.seq_id]
         child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)
+        self._num_published.pop(seq.seq_id, None)
         if table is not None:
             self.pool.release(table)
 

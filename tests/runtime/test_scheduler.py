@@ -1,0 +1,105 @@
+"""Scheduling decisions on their own: budgets, chunked prefill, preemption, priorities."""
+
+from __future__ import annotations
+
+from ladle.runtime.kv_cache.manager import KVCacheManager
+from ladle.runtime.sampling_params import SamplingParams
+from ladle.runtime.scheduler import Scheduler, SchedulerOutput
+from ladle.runtime.sequence import Sequence
+
+
+def seq(n_prompt: int, arrival: float, priority: int = 0, rid: str = "r") -> Sequence:
+    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(), arrival, priority)
+
+
+def run_step(sched: Scheduler, sampled_token: int = 7) -> SchedulerOutput:
+    """Schedule, then act as the model: advance counts and append a token where sampled."""
+    out = sched.schedule()
+    complete = [item.seq for item in out.scheduled if item.completes_prompt]
+    sched.on_step_done(out)
+    for s in complete:
+        s.append_token(sampled_token)
+    return out
+
+
+def test_long_prompt_is_chunked_and_shares_steps_with_decodes() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
+    short = seq(3, 0.0)
+    sched.add(short)
+    run_step(sched)  # short prefills fully and samples
+    long = seq(25, 1.0)
+    sched.add(long)
+    out = run_step(sched)
+    sizes = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+    assert sizes == {short.seq_id: 1, long.seq_id: 9}
+    assert out.num_batched_tokens == 10
+    assert not next(i for i in out.scheduled if i.seq is long).completes_prompt
+    run_step(sched)
+    out = run_step(sched)
+    assert long.num_computed_tokens == 25
+    assert long.output_token_ids == [7]
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(seq(4, float(i)))
+    out = run_step(sched)
+    assert len(out.scheduled) == 2
+    assert len(sched.waiting) == 1
+
+
+def test_newest_running_sequence_is_preempted_when_blocks_run_out() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    old, new = seq(4, 0.0), seq(4, 1.0)
+    sched.add(old)
+    sched.add(new)
+    run_step(sched)  # 2 blocks each, pool full; both sampled a 5th token
+    out = run_step(sched)  # each needs a 3rd block for that token's KV: none left
+    assert out.preempted == [new]
+    assert [i.seq for i in out.scheduled] == [old]
+    assert new.num_computed_tokens == 0
+    assert new.output_token_ids == [7]  # tokens are kept; KV is recomputed later
+    assert sched.num_preemptions == 1
+    assert sched.waiting == [new]
+
+
+def test_priority_policy_preempts_less_urgent_work() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, policy="priority")
+    background = seq(8, 0.0, priority=10)
+    sched.add(background)
+    run_step(sched)
+    urgent = seq(8, 1.0, priority=0)
+    sched.add(urgent)
+    out = run_step(sched)
+    assert urgent in [i.seq for i in out.scheduled]
+    assert background in sched.waiting
+
+
+def test_fcfs_waits_instead_of_preempting_for_newcomers() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    first = seq(8, 0.0)
+    sched.add(first)
+    run_step(sched)
+    second = seq(8, 1.0)
+    sched.add(second)
+    out = run_step(sched)
+    assert [i.seq for i in out.scheduled] == [first]
+    assert sched.waiting == [second]
+
+
+def test_finish_frees_blocks_immediately() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    s = seq(9, 0.0)
+    sched.add(s)
+    run_step(sched)
+    assert kv.num_free_blocks == 5
+    sched.finish([s])
+    assert kv.num_free_blocks == 8
+    assert sched.num_unfinished == 0
