@@ -1,9 +1,60 @@
-"""``ladle`` subcommands of the runtime."""
+"""``ladle`` subcommands of the runtime: generate, bench.
+
+Only the standard library is imported here; each handler imports torch when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
 
-def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    del sub
+def _generate(args: argparse.Namespace) -> int:
+    from ladle.runtime.config import EngineArgs
+    from ladle.runtime.llm import LLM
+    from ladle.runtime.sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**{k: v for k, v in vars(engine_args).items() if k != "extra"})
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    messages = [{"role": "user", "content": args.prompt}]
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from ladle.runtime.bench.throughput import bench
+
+    bench(args)
+    return 0
+
+
+def add_parsers(sub: SubParsers) -> None:
+    from ladle.runtime.bench.workloads import WORKLOADS
+    from ladle.runtime.config import EngineArgs
+
+    generate = sub.add_parser("generate", help="chat once with a model, offline")
+    generate.add_argument("prompt")
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--max-tokens", type=int, default=128)
+    EngineArgs.add_cli_args(generate)
+    generate.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench", metavar="BENCHMARK", required=True
+    )
+    throughput = bench.add_parser(
+        "throughput", help="offline throughput: ours vs transformers vs the GEMM ceiling"
+    )
+    throughput.add_argument("--model", help="HF folder or .gguf (default: embedded SmolLM2)")
+    throughput.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
+    throughput.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    throughput.add_argument("--kv-cache-memory", default="8GiB")
+    throughput.add_argument("--seed", type=int, default=0)
+    throughput.add_argument("--skip-transformers", action="store_true")
+    throughput.add_argument("--json", help="also write the results to this file")
+    throughput.set_defaults(func=_bench_throughput)
