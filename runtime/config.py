@@ -54,6 +54,7 @@ class EngineArgs:
     seed: int = 0
     scheduling_policy: SchedulingPolicy = "fcfs"
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +98,9 @@ class EngineArgs:
         group.add_argument("--seed", type=int, default=0)
         group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
         group.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+        group.add_argument(
+            "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 from ladle.runtime.attention import AttentionBackend, KVCacheSpec
 from ladle.runtime.attention.registry import select_backend
 from ladle.runtime.config import ConfigError, EngineArgs
+from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.detokenizer import IncrementalDetokenizer
 from ladle.runtime.errors import RequestError
 from ladle.runtime.kv_cache.manager import KVCacheManager
@@ -133,6 +134,18 @@ class LLMEngine:
             self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy
         )
         self.runner = ModelRunner(self.model, self.attention, caches, self.kv, self.device)
+        graphs = self.attention.name == "triton" and not args.enforce_eager
+        if self.device.type == "cuda" and graphs:
+            self.runner.graphs = DecodeGraphRunner(
+                self.model,
+                caches,
+                args.max_num_seqs,
+                self.max_model_len,
+                args.block_size,
+                self.device,
+                use_graphs=True,
+            )
+            self.runner.graphs.capture()
         self._requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, _RequestState] = {}
         # Called on the engine's thread after every step that ran the model.

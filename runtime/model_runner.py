@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.sampler import Sampler
@@ -28,6 +29,8 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.sampler = Sampler(device)
+        # Set by the engine on CUDA: replays decode-only steps from captured graphs.
+        self.graphs: DecodeGraphRunner | None = None
 
     def _prepare(
         self, batch: list[ScheduledSequence]
@@ -75,7 +78,10 @@ class ModelRunner:
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model.forward(input_ids, positions, self.caches, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.caches, meta)
         sample_rows = [i for i, item in enumerate(batch) if item.completes_prompt]
         if not sample_rows:
             return {}

@@ -22,6 +22,9 @@ import torch
 class LayerKVCache(NamedTuple):
     key: torch.Tensor
     value: torch.Tensor
+    # int8 caches only: fp32 scale per (slot, KV head), [num_blocks, block_size, num_kv_heads].
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,10 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_row = self.head_dim * elem
+        if self.dtype == torch.int8:
+            per_row += 4  # the row's fp32 scale
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_row
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
+from ladle.runtime.kernels.ops import ops_for_backend
 from ladle.runtime.models.config import ModelConfig
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -62,6 +63,8 @@ class LlamaModel:
     ) -> None:
         self.config = config
         self.attention = attention
+        # Norms, RoPE and SiLU-and-mul: fused Triton kernels with the Triton backend.
+        self.ops = ops_for_backend(attention.name)
         self.dtype = dtype
         self.device = device
         self.scale = config.head_dim**-0.5
@@ -129,10 +132,6 @@ class LlamaModel:
             k_norm=plain("k_norm") if self.config.qk_norm else None,
         )
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -142,32 +141,33 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
         cfg = self.config
+        ops = self.ops
         n = input_ids.shape[0]
         eps = cfg.rms_norm_eps
-        hidden_shape = (cfg.hidden_size,)
-        head_shape = (cfg.head_dim,)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         self.attention.begin_step(meta)
         residual = F.embedding(input_ids, self.embed)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = F.rms_norm(residual, hidden_shape, layer.input_norm, eps)
+        # Each sublayer's output is added into the residual by the next norm (fused on GPU).
+        first_norm = self.layers[0].input_norm if self.layers else self.norm
+        x = ops.rms_norm(residual, first_norm, eps)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = F.rms_norm(q, head_shape, layer.q_norm, eps)
-                k = F.rms_norm(k, head_shape, layer.k_norm, eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+                q = ops.rms_norm(q, layer.q_norm, eps)
+                k = ops.rms_norm(k, layer.k_norm, eps)
+            q, k = ops.rope(q, k, cos, sin)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
             attn = self.attention.forward(q, k, v, cache, meta, self.scale)
-            residual = residual + F.linear(attn.view(n, cfg.q_size), layer.o_proj)
-            x = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            residual = residual + F.linear(F.silu(gate) * up, layer.down)
-        return F.rms_norm(residual, hidden_shape, self.norm, eps)
+            out = F.linear(attn.view(n, cfg.q_size), layer.o_proj)
+            x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
+            out = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            x, residual = ops.add_rms_norm(out, residual, norm, eps)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
