@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from ladle.runtime.config import EngineArgs
@@ -103,7 +103,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request; leaving the loop early aborts it in the engine."""
         request: Request = self.engine.process_inputs(request_id, prompt, params, priority=priority)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
