@@ -9,10 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ladle.runtime.beam_search import BeamSearchOutput, BeamSearchSequence
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine, PromptInput
 from ladle.runtime.outputs import RequestOutput
-from ladle.runtime.sampling_params import RequestOutputKind, SamplingParams
+from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 
@@ -85,6 +86,37 @@ class LLM:
             )
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptInput | SequenceOf[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: the best ``beam_width`` sequences per prompt, best first.
+
+        The beams of all prompts run batched in the engine and share KV blocks copy-on-write;
+        the search matches transformers' ``generate(num_beams=..., do_sample=False)``.
+        """
+        items = _as_prompt_list(prompts)
+        order: list[str] = []
+        for prompt in items:
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, prompt, params)
+            order.append(rid)
+        results = []
+        for output in self._run(order, use_tqdm):
+            sequences = [
+                BeamSearchSequence(
+                    tokens=output.prompt_token_ids + c.token_ids,
+                    text=c.text,
+                    cum_logprob=c.cumulative_logprob or 0.0,
+                    finish_reason=c.finish_reason or "length",
+                )
+                for c in output.outputs
+            ]
+            results.append(BeamSearchOutput(sequences))
+        return results
 
     def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

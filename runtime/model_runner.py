@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.models.llama import LlamaModel
-from ladle.runtime.sampler import Sampler
+from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
 from ladle.runtime.scheduler import ScheduledSequence, SchedulerOutput
 from ladle.runtime.sequence import Sequence
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The sampled token of each sequence that reached its end, by ``seq_id``; and for
+    sequences that asked for prompt logprobs, (first position, logprobs) of the prompt tokens
+    that this step's chunk predicted."""
+
+    sampled: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -72,8 +84,8 @@ class ModelRunner:
         return torch.tensor(token_ids, dtype=torch.long, device=dev), pos.to(dev), meta
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, int]:
-        """Run one step; return the sampled token for each sequence that reached its end."""
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; sample for each sequence that reached its end."""
         self.attention.copy_blocks(self.caches, out.block_copies)
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
@@ -82,11 +94,37 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.caches, meta)
+        result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         sample_rows = [i for i, item in enumerate(batch) if item.completes_prompt]
         if not sample_rows:
-            return {}
+            return result
         last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sample_rows])
         logits = self.model.compute_logits(hidden[last.to(self.device)])
         seqs: list[Sequence] = [batch[i].seq for i in sample_rows]
-        tokens = self.sampler(logits, seqs)
-        return {seq.seq_id: tok for seq, tok in zip(seqs, tokens, strict=True)}
+        samples = self.sampler(logits, seqs)
+        result.sampled = {seq.seq_id: s for seq, s in zip(seqs, samples, strict=True)}
+        return result
+
+    def _prompt_logprobs(
+        self, batch: list[ScheduledSequence], hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> dict[int, tuple[int, list[TokenLogprobs]]]:
+        """Logprobs of the prompt tokens each chunk predicts: position p's logits score prompt
+        token p + 1."""
+        result: dict[int, tuple[int, list[TokenLogprobs]]] = {}
+        for i, item in enumerate(batch):
+            seq = item.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first = meta.query_start_loc_cpu[i]
+            logits = self.model.compute_logits(hidden[first : first + end - start])
+            targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
+            num_top = [seq.params.prompt_logprobs] * (end - start)
+            result[seq.seq_id] = (
+                start + 1,
+                token_logprobs(logits.log_softmax(-1), targets, num_top),
+            )
+        return result

@@ -1,8 +1,31 @@
-"""What the engine hands back, shaped like vLLM's ``RequestOutput``."""
+"""What the engine hands back, shaped like vLLM's ``RequestOutput``.
+
+Logprobs use vLLM's shape, which maps one to one onto OpenAI's ``logprobs`` objects: position
+``i`` of ``CompletionOutput.logprobs`` is a dict from token id to :class:`Logprob` holding the
+sampled token ``token_ids[i]`` (first) and the top-N alternatives. For chat, ``content[i]`` is
+``{token: lp[t].decoded_token, logprob: lp[t].logprob, bytes: list(decoded.encode()),
+top_logprobs: the other entries ordered by rank}`` with ``t = token_ids[i]``; for completions,
+``tokens``, ``token_logprobs`` and ``top_logprobs`` are read the same way.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability under the model's raw distribution (before penalties,
+    temperature and filters, as vLLM reports by default)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+# The first prompt token has no logprob: nothing precedes it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -18,12 +41,20 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
+    """One sequence of a request (``index`` among the ``n``).
+
+    ``finish_reason`` is ``stop``, ``length`` or ``abort``; for ``stop``, ``stop_reason`` is the
+    stop string or stop token id that ended it (None for EOS). ``cumulative_logprob`` sums the
+    raw logprobs of ``token_ids``; ``logprobs`` is set when the request asked for them.
+    """
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -34,8 +65,9 @@ class CompletionOutput:
 class RequestOutput:
     """One request's state after a step.
 
-    With ``delta`` outputs (streaming), ``text`` and ``token_ids`` hold only what is new since
-    the previous output; otherwise they are cumulative.
+    With ``delta`` outputs (streaming), ``text``, ``token_ids`` and ``logprobs`` hold only what
+    is new since the previous output, ``outputs`` only the sequences that changed, and
+    ``prompt_logprobs`` comes once; otherwise they are cumulative.
     """
 
     request_id: str
@@ -46,3 +78,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None
