@@ -56,8 +56,9 @@ class KVCacheManager:
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks that already hold a prefix of ``seq``. At least one token is always left to
-        compute, since the last prompt token's logits are needed."""
-        if not self.pool.enable_prefix_caching:
+        compute, since the last prompt token's logits are needed. Requests for prompt logprobs
+        get no hits (as in vLLM): every prompt position's logits are needed."""
+        if not self.pool.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         self._update_hashes(seq, seq.num_tokens - 1)
         hits: list[int] = []
