@@ -188,8 +188,9 @@ def _decode_merge_kernel(
         other=float("-inf"),
     )
     top = tl.max(lse, axis=0)
-    # An empty sequence (a padded CUDA-graph row) has no finite split: its output is zeros.
-    weights = tl.where(lse > float("-inf"), tl.math.exp2(lse - top), 0.0)
+    # An empty sequence (a padded CUDA-graph row) has only -inf splits: weights 0, output 0.
+    top = tl.where(top > float("-inf"), top, 0.0)
+    weights = tl.math.exp2(lse - top)
     total = tl.sum(weights, axis=0)
     partial = tl.load(
         partial_ptr
