@@ -166,6 +166,9 @@ def derive_isvc_status(
 
     granted = sum(v.granted_replicas for v in variants)
     requested = sum(v.requested_replicas for v in variants)
+    if blocking is None and granted == 0 < requested:
+        # Nothing may run at all: that, not the rollout, is why the service is not ready.
+        blocking = next((p for p in problems if p[0] == "QuotaExceeded"), None)
     available = sum(v.rollout.available for v in variants)
     updated = sum(v.rollout.updated for v in variants)
     complete = all(v.rollout.complete for v in variants) and bool(variants)

@@ -54,22 +54,9 @@ def find_helm() -> str:
 def render(helm: str) -> dict[Path, str]:
     """Every generated file and its content."""
     files = {CHART / "crds" / crd.name: crd.read_text() for crd in sorted(CRDS.glob("*.yaml"))}
-    rendered = subprocess.run(
-        [
-            helm,
-            "template",
-            RELEASE,
-            str(CHART),
-            "--namespace",
-            NAMESPACE,
-            "--include-crds",
-            "--kube-version",
-            KUBE_VERSION,
-        ],  # fmt: skip
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    argv = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    argv += ["--include-crds", "--kube-version", KUBE_VERSION]
+    rendered = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     files[MANIFESTS / "ladle.yaml"] = HEADER + rendered
     return files
 

@@ -65,6 +65,7 @@ def test_killing_the_active_operator_fails_over(
     kube.apply(isvc("after"), k8s_namespace)
     kube.wait_condition(k8s_namespace, "after", "Ready")
     assert second.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
+    assert second.stop() == 0  # and hands the Lease back for the next test
 
 
 def test_a_stopping_leader_hands_over_at_once(
@@ -86,3 +87,4 @@ def test_a_stopping_leader_hands_over_at_once(
     assert holder(k8s_api, ladle_chart) == "handover-second"
     kube.apply(isvc("handed-over"), k8s_namespace)
     kube.wait_condition(k8s_namespace, "handed-over", "Ready")
+    assert standby.stop() == 0

@@ -16,7 +16,8 @@ import yaml
 
 from ladle.operator.testing import Kube, OperatorProcess, wait_for
 
-pytestmark = pytest.mark.cluster
+# Every test here needs the module's operator running, whether or not it reads from it.
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("operator")]
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "registry.test/ladle-runtime:test"  # the operator's --runtime-image in conftest
@@ -57,7 +58,6 @@ def gone(kube: Kube, *args: str) -> bool:
     return result.returncode == 0 and not result.stdout.strip()
 
 
-@pytest.mark.usefixtures("operator")
 def test_every_example_applies_and_becomes_ready(kube: Kube, k8s_namespace: str) -> None:
     examples = sorted((ROOT / "examples").glob("*.yaml"))
     names = []
@@ -279,8 +279,8 @@ def test_gpu_pool_quota_is_enforced_and_explained(kube: Kube, k8s_namespace: str
         kube.apply(isvc_manifest("first", gpuPool=pool, replicas=2), k8s_namespace)
         kube.wait_condition(k8s_namespace, "first", "Ready")
         kube.apply(isvc_manifest("second", gpuPool=pool), k8s_namespace)
-        obj = kube.wait_condition(k8s_namespace, "second", "Degraded", reason="QuotaExceeded")
-        assert kube.condition(obj, "Ready")["reason"] == "QuotaExceeded"
+        obj = kube.wait_condition(k8s_namespace, "second", "Ready", "False", "QuotaExceeded")
+        assert kube.condition(obj, "Degraded")["reason"] == "QuotaExceeded"
         assert (
             "quota of 2 GPUs allows 0 of 1 replicas" in kube.condition(obj, "Degraded")["message"]
         )

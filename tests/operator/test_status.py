@@ -145,6 +145,16 @@ def test_quota_capped_service_is_ready_at_its_grant_and_degraded(
     assert status["variants"][0]["desiredReplicas"] == 2
 
 
+def test_a_service_granted_nothing_is_not_ready_even_mid_rollout(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    # The Deployment has not yet observed its scale-down to 0.
+    unobserved = make_deployment(0, generation=2, observed=1, total=1, updated=1, available=1)
+    status = observe(parse_isvc(make_isvc()), unobserved, granted=0, quota_note="full")
+    assert conditions(status)["Ready"] == ("False", "QuotaExceeded")
+    assert conditions(status)["Degraded"] == ("True", "QuotaExceeded")
+
+
 def test_a_service_granted_nothing_is_not_ready(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
