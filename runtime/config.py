@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "int8")
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -55,11 +56,17 @@ class EngineArgs:
     scheduling_policy: SchedulingPolicy = "fcfs"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -100,6 +107,12 @@ class EngineArgs:
         group.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
         group.add_argument(
             "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
+        )
+        group.add_argument(
+            "--kv-cache-dtype",
+            choices=KV_CACHE_DTYPES,
+            default="auto",
+            help="auto: the model's dtype; int8: half the memory (triton backend)",
         )
 
     @classmethod

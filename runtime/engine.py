@@ -148,12 +148,14 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(hf_config)
 
         cfg = self.model_config
+        kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
         spec = KVCacheSpec(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, self.dtype
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype
         )
-        self.attention: AttentionBackend = select_backend(args.attention_backend, self.device)(
-            spec, self.device
-        )
+        backend = select_backend(args.attention_backend, self.device)
+        if kv_dtype == torch.int8 and backend.name != "triton":
+            raise ConfigError("kv_cache_dtype int8 needs the triton attention backend")
+        self.attention: AttentionBackend = backend(spec, self.device)
         self.model = LlamaModel(cfg, self.attention, self.dtype, self.device)
         self.model.load_weights(iter_safetensors(self.model_path))
         num_blocks = self._num_blocks(spec)
