@@ -199,3 +199,58 @@ def closure(roots: list[str]) -> set[str]:
             if req.marker is None or req.marker.evaluate({"extra": ""}):
                 todo.append(canonical(req.name))
     return seen
+
+
+def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
+    """The operator and the runtime meet at the command line (and the same keys in --config):
+    render a spec that sets every engine field and check each flag against `ladle serve`."""
+    from ladle.operator.api import parse_isvc
+    from ladle.operator.config import OperatorConfig
+    from ladle.operator.desired import desired_children, engine_config
+
+    crd = yaml.safe_load((ROOT / "crds" / "ladle.dev_inferenceservices.yaml").read_text())
+    spec_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    engine_fields = spec_schema["properties"]["engine"]["properties"]
+    engine = {
+        "dtype": "bfloat16",
+        "maxModelLen": 4096,
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 4096,
+        "blockSize": 16,
+        "enablePrefixCaching": False,
+        "kvCacheMemory": "2Gi",
+        "seed": 1,
+        "maxWaitingRequests": 100,
+        "drainTimeoutSeconds": 20,
+    }
+    assert set(engine) | {"gpuMemoryUtilization"} == set(engine_fields)
+    obj = {
+        "metadata": {"name": "x", "namespace": "n", "uid": "u", "generation": 1},
+        "spec": {
+            "model": {"name": "m", "source": {"pvc": {"claimName": "c", "path": "p"}}},
+            "resources": {"gpus": 0},
+            "engine": engine,
+            "apiKeySecret": {"name": "s", "key": "k"},
+        },
+    }
+    isvc = parse_isvc(obj)
+    gpu = parse_isvc({**obj, "spec": {**obj["spec"], "resources": {"gpus": 1},
+                                      "engine": {"gpuMemoryUtilization": 0.5}}})  # fmt: skip
+    keys = set(engine_config(isvc)) | set(engine_config(gpu))
+    args = desired_children(isvc, None, 1, OperatorConfig(config_map_threshold_bytes=10**6))
+    rendered = args.deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    flags = {a.removeprefix("--") for a in rendered if a.startswith("--")}
+
+    result = subprocess.run(
+        [sys.executable, "-m", "ladle.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    known = set(re.findall(r"--([a-z][a-z0-9-]+)", result.stdout))
+    assert flags <= known, f"not ladle serve flags: {flags - known}"
+    assert keys <= known, f"not ladle serve settings: {keys - known}"
+    dtypes = re.search(r"--dtype \{([^}]+)\}", result.stdout)
+    assert dtypes is not None
+    assert set(engine_fields["dtype"]["enum"]) <= set(dtypes.group(1).split(","))
