@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from ladle.runtime.bench.profile import profile_decode
 from ladle.runtime.bench.workloads import WORKLOADS, Workload
 from ladle.runtime.llm import LLM
 from ladle.runtime.models.llama import LlamaModel
@@ -133,6 +134,10 @@ def bench(args: argparse.Namespace) -> list[Result]:
                 f"  {system:<13} {seconds:8.1f} s  {result.tok_per_s:7.1f} output tok/s", flush=True
             )
     _summary(results)
+    if args.profile:
+        workload = WORKLOADS[names[0]]
+        prompts = [list(tokenizer.encode(p)) for p in workload.prompts(args.seed)]
+        print("\n" + profile_decode(llm, prompts).table())
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**asdict(r), "tok_per_s": r.tok_per_s} for r in results], f, indent=2)

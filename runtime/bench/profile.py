@@ -1,0 +1,109 @@
+"""Where a decode step's time goes: GEMMs, attention, sampling, other kernels, Python.
+
+Runs a full batch of decodes under ``torch.profiler`` and sorts operator self-time into
+buckets. The sampler is timed by wrapping it for the duration of the profile, so the engine's
+own code carries no instrumentation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ladle.runtime.llm import LLM
+from ladle.runtime.sampler import Sampler, TokenLogprobs
+from ladle.runtime.sampling_params import SamplingParams
+from ladle.runtime.sequence import Sequence
+
+_GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
+_ATTENTION = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::bmm")
+
+
+@dataclass
+class DecodeProfile:
+    batch: int
+    steps: int
+    wall: float
+    gemm: float
+    attention: float
+    sampling: float
+    other_ops: float
+
+    @property
+    def python(self) -> float:
+        return max(self.wall - self.gemm - self.attention - self.sampling - self.other_ops, 0.0)
+
+    def table(self) -> str:
+        rows = [
+            ("GEMMs (projections, LM head)", self.gemm),
+            ("attention (gather, SDPA, KV store)", self.attention),
+            ("sampling", self.sampling),
+            ("other kernels (norms, RoPE, SiLU)", self.other_ops),
+            ("Python and scheduling", self.python),
+        ]
+        per_step = 1e3 / self.steps
+        lines = [
+            f"decode profile: batch {self.batch}, {self.steps} steps, "
+            f"{self.wall * per_step:.1f} ms/step"
+        ]
+        lines += [f"  {name:<36} {t * per_step:7.1f} ms  {t / self.wall:6.1%}" for name, t in rows]
+        return "\n".join(lines)
+
+
+def profile_decode(llm: LLM, prompts: list[list[int]], steps: int = 8) -> DecodeProfile:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"profile-{i}", ids, params)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+    engine.step()  # warm the decode path
+    sampler = engine.runner.sampler
+    timed = _TimedSampler(sampler)
+    engine.runner.sampler = timed  # type: ignore[assignment]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = time.perf_counter() - started
+    finally:
+        engine.runner.sampler = sampler
+    engine.abort_request([f"profile-{i}" for i in range(len(prompts))])
+    gemm = attention = other = 0.0
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        if event.key.startswith(_GEMM):
+            gemm += seconds
+        elif any(tag in event.key for tag in _ATTENTION):
+            attention += seconds
+        elif event.key.startswith("aten::"):
+            other += seconds
+    # The sampler's own kernels landed in "other"; count them once, as sampling.
+    return DecodeProfile(
+        len(prompts), steps, wall, gemm, attention, timed.seconds, max(other - timed.seconds, 0.0)
+    )
+
+
+class _TimedSampler:
+    """Delegates to the engine's sampler and adds up the time spent in it."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self._sampler = sampler
+        self.seconds = 0.0
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[TokenLogprobs]:
+        started = time.perf_counter()
+        try:
+            return self._sampler(logits, seqs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
