@@ -1,4 +1,4 @@
-"""``ladle`` subcommands of the runtime: generate, bench.
+"""``ladle`` subcommands of the runtime: generate, serve, bench.
 
 Only the standard library is imported here; each handler imports torch when it runs.
 """
@@ -26,6 +26,27 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from ladle.runtime.config import ConfigError, EngineArgs
+    from ladle.runtime.server.settings import ServerSettings
+
+    resolved = args.layered.resolve(args)
+    try:
+        settings = ServerSettings.from_namespace(resolved)
+        engine_args = EngineArgs.from_cli_args(resolved)
+    except ConfigError as exc:
+        raise SystemExit(f"ladle serve: {exc}") from None
+    from ladle.runtime.server.main import serve
+
+    return serve(settings, engine_args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from ladle.runtime.bench.serve import main
+
+    return main(args)
+
+
 def _bench_throughput(args: argparse.Namespace) -> int:
     from ladle.runtime.bench.throughput import bench
 
@@ -44,6 +65,19 @@ def add_parsers(sub: SubParsers) -> None:
     EngineArgs.add_cli_args(generate)
     generate.set_defaults(func=_generate)
 
+    from ladle.runtime.server.settings import LayeredOptions, add_server_args
+
+    serve = sub.add_parser(
+        "serve",
+        help="the OpenAI-compatible server",
+        description="Serve a model over the OpenAI API. Every flag can also be set as a "
+        "LADLE_<FLAG> environment variable or a key of the --config YAML file; the command "
+        "line wins, then the environment, then the file.",
+    )
+    add_server_args(serve)
+    EngineArgs.add_cli_args(serve)
+    serve.set_defaults(func=_serve, layered=LayeredOptions(serve))
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench", metavar="BENCHMARK", required=True
     )
@@ -57,4 +91,15 @@ def add_parsers(sub: SubParsers) -> None:
     throughput.add_argument("--seed", type=int, default=0)
     throughput.add_argument("--skip-transformers", action="store_true")
     throughput.add_argument("--json", help="also write the results to this file")
+    throughput.add_argument(
+        "--profile", action="store_true", help="then break a decode step down by where time goes"
+    )
     throughput.set_defaults(func=_bench_throughput)
+
+    from ladle.runtime.bench.serve import add_cli_args as add_bench_serve_args
+
+    bench_serve = bench.add_parser(
+        "serve", help="online load against any OpenAI-compatible server, like vllm bench serve"
+    )
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)

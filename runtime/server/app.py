@@ -1,0 +1,131 @@
+"""The FastAPI application: routes, middleware and error handlers around one ``ServerState``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ladle import __version__
+from ladle.runtime.async_engine import AsyncLLM
+from ladle.runtime.errors import RequestError
+from ladle.runtime.server.errors import APIError, install_handlers
+from ladle.runtime.server.lifecycle import ServerState
+from ladle.runtime.server.middleware import ServerMiddleware
+from ladle.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from ladle.runtime.server.serving import OpenAIServing, decode
+
+
+def _health(reason: str | None) -> JSONResponse:
+    if reason is None:
+        return JSONResponse(HealthResponse(status="ok").model_dump())
+    return JSONResponse(HealthResponse(status=reason).model_dump(), status_code=503)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        starting = asyncio.ensure_future(state.start())
+        yield
+        starting.cancel()
+        state.shutdown()
+
+    app = FastAPI(title="Ladle", version=__version__, lifespan=lifespan)
+    app.add_middleware(ServerMiddleware, state=state)
+    install_handlers(app)
+    serving = OpenAIServing(state)
+
+    def loaded() -> AsyncLLM:
+        """Endpoints that need only the tokenizer still wait for the model to load."""
+        if state.llm is None:
+            raise APIError(503, "the model is still loading", code="not_ready")
+        return state.llm
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(request, raw)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(request, raw)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        engine = loaded().engine
+        card = ModelCard(
+            id=engine.served_model_name,
+            root=str(engine.model_path),
+            max_model_len=engine.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/tokenize")
+    async def tokenize(
+        request: TokenizeCompletionRequest | TokenizeChatRequest,
+    ) -> TokenizeResponse:
+        llm = loaded()
+        serving.check_model(llm, request.model)
+        tokenizer = llm.engine.tokenizer
+        if isinstance(request, TokenizeChatRequest):
+            _, ids = serving.render_chat(
+                llm,
+                request.messages,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+            )
+        else:
+            ids = list(
+                tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            )
+        strs = list(tokenizer.convert_ids_to_tokens(ids)) if request.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        llm = loaded()
+        serving.check_model(llm, request.model)
+        vocab = llm.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.tokens):
+            raise RequestError(f"tokens: ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=decode(llm.engine.tokenizer, request.tokens))
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/health/live", response_model=None)
+    async def live() -> JSONResponse:
+        """Restart me: the engine loop died or hangs. Loading still counts as alive."""
+        return _health(state.liveness())
+
+    app.add_api_route("/health", live, methods=["GET"], response_model=None)
+
+    @app.get("/health/ready", response_model=None)
+    async def ready() -> JSONResponse:
+        """Send me traffic: loaded, warmed up, not draining."""
+        return _health(state.readiness())
+
+    @app.get("/metrics", response_model=None)
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

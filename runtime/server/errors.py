@@ -1,0 +1,130 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status.
+
+Clients (the OpenAI SDK, gateways) branch on the status; ``type`` and ``code`` say why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from ladle.runtime.errors import RequestError
+from ladle.runtime.server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("ladle.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> ErrorResponse:
+        return error_body(self.status_code, self.message, self.code, self.param)
+
+
+def error_body(
+    status_code: int, message: str, code: str | None = None, param: str | None = None
+) -> ErrorResponse:
+    kind = _TYPES.get(
+        status_code, "server_error" if status_code >= 500 else "invalid_request_error"
+    )
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+
+
+def error_response(
+    status_code: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    body = error_body(status_code, message, code, param)
+    return JSONResponse(body.model_dump(), status_code=status_code, headers=headers)
+
+
+def invalid_request(exc: RequestError) -> APIError:
+    return APIError(400, str(exc), code="invalid_parameter", param=exc.param)
+
+
+def from_validation_errors(errors: list[Any]) -> APIError:
+    """The first pydantic error, with ``param`` as the dotted field path."""
+    first = errors[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, RequestError):
+        return invalid_request(cause)
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if param:
+        message = f"{param}: {message}"
+    return APIError(400, message, code="invalid_parameter", param=param)
+
+
+def install_handlers(app: FastAPI) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        level = logging.WARNING if exc.status_code in (429, 500, 503) else logging.INFO
+        log.log(
+            level,
+            "request rejected",
+            extra={
+                "status": exc.status_code,
+                "code": exc.code,
+                "param": exc.param,
+                "error": exc.message,
+                "path": request.url.path,
+            },
+        )
+        return error_response(exc.status_code, exc.message, exc.code, exc.param, exc.headers)
+
+    async def on_request_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestError)
+        return await on_api_error(_, invalid_request(exc))
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError | ValidationError)
+        return await on_api_error(request, from_validation_errors(list(exc.errors())))
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        return error_response(
+            exc.status_code, str(exc.detail), code.get(exc.status_code), headers=exc.headers
+        )
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestError, on_request_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)

@@ -1,0 +1,221 @@
+"""Startup, readiness, admission and drain: what Kubernetes and every request ask the server.
+
+The model loads in the background so that the process answers probes at once: live while
+loading, ready only after a warm-up step. On SIGTERM readiness turns 503 and new requests get
+503 while the in-flight ones finish, up to the drain timeout; then the rest are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+
+from ladle.runtime.server.auth import ApiKeys
+from ladle.runtime.server.errors import APIError
+from ladle.runtime.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from ladle.runtime.async_engine import AsyncLLM
+    from ladle.runtime.server.metrics import ServerMetrics
+
+log = logging.getLogger("ladle.server")
+
+# Paths that probes and scrapers call; they neither count as in-flight work nor need a key.
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
+# Aborted requests end after the engine's current step; this bounds that wait.
+ABORT_GRACE_SECONDS = 10.0
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, load_engine: Callable[[], AsyncLLM]) -> None:
+        self.settings = settings
+        self.api_keys = ApiKeys(settings.api_keys, settings.api_key_file)
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self._load_engine = load_engine
+        self.llm: AsyncLLM | None = None
+        self.metrics: ServerMetrics | None = None
+        self.ready = False
+        self.draining = False
+        self.exit_code = 0
+        # Set by whoever runs the HTTP server: stops it (used when the model fails to load).
+        self.request_exit: Callable[[], None] = lambda: None
+        self._http_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._engine_requests: set[str] = set()
+
+    # -- startup ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the model off the event loop, warm it up, then turn ready."""
+        from ladle.runtime.server.metrics import ServerMetrics
+
+        try:
+            llm = await _in_daemon_thread(self._load_engine)
+            await self._warm_up(llm)
+        except Exception:
+            log.exception("the engine failed to start")
+            self.exit_code = 1
+            self.request_exit()
+            return
+        self.llm = llm
+        self.metrics = ServerMetrics(self.registry, llm.engine)
+        self.ready = True
+        s = self.settings
+        log.info(
+            "ready",
+            extra={"url": f"http://{s.host}:{s.port}/v1", "model": llm.engine.served_model_name},
+        )
+
+    @staticmethod
+    async def _warm_up(llm: AsyncLLM) -> None:
+        from ladle.runtime.sampling_params import SamplingParams
+
+        started = time.monotonic()
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        async for _ in llm.generate("Hello", params, "warmup"):
+            pass
+        log.info("warm-up step done", extra={"seconds": round(time.monotonic() - started, 3)})
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+
+    # -- probes -------------------------------------------------------------------------
+
+    def liveness(self) -> str | None:
+        """Why the process should be restarted, or None while it is healthy."""
+        llm = self.llm
+        if llm is None:
+            return None  # still loading; the startup probe owns this phase
+        if not llm.is_running:
+            return f"the engine loop stopped: {llm.error!r}"
+        stuck = llm.seconds_since_heartbeat()
+        if stuck > self.settings.liveness_timeout:
+            return f"the engine loop has been inside one step for {stuck:.0f} s"
+        return None
+
+    def readiness(self) -> str | None:
+        """Why traffic should not be sent here now, or None when it may."""
+        if self.draining:
+            return "draining"
+        if not self.ready:
+            return "loading"
+        return self.liveness()
+
+    # -- admission ----------------------------------------------------------------------
+
+    def admit(self) -> AsyncLLM:
+        """The engine, if a new generation request may start now; otherwise the error to send."""
+        if self.draining:
+            self._reject("draining")
+            raise APIError(
+                503,
+                "the server is shutting down; retry on another replica",
+                code="draining",
+                headers={"Connection": "close"},
+            )
+        llm = self.llm
+        if llm is None or not self.ready:
+            raise APIError(503, "the model is still loading", code="not_ready")
+        if not llm.is_running:
+            self._reject("engine_dead")
+            raise APIError(
+                503, "the engine has stopped; this replica will restart", code="engine_dead"
+            )
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.num_waiting(llm) >= limit:
+            self._reject("queue_full")
+            raise APIError(
+                429,
+                f"the server has {limit} requests waiting; retry later",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        return llm
+
+    def num_waiting(self, llm: AsyncLLM) -> int:
+        """Requests not yet scheduled: the engine's queue plus those handed to its thread but
+        not yet added (the thread picks up new requests only between steps)."""
+        engine = llm.engine
+        not_added = len(self._engine_requests) - engine.num_unfinished_requests
+        return engine.stats().num_waiting + max(0, not_added)
+
+    def _reject(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+
+    # -- in-flight tracking -------------------------------------------------------------
+
+    def http_started(self) -> None:
+        self._http_in_flight += 1
+        self._idle.clear()
+
+    def http_finished(self) -> None:
+        self._http_in_flight -= 1
+        if self._http_in_flight == 0:
+            self._idle.set()
+
+    def engine_request_started(self, request_id: str) -> None:
+        self._engine_requests.add(request_id)
+
+    def engine_request_finished(self, request_id: str) -> None:
+        self._engine_requests.discard(request_id)
+
+    async def drain(self) -> None:
+        """Refuse new work, let in-flight requests finish, abort what is left at the timeout."""
+        if self.draining:
+            return
+        self.draining = True
+        timeout = self.settings.drain_timeout
+        log.info("draining", extra={"in_flight": self._http_in_flight, "timeout_s": timeout})
+        if await self._wait_idle(timeout):
+            log.info("drained")
+            return
+        aborted = sorted(self._engine_requests)
+        log.warning("drain timeout; aborting requests", extra={"aborted": len(aborted)})
+        if self.llm is not None:
+            for request_id in aborted:
+                self.llm.abort(request_id)
+        if not await self._wait_idle(ABORT_GRACE_SECONDS):
+            log.warning("requests still open after abort", extra={"open": self._http_in_flight})
+
+    async def _wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+async def _in_daemon_thread(load: Callable[[], AsyncLLM]) -> AsyncLLM:
+    """Like ``asyncio.to_thread``, but a daemon thread, so SIGTERM during a load can exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[AsyncLLM] = loop.create_future()
+
+    def settle(result: AsyncLLM | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            assert result is not None
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result = load()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, name="ladle-load", daemon=True).start()
+    return await future

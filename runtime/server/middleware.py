@@ -1,0 +1,110 @@
+"""The outermost layer of every request: id, API key, body size, in-flight count, last-resort 500.
+
+It is plain ASGI rather than ``BaseHTTPMiddleware`` so that streamed responses pass through
+untouched and a client disconnect still reaches the handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ladle.runtime.server.errors import error_response
+from ladle.runtime.server.lifecycle import OPEN_PATHS, ServerState
+from ladle.runtime.server.logs import request_id_var
+
+log = logging.getLogger("ladle.server")
+
+# Incoming ids are echoed into headers and logs, so only a safe alphabet is honoured.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+
+class RequestTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body exceeds the {limit}-byte limit")
+
+
+class ServerMiddleware:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        incoming = headers.get("x-request-id", "")
+        request_id = incoming if _REQUEST_ID.fullmatch(incoming) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        token = request_id_var.set(request_id)
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        open_path = scope["path"] in OPEN_PATHS
+        if not open_path:
+            self.state.http_started()
+        try:
+            rejection = None if open_path else self._reject_early(headers)
+            if rejection is not None:
+                await rejection(scope, receive, send_with_id)
+            else:
+                await self.app(scope, self._limited(receive), send_with_id)
+        except Exception:
+            log.exception("unhandled error", extra={"path": scope["path"]})
+            if not started:
+                response = error_response(
+                    500, f"internal server error (request id {request_id})", "internal_error"
+                )
+                await response(scope, receive, send_with_id)
+        finally:
+            if not open_path:
+                self.state.http_finished()
+            request_id_var.reset(token)
+
+    def _reject_early(self, headers: Headers) -> JSONResponse | None:
+        """A 401 or 413 response decided from the headers alone, before the body is read."""
+        keys = self.state.api_keys
+        if keys.enabled:
+            scheme, _, presented = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not keys.check(presented.strip()):
+                return error_response(
+                    401,
+                    "a valid API key is required (Authorization: Bearer <key>)",
+                    "invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        declared = headers.get("content-length", "")
+        limit = self.state.settings.max_request_size
+        if declared.isdigit() and int(declared) > limit:
+            exc = RequestTooLarge(limit)
+            return error_response(413, str(exc.detail), "request_too_large")
+        return None
+
+    def _limited(self, receive: Receive) -> Receive:
+        """Enforce the size limit on bodies without a Content-Length (chunked uploads)."""
+        limit = self.state.settings.max_request_size
+        received = 0
+
+        async def receive_limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise RequestTooLarge(limit)
+            return message
+
+        return receive_limited

@@ -1,0 +1,105 @@
+"""A real ``ladle serve`` process on 127.0.0.1, and helpers to read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+# Small enough to start fast, large enough for 16 concurrent short requests without preemption.
+BASE_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+READY_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_lines(self) -> list[str]:
+        return self.log_path.read_text().splitlines()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics, keyed by (name, sorted labels without model_name)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = tuple(
+                    sorted((k, v) for k, v in sample.labels.items() if k != "model_name")
+                )
+                samples[(sample.name, labels)] = sample.value
+        return samples
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def wait_metric(self, name: str, value: float, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (current := self.metric(name)) != value:
+            assert time.monotonic() < deadline, f"{name} stayed {current}, expected {value}"
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=120)
+
+
+def start_server(
+    log_dir: Path, *flags: str, env: dict[str, str] | None = None, ready: bool = True
+) -> Server:
+    port = free_port()
+    log_path = log_dir / f"serve-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ladle.cli", "serve", "--port", str(port), *BASE_FLAGS, *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    server = Server(proc, port, log_path)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    path = "/health/ready" if ready else "/health/live"
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"ladle serve exited {proc.returncode}:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{server.url}{path}", timeout=5).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise AssertionError(f"ladle serve not ready in time:\n{log_path.read_text()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One plain server for the session: starting the model costs seconds on these CPUs."""
+    srv = start_server(tmp_path_factory.mktemp("serve"))
+    yield srv
+    assert srv.stop() == 0, "\n".join(srv.log_lines()[-30:])

@@ -1,0 +1,195 @@
+"""Error responses over raw HTTP, client disconnects, and /metrics against what was sent."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import Server
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def post(server: Server, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": "many"}, "n"),
+        ({"prompt": "x", "top_k": "abc"}, "top_k"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "no_such_knob": 1}, "no_such_knob"),
+        ({"prompt": []}, "prompt"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "word " * 600}, "prompt"),
+        ({"prompt": "x", "max_tokens": 600}, "max_tokens"),
+    ],
+)
+def test_bad_completion_parameters_are_400(
+    server: Server, body: dict[str, Any], param: str
+) -> None:
+    error = assert_error(post(server, "/v1/completions", body), 400, param)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_chat_errors_are_400(server: Server) -> None:
+    assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    bad_role = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert_error(post(server, "/v1/chat/completions", bad_role), 400)
+    only_top = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    assert_error(post(server, "/v1/chat/completions", only_top), 400, "top_logprobs")
+
+
+def test_unknown_model_is_400(server: Server) -> None:
+    error = assert_error(
+        post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 400, "model"
+    )
+    assert error["code"] == "model_not_found"
+
+
+def test_malformed_json_and_unknown_route(server: Server) -> None:
+    raw = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert_error(raw, 400)
+    assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404)
+
+
+def test_oversized_body_is_413(server: Server) -> None:
+    huge = {"prompt": "x" * (9 << 20)}
+    error = assert_error(post(server, "/v1/completions", huge), 413)
+    assert error["code"] == "request_too_large"
+
+    def chunks() -> Any:
+        for _ in range(10):
+            yield b"x" * (1 << 20)
+
+    # No Content-Length (chunked upload): the limit still holds as the body streams in.
+    chunked = httpx.post(
+        f"{server.url}/v1/completions",
+        content=chunks(),
+        headers={"Content-Type": "application/json"},
+    )
+    assert_error(chunked, 413)
+
+
+def test_streaming_client_disconnect_frees_blocks(server: Server) -> None:
+    aborted = server.metric("ladle:request_success_total", finished_reason="abort")
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert server.metric("ladle:num_requests_running") == 1
+        assert server.metric("ladle:kv_cache_usage_perc") > 0
+    server.wait_metric("ladle:num_requests_running", 0, timeout=30)
+    assert server.metric("ladle:kv_cache_usage_perc") == 0
+    assert server.metric("ladle:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_non_streaming_client_disconnect_frees_blocks(server: Server) -> None:
+    aborted = server.metric("ladle:request_success_total", finished_reason="abort")
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
+    server.wait_metric("ladle:num_requests_running", 0, timeout=30)
+    assert server.metric("ladle:kv_cache_usage_perc") == 0
+    assert server.metric("ladle:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_metrics_count_what_was_sent(server: Server) -> None:
+    before = server.metrics()
+    bodies = [
+        {"prompt": "Hello", "max_tokens": 3, "temperature": 0},
+        {"prompt": "One two three four", "max_tokens": 5, "ignore_eos": True},
+        {"prompt": "Stop here", "max_tokens": 4, "stream": True, "ignore_eos": True},
+    ]
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    for body in bodies:
+        if body.get("stream"):
+            body["stream_options"] = {"include_usage": True}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as stream:
+                events = [line for line in stream.iter_lines() if line.startswith("data: {")]
+            counts = httpx.Response(200, content=events[-1][6:]).json()["usage"]
+        else:
+            counts = post(server, "/v1/completions", body).json()["usage"]
+        for key in usage:
+            usage[key] += counts[key]
+    # The engine counts a step before handing out its tokens, and a request's histograms are
+    # observed before its response ends, so nothing is pending now.
+    after = server.metrics()
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    n = len(bodies)
+    assert delta("ladle:prompt_tokens_total") == usage["prompt_tokens"]
+    assert delta("ladle:generation_tokens_total") == usage["completion_tokens"]
+    assert delta("ladle:request_success_total", finished_reason="length") == n
+    assert delta("ladle:request_prompt_tokens_sum") == usage["prompt_tokens"]
+    assert delta("ladle:request_generation_tokens_sum") == usage["completion_tokens"]
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
+        assert delta(f"ladle:{histogram}_count") == n, histogram
+    # Every token after a request's first closes one inter-token gap.
+    assert delta("ladle:inter_token_latency_seconds_count") == usage["completion_tokens"] - n
+    assert delta("ladle:iteration_tokens_total_sum") >= usage["prompt_tokens"]
+    # SLOs of 0.5, 1 and 2 s are bucket edges, so they read exactly.
+    for edge in ("0.5", "1.0", "2.0"):
+        assert ("ladle:time_to_first_token_seconds_bucket", (("le", edge),)) in after
+        assert ("ladle:e2e_request_latency_seconds_bucket", (("le", edge),)) in after
+    assert after[("ladle:num_requests_waiting", ())] == 0
+
+
+def test_health_endpoints(server: Server) -> None:
+    for path in ("/health", "/health/live", "/health/ready"):
+        response = httpx.get(f"{server.url}{path}")
+        assert response.status_code == 200
+        assert response.json() == {"status": "ok"}
+
+
+def test_request_log_lines(server: Server) -> None:
+    post(
+        server,
+        "/v1/completions",
+        {"prompt": "secret prompt text", "max_tokens": 2, "top_k": 3, "temperature": 0.5},
+        headers={"X-Request-Id": "log-check-1"},
+    )
+    records = [json.loads(line) for line in server.log_lines() if line.startswith("{")]
+    finished = [r for r in records if r.get("request_id") == "log-check-1"]
+    assert len(finished) == 1
+    record = finished[0]
+    assert record["message"] == "request finished"
+    assert record["prompt_tokens"] == 3
+    assert record["completion_tokens"] == 2
+    assert record["finish_reason"] == "length"
+    assert record["ttft_s"] > 0
+    assert record["total_s"] >= record["ttft_s"]
+    assert record["sampling_params"] == {"max_tokens": 2, "temperature": 0.5, "top_k": 3}
+    assert "prompt" not in record
+    assert all("secret prompt text" not in line for line in server.log_lines())

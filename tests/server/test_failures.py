@@ -1,0 +1,132 @@
+"""Failures a healthy process cannot show: an unexpected exception (500 with the request id,
+and the server keeps serving), and an engine loop that hangs or dies (liveness fails).
+
+The app runs in this process under uvicorn, around an engine whose methods the tests break.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+
+from ladle.runtime import AsyncLLM, EngineArgs
+from ladle.runtime.engine import LLMEngine
+from ladle.runtime.server.app import create_app
+from ladle.runtime.server.lifecycle import ServerState
+from ladle.runtime.server.settings import ServerSettings
+
+from .conftest import free_port
+
+BODY = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineArgs(kv_cache_memory=32 << 20, max_model_len=256))
+
+
+@contextmanager
+def running(engine: LLMEngine, liveness_timeout: float = 60.0) -> Iterator[str]:
+    settings = ServerSettings(port=free_port(), liveness_timeout=liveness_timeout)
+    state = ServerState(settings, lambda: AsyncLLM(engine))
+    config = uvicorn.Config(
+        create_app(state), host="127.0.0.1", port=settings.port, log_config=None
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{settings.port}"
+    deadline = time.monotonic() + 120
+    while not state.ready:
+        assert thread.is_alive(), "the server thread died"
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def wait_status(url: str, status: int, timeout: float = 30.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while (response := httpx.get(url)).status_code != status:
+        assert time.monotonic() < deadline, f"{url} stayed {response.status_code}"
+        time.sleep(0.05)
+    return response
+
+
+def test_unexpected_error_is_500_with_request_id_and_serving_continues(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with running(engine) as url:
+        original: Callable[..., object] = engine.process_inputs
+
+        def broken(*args: object, **kwargs: object) -> object:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(engine, "process_inputs", broken)
+        failed = httpx.post(
+            f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "bug-report-7"}
+        )
+        assert failed.status_code == 500
+        assert failed.headers["x-request-id"] == "bug-report-7"
+        error = failed.json()["error"]
+        assert error["type"] == "server_error"
+        assert "bug-report-7" in error["message"]
+        assert "a bug" not in error["message"]  # internals stay in the log
+
+        monkeypatch.setattr(engine, "process_inputs", original)
+        assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 200
+
+
+def test_hung_engine_step_fails_liveness(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    step = engine.step
+
+    def hanging_step() -> object:
+        release.wait(timeout=60)
+        return step()
+
+    with running(engine, liveness_timeout=0.5) as url:
+        assert httpx.get(f"{url}/health/live").status_code == 200
+        monkeypatch.setattr(engine, "step", hanging_step)
+        request = threading.Thread(
+            target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": BODY, "timeout": 60}
+        )
+        request.start()
+        stuck = wait_status(f"{url}/health/live", 503)
+        assert "inside one step" in stuck.json()["status"]
+        assert httpx.get(f"{url}/health/ready").status_code == 503
+        release.set()
+        request.join()
+        wait_status(f"{url}/health/live", 200)
+
+
+def test_dead_engine_loop_fails_liveness_and_refuses_requests(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs last: the engine keeps the request that was in flight when its loop died."""
+
+    def crash() -> object:
+        raise RuntimeError("device lost")
+
+    with running(engine) as url:
+        monkeypatch.setattr(engine, "step", crash)
+        failed = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+        assert failed.status_code == 503
+        assert failed.json()["error"]["code"] == "engine_dead"
+        dead = wait_status(f"{url}/health/live", 503)
+        assert "device lost" in dead.json()["status"]
+        assert httpx.get(f"{url}/health/ready").status_code == 503
+        refused = httpx.post(f"{url}/v1/completions", json=BODY)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "engine_dead"

@@ -1,0 +1,149 @@
+"""The server's pure parts, without a model: settings layering, keys, parameter mapping,
+metric buckets, and the benchmark's statistics."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from ladle.runtime.bench.serve import RequestResult, parse_slos, summarize
+from ladle.runtime.config import ConfigError, EngineArgs
+from ladle.runtime.sampling_params import RequestOutputKind
+from ladle.runtime.server.auth import ApiKeys
+from ladle.runtime.server.errors import APIError
+from ladle.runtime.server.metrics import LATENCY_BUCKETS, one_two_five_buckets
+from ladle.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from ladle.runtime.server.serving import build_sampling_params
+from ladle.runtime.server.settings import LayeredOptions, ServerSettings, add_server_args
+
+
+def layered() -> tuple[argparse.ArgumentParser, LayeredOptions]:
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    EngineArgs.add_cli_args(parser)
+    return parser, LayeredOptions(parser)
+
+
+def test_command_line_beats_environment_beats_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "port: 9000\nmax-waiting-requests: 3\ndrain_timeout: 12\n"
+        "enable-prefix-caching: false\nkv-cache-memory: 1048576\napi-key: [a, b]\n"
+    )
+    parser, options = layered()
+    typed = parser.parse_args(["--config", str(config), "--port", "9100"])
+    env = {"LADLE_MAX_WAITING_REQUESTS": "7", "LADLE_LOG_PROMPTS": "true"}
+    args = options.resolve(typed, env)
+    settings = ServerSettings.from_namespace(args)
+    engine = EngineArgs.from_cli_args(args)
+    assert settings.port == 9100  # command line
+    assert settings.max_waiting_requests == 7  # environment over the file
+    assert settings.log_prompts is True
+    assert settings.drain_timeout == 12  # file, underscores accepted
+    assert settings.api_keys == ["a", "b"]
+    assert settings.host == "127.0.0.1"  # default
+    assert engine.enable_prefix_caching is False
+    assert engine.kv_cache_memory == 1 << 20
+    assert engine.max_num_seqs == 256
+
+
+def test_config_path_from_environment_and_bad_values(tmp_path: Path) -> None:
+    parser, options = layered()
+    config = tmp_path / "c.yaml"
+    config.write_text("served-model-name: from-file\n")
+    args = options.resolve(parser.parse_args([]), {"LADLE_CONFIG": str(config)})
+    assert args.served_model_name == "from-file"
+    config.write_text("no-such-flag: 1\n")
+    with pytest.raises(ConfigError, match="unknown setting 'no-such-flag'"):
+        options.resolve(parser.parse_args(["--config", str(config)]), {})
+    with pytest.raises(ConfigError, match="LADLE_PORT"):
+        options.resolve(parser.parse_args([]), {"LADLE_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="not one of"):
+        options.resolve(parser.parse_args([]), {"LADLE_DTYPE": "int3"})
+    with pytest.raises(ConfigError, match="true or false"):
+        options.resolve(parser.parse_args([]), {"LADLE_LOG_PROMPTS": "maybe"})
+
+
+def test_api_keys_from_flags_and_a_rotating_file(tmp_path: Path) -> None:
+    assert not ApiKeys([]).enabled
+    keys = ApiKeys(["alpha", "beta"])
+    assert keys.check("beta")
+    assert not keys.check("gamma")
+    assert not keys.check("")
+    secret = tmp_path / "key"
+    secret.write_text("  one \n\ntwo\n")
+    from_file = ApiKeys([], secret)
+    assert from_file.check("one")
+    assert from_file.check("two")
+    secret.write_text("three\n")
+    stat = secret.stat()
+    os.utime(secret, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert not from_file.check("one")
+    assert from_file.check("three")
+    secret.write_text("\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        ApiKeys([], secret)
+
+
+def test_request_fields_map_to_sampling_params_by_name() -> None:
+    request = CompletionRequest.model_validate(
+        {
+            "prompt": "x",
+            "stop": "END",
+            "logit_bias": {"42": 5},
+            "top_k": 3,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "user": "ignored",
+            "priority": 2,
+        }
+    )
+    params = build_sampling_params(request, {})
+    assert params.stop == ["END"]
+    assert params.logit_bias == {42: 5.0}
+    assert (params.top_k, params.min_p, params.repetition_penalty) == (3, 0.1, 1.1)
+    assert params.max_tokens == 16  # the completions API's default
+    assert params.output_kind is RequestOutputKind.DELTA
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+    )
+    assert build_sampling_params(chat, {"max_tokens": 9}).max_tokens == 9
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"frobnicate": 1}, "frobnicate"), ({"top_k": -5}, "top_k"), ({"n": 0}, "n")],
+)
+def test_bad_or_unknown_fields_name_the_parameter(extra: dict[str, int], param: str) -> None:
+    request = CompletionRequest.model_validate({"prompt": "x", **extra})
+    with pytest.raises((APIError, ValueError)) as info:
+        build_sampling_params(request, {})
+    assert getattr(info.value, "param", None) == param
+
+
+def test_latency_buckets_hold_the_slo_edges() -> None:
+    assert {0.5, 1.0, 2.0} <= set(LATENCY_BUCKETS)
+    assert one_two_five_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
+
+
+def test_bench_statistics_follow_vllm_definitions() -> None:
+    fast = RequestResult(True, None, 10, 5, ttft=0.1, latency=0.5, itl=[0.1] * 4)
+    slow = RequestResult(True, None, 20, 3, ttft=1.0, latency=2.0, itl=[0.5, 0.5])
+    failed = RequestResult(False, "HTTP 500", 10)
+    slos = parse_slos(["ttft:500", "tpot:200"])
+    assert slos == {"ttft": 0.5, "tpot": 0.2}
+    summary = summarize([fast, slow, failed], duration=4.0, percentiles=[50, 99], slos=slos)
+    assert summary["completed"] == 2
+    assert summary["failed"] == 1
+    assert summary["total_output_tokens"] == 8
+    assert summary["output_throughput"] == 2.0
+    assert summary["total_token_throughput"] == 38 / 4
+    assert summary["goodput"] == 0.25  # only the fast request meets both SLOs
+    assert summary["mean_tpot_ms"] == pytest.approx((100 + 500) / 2)  # 0.4/4 and 1.0/2
+    assert summary["p50_itl_ms"] == pytest.approx(100)
+    assert summary["mean_e2el_ms"] == pytest.approx(1250)
+    with pytest.raises(SystemExit):
+        parse_slos(["latency:5"])
