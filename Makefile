@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 run: setup
-	$(BIN)/ladle generate "Write a haiku about Kubernetes."
+	$(BIN)/ladle serve
 
 lint: setup
 	$(BIN)/ruff check .
