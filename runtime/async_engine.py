@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine, PromptInput, Request
 from ladle.runtime.outputs import RequestOutput
-from ladle.runtime.sampling_params import SamplingParams
+from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
