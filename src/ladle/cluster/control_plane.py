@@ -323,6 +323,25 @@ class Cluster:
             stopped.append(name)
         return stopped
 
+    def restart_apiserver(self, timeout: float = 60.0) -> float:
+        """Stop kube-apiserver and start it again with the same flags, for resilience tests
+        (clients must survive it); returns the seconds until /readyz passes again."""
+        state = self.state()
+        record = state["processes"]["kube-apiserver"]
+        proc = self._live(record)
+        start = time.monotonic()
+        if proc is not None:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+                _, alive = psutil.wait_procs([proc], timeout=10)
+                for straggler in alive:
+                    straggler.kill()
+        self._start(state, "kube-apiserver", record["argv"])
+        self._wait(
+            "kube-apiserver /readyz", lambda: self.api("GET", "/readyz") == "ok", start + timeout
+        )
+        return time.monotonic() - start
+
     def down(self) -> list[str]:
         """Stop our processes and remove the state folder."""
         stopped = self.stop_processes()
