@@ -2,82 +2,22 @@
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ladle.runtime.engine import LLMEngine
 from ladle.runtime.models.loader import resolve_model
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+from ladle.runtime.models.random_weights import save_random_model, tiny_config
 
 
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     return resolve_model(None)
-
-
-def _tiny_configs(vocab: int) -> dict[str, Any]:
-    common: dict[str, Any] = {
-        "vocab_size": vocab,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "initializer_range": 0.3,
-        "eos_token_id": 2,
-        "bos_token_id": 1,
-    }
-    return {
-        # Each architecture also exercises one RoPE variant that the forward pass must honour.
-        "llama": LlamaConfig(
-            **common,
-            tie_word_embeddings=True,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 10000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        ),
-        "mistral": MistralConfig(**common, sliding_window=None, head_dim=16),
-        "qwen2": Qwen2Config(
-            **common,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
-        ),
-        "qwen3": Qwen3Config(
-            **common,
-            head_dim=32,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-        ),
-    }
-
-
-TINY_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="session")
@@ -91,14 +31,7 @@ def tiny_model_factory(
     def build(arch: str) -> Path:
         if arch not in built:
             folder = tmp_path_factory.mktemp(f"tiny-{arch}")
-            config = _tiny_configs(vocab)[arch]
-            torch.manual_seed(1234)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            model.save_pretrained(folder)
-            for name in TOKENIZER_FILES:
-                if (default_model_path / name).exists():
-                    shutil.copy(default_model_path / name, folder / name)
-            built[arch] = folder
+            built[arch] = save_random_model(tiny_config(arch, vocab), folder, default_model_path)
         return built[arch]
 
     return build

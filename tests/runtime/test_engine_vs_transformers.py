@@ -13,11 +13,11 @@ import pytest
 
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine
+from ladle.runtime.models.random_weights import TINY_ARCHITECTURES
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import SamplingParams
 
 from .conftest import (
-    TINY_ARCHITECTURES,
     TransformersReference,
     assert_matches_reference,
     assert_no_blocks_leaked,
