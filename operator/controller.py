@@ -67,6 +67,7 @@ IsvcKey = tuple[str, str]  # (namespace, name)
 ChildKey = tuple[str, str, str]  # (kind, namespace, name)
 # Kinds whose metadata.generation moves only when their spec does.
 GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
+EVENT_POSTERS = 2
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,16 @@ def trim(obj: Mapping[str, Any]) -> JSON:
         out["spec"] = {"replicas": (obj.get("spec") or {}).get("replicas", 1)}
         out["status"] = obj.get("status") or {}
     return out
+
+
+def _relevant(child: Mapping[str, Any]) -> object:
+    """What a reconcile reads from a cached child: other changes need no reconcile."""
+    meta = child.get("metadata") or {}
+    if child.get("kind") == "Deployment":
+        return (meta.get("generation"), child.get("spec"), child.get("status"))
+    if child.get("kind") in GENERATION_KINDS:
+        return meta.get("generation")
+    return meta.get("resourceVersion")
 
 
 def _unschedulable_message(pod: Mapping[str, Any]) -> str | None:
@@ -159,8 +170,11 @@ class Controller:
         self.written_status: dict[str, JSON] = {}
         # Children changed or deleted by someone else, to say so in an Event once restored.
         self.drifted: dict[ChildKey, str] = {}
+        # Watch events seen per child, to tell whether an apply answer is the freshest state.
+        self.watch_seq: dict[ChildKey, int] = {}
         self.deleted: set[ChildKey] = set()
-        self.primed = False
+        # Events are posted in the background: they must never slow a reconcile down.
+        self.events: asyncio.Queue[JSON] = asyncio.Queue()
 
     # ---- observation: called from kopf's event handlers; no awaits, so caches stay coherent.
 
@@ -179,26 +193,43 @@ class Controller:
                 log.error("unreadable InferenceService", extra={"object": key, "error": str(err)})
                 return
         new = self.isvcs.get(key)
+        # Our own status writes come back as events too; only spec changes are urgent.
+        spec_changed = (
+            old is None
+            or new is None
+            or (old.meta.generation, old.meta.deleting) != (new.meta.generation, new.meta.deleting)
+        )
         for pool in {i.spec.gpu_pool for i in (old, new) if i is not None and i.spec.gpu_pool}:
             members = self.pool_members.setdefault(pool, set())
             if new is not None and new.spec.gpu_pool == pool:
                 members.add(key)
             else:
                 members.discard(key)
-            self.queue.add(WorkKey("pool", "", pool))
-        self.queue.add(WorkKey("isvc", *key))
+            if spec_changed:
+                self.queue.add(WorkKey("pool", "", pool))
+        if (
+            not spec_changed
+            and new is not None
+            and new.status == self.written_status.get(new.meta.uid)
+        ):
+            return  # the echo of our own status write
+        self.queue.add(WorkKey("isvc", *key), urgent=spec_changed)
 
     def observe_pool(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
         name = str((obj.get("metadata") or {}).get("name"))
+        old = self.pools.get(name)
         if event_type == "DELETED":
-            gone = self.pools.pop(name, None)
-            if gone is not None:
-                self.written_status.pop(gone.meta.uid, None)
+            self.pools.pop(name, None)
+            if old is not None:
+                self.written_status.pop(old.meta.uid, None)
         else:
             self.pools[name] = parse_pool(obj)
+        new = self.pools.get(name)
         self.queue.add(WorkKey("pool", "", name))
-        for key in self.pool_members.get(name, ()):
-            self.queue.add(WorkKey("isvc", *key))
+        if old is None or new is None or old.meta.generation != new.meta.generation:
+            # Placement or quota changed: every member's pods and grants may change.
+            for key in self.pool_members.get(name, ()):
+                self.queue.add(WorkKey("isvc", *key), urgent=True)
 
     def observe_node(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
         info = NodeInfo.from_node(obj)
@@ -217,12 +248,14 @@ class Controller:
         namespace = str(meta.get("namespace"))
         key = (str(obj.get("kind")), namespace, str(meta.get("name")))
         owner = (meta.get("labels") or {}).get(LABEL_ISVC)
+        self.watch_seq[key] = self.watch_seq.get(key, 0) + 1
         if event_type == "DELETED":
             self.children.pop(key, None)
             isvc = self.isvcs.get((namespace, str(owner)))
             if key in self.applied and isvc is not None and not isvc.meta.deleting:
                 self.deleted.add(key)
         else:
+            previous = self.children.get(key)
             self.children[key] = trim(obj)
             record = self.applied.get(key)
             version = child_version(obj)
@@ -234,6 +267,8 @@ class Controller:
                 and int(version) > int(record.version)
             ):
                 self.drifted[key] = version
+            if previous is not None and _relevant(previous) == _relevant(self.children[key]):
+                return  # a PDB's status, the Deployment's revision annotation, ...
         if owner:
             self.queue.add(WorkKey("isvc", namespace, str(owner)))
 
@@ -275,7 +310,6 @@ class Controller:
             self.observe_child("ADDED", {**obj, "kind": "Deployment"})
         for obj in isvcs:
             self.observe_isvc("ADDED", obj)
-        self.primed = True
         log.info(
             "caches primed",
             extra={"inferenceservices": len(isvcs), "gpupools": len(pools), "nodes": len(nodes)},
@@ -287,6 +321,8 @@ class Controller:
             for index in range(self.workers):
                 group.create_task(self._worker(), name=f"reconcile-worker-{index}")
             group.create_task(self._resync(), name="resync")
+            for index in range(EVENT_POSTERS):
+                group.create_task(self._post_events(), name=f"event-poster-{index}")
 
     async def _resync(self) -> None:
         # Watches catch drift as it happens; this is the safety net for missed events.
@@ -435,13 +471,13 @@ class Controller:
             await self._write_status(isvc, status, previous)
 
     async def _apply_children(self, isvc: InferenceService, children: Children) -> None:
-        for obj in children.all():
-            result = await self._ensure(isvc, obj)
-            if obj["kind"] == "Deployment" and result is not None:
-                # The apply answer is fresher than the watch; status must not lag our write.
-                self.children[("Deployment", isvc.meta.namespace, obj["metadata"]["name"])] = trim(
-                    result
-                )
+        if children.config_map is not None:  # before the pods that mount it
+            await self._ensure(isvc, children.config_map)
+        await asyncio.gather(
+            self._ensure(isvc, children.deployment),
+            self._ensure(isvc, children.service),
+            self._ensure(isvc, children.pdb),
+        )
         if children.config_map is None:
             cm_key = ("ConfigMap", isvc.meta.namespace, children.config_map_name)
             if cm_key in self.children or cm_key in self.applied:
@@ -466,12 +502,17 @@ class Controller:
             return None
         if live is None and key in self.deleted and not await self._still_owned(isvc):
             return None
+        seq = self.watch_seq.get(key, 0)
         result = await self.client.apply(obj)
         self.metrics.applies.labels(key[0]).inc()
         self.applied[key] = Applied(digest, child_version(result))
+        if self.watch_seq.get(key, 0) == seq:
+            # The answer is fresher than the cache, so status need not wait for the watch. If
+            # an event arrived meanwhile, it may be newer still: then the watch has the say.
+            self.children[key] = trim(result)
         if key in self.deleted:
             self.deleted.discard(key)
-            await self.emit(
+            self.emit(
                 isvc,
                 "Normal",
                 "Restored",
@@ -479,7 +520,7 @@ class Controller:
             )
         seen = self.drifted.pop(key, None)
         if seen is not None and child_version(result) != seen:
-            await self.emit(
+            self.emit(
                 isvc,
                 "Normal",
                 "Reverted",
@@ -541,13 +582,13 @@ class Controller:
                 continue
             type_, on = cond["type"], cond["status"] == "True"
             if type_ == READY and on:
-                await self.emit(obj, "Normal", "Ready", cond["message"])
+                self.emit(obj, "Normal", "Ready", cond["message"])
             elif type_ == PROGRESSING and on:
-                await self.emit(obj, "Normal", "RollingOut", cond["message"])
+                self.emit(obj, "Normal", "RollingOut", cond["message"])
             elif type_ == DEGRADED and on:
-                await self.emit(obj, "Warning", cond["reason"], cond["message"])
+                self.emit(obj, "Warning", cond["reason"], cond["message"])
             elif type_ == DEGRADED and prior.get("status") == "True":
-                await self.emit(obj, "Normal", "Recovered", "No longer degraded")
+                self.emit(obj, "Normal", "Recovered", "No longer degraded")
 
     def _forget_isvc(self, key: IsvcKey) -> None:
         namespace, name = key
@@ -560,6 +601,7 @@ class Controller:
             ("ConfigMap", config_map_name(name, STABLE)),
         ):
             self.applied.pop((kind, namespace, child), None)
+            self.watch_seq.pop((kind, namespace, child), None)
             self.drifted.pop((kind, namespace, child), None)
             self.deleted.discard((kind, namespace, child))
         for pool, members in self.pool_members.items():
@@ -586,43 +628,51 @@ class Controller:
 
     # ---- events
 
-    async def emit(
-        self, obj: InferenceService | GPUPool, type_: str, reason: str, message: str
-    ) -> None:
-        """Post a core/v1 Event; failing to post one never fails a reconcile."""
+    def emit(self, obj: InferenceService | GPUPool, type_: str, reason: str, message: str) -> None:
+        """Log and queue a core/v1 Event about ``obj``."""
         kind = ISVC_KIND if isinstance(obj, InferenceService) else POOL_KIND
         namespace = obj.meta.namespace or "default"
         now = now_rfc3339()
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{obj.meta.name}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": API_VERSION,
-                "kind": kind,
-                "name": obj.meta.name,
-                "uid": obj.meta.uid,
-                **({"namespace": obj.meta.namespace} if obj.meta.namespace else {}),
-            },
-            "type": type_,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": "ladle-operator"},
-            "reportingComponent": f"{GROUP}/operator",
-            "reportingInstance": self.identity,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            await self.client.create(resource_path("v1", "Event", namespace), event)
-            self.metrics.events.labels(type_, reason).inc()
-        except REQUEST_ERRORS as err:
-            log.warning("could not post event", extra={"reason": reason, "error": str(err)})
+        self.events.put_nowait(
+            {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{obj.meta.name}.", "namespace": namespace},
+                "involvedObject": {
+                    "apiVersion": API_VERSION,
+                    "kind": kind,
+                    "name": obj.meta.name,
+                    "uid": obj.meta.uid,
+                    **({"namespace": obj.meta.namespace} if obj.meta.namespace else {}),
+                },
+                "type": type_,
+                "reason": reason,
+                "message": message[:1024],
+                "source": {"component": "ladle-operator"},
+                "reportingComponent": f"{GROUP}/operator",
+                "reportingInstance": self.identity,
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
+            }
+        )
         log.info(
             message,
             extra={"event": reason, "type": type_, "object": f"{namespace}/{obj.meta.name}"},
         )
+
+    async def _post_events(self) -> None:
+        """Post queued Events; one that cannot be posted is logged and dropped."""
+        while True:
+            event = await self.events.get()
+            namespace = event["metadata"]["namespace"]
+            try:
+                await self.client.create(resource_path("v1", "Event", namespace), event)
+                self.metrics.events.labels(event["type"], event["reason"]).inc()
+            except REQUEST_ERRORS as err:
+                log.warning(
+                    "could not post event", extra={"reason": event["reason"], "error": str(err)}
+                )
 
 
 def build_registry(

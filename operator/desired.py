@@ -154,7 +154,7 @@ class Children:
     config_map_name: str
 
     def all(self) -> list[JSON]:
-        """In apply order: the ConfigMap exists before the pods that mount it."""
+        """Every child, the ConfigMap first: it must exist before the pods that mount it."""
         head = [self.config_map] if self.config_map is not None else []
         return [*head, self.deployment, self.service, self.pdb]
 

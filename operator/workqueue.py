@@ -1,25 +1,34 @@
-"""A deduplicating work queue with per-key backoff, in the manner of client-go's workqueue.
+"""A deduplicating work queue with two lanes and per-key backoff, after client-go's workqueue.
 
 Watch events only say "look at this object again". However many events arrive for one key,
 it waits in the queue at most once, and it is never reconciled by two workers at a time: an
 event for a key in progress marks it dirty, and it is queued again when the worker is done.
+
+Keys in the urgent lane go first. The controller puts spec changes there, so that a new or
+edited InferenceService is not stuck behind hundreds of status refreshes of others.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
+URGENT = 0
+NORMAL = 1
+
 
 class WorkQueue(Generic[K]):
     def __init__(self, base_delay: float = 0.5, max_delay: float = 30.0) -> None:
-        self._queue: asyncio.Queue[K] = asyncio.Queue()
-        self._queued: set[K] = set()
+        self._lanes: tuple[deque[K], deque[K]] = (deque(), deque())
+        # Queued key → its lane. A key that moved up leaves a stale entry behind, skipped later.
+        self._queued: dict[K, int] = {}
+        self._available = asyncio.Semaphore(0)
         self._processing: set[K] = set()
-        self._dirty: set[K] = set()
+        self._dirty: dict[K, int] = {}
         self._timers: dict[K, asyncio.TimerHandle] = {}
         self._failures: dict[K, int] = {}
         self._base = base_delay
@@ -28,16 +37,23 @@ class WorkQueue(Generic[K]):
     def __len__(self) -> int:
         return len(self._queued)
 
-    def add(self, key: K) -> None:
+    def add(self, key: K, urgent: bool = False) -> None:
         """Queue now (an event supersedes any pending retry of the same key)."""
+        lane = URGENT if urgent else NORMAL
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
         if key in self._processing:
-            self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
+            self._dirty[key] = min(lane, self._dirty.get(key, NORMAL))
+            return
+        current = self._queued.get(key)
+        if current is None:
+            self._queued[key] = lane
+            self._lanes[lane].append(key)
+            self._available.release()
+        elif lane < current:
+            self._queued[key] = lane
+            self._lanes[lane].append(key)
 
     def add_after(self, key: K, delay: float) -> None:
         if key in self._timers or key in self._queued:
@@ -62,16 +78,21 @@ class WorkQueue(Generic[K]):
         self._failures.pop(key, None)
 
     async def get(self) -> K:
-        key = await self._queue.get()
-        self._queued.discard(key)
-        self._processing.add(key)
-        return key
+        await self._available.acquire()
+        for lane, entries in enumerate(self._lanes):
+            while entries:
+                key = entries.popleft()
+                if self._queued.get(key) == lane:
+                    del self._queued[key]
+                    self._processing.add(key)
+                    return key
+        raise AssertionError("a permit without a queued key")
 
     def done(self, key: K) -> None:
         self._processing.discard(key)
-        if key in self._dirty:
-            self._dirty.discard(key)
-            self.add(key)
+        lane = self._dirty.pop(key, None)
+        if lane is not None:
+            self.add(key, urgent=lane == URGENT)
 
     def close(self) -> None:
         for timer in self._timers.values():

@@ -10,6 +10,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
+from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator.testing import Kube, OperatorFactory, wait_for
 
 pytestmark = pytest.mark.cluster
@@ -88,3 +89,32 @@ def test_a_stopping_leader_hands_over_at_once(
     kube.apply(isvc("handed-over"), k8s_namespace)
     kube.wait_condition(k8s_namespace, "handed-over", "Ready")
     assert standby.stop() == 0
+
+
+def test_operator_recovers_from_an_apiserver_restart(
+    operator_factory: OperatorFactory, kube: Kube, k8s_cluster: KubeCluster, k8s_namespace: str
+) -> None:
+    op = operator_factory("restart")
+    op.wait_leading()
+    kube.apply(isvc("before"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "before", "Ready")
+
+    down = k8s_cluster.cluster.restart_apiserver()
+    print(f"\nkube-apiserver was back after {down:.1f}s")
+
+    # The same process (it never exits) leads again, its watches resumed: a new object and an
+    # edit of an old one are both reconciled.
+    op.wait_leading(timeout=60)
+    kube.apply(isvc("after"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "after", "Ready", timeout=90)
+    scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/before", "--replicas=2")
+    assert scaled.returncode == 0, scaled.stderr
+    wait_for(
+        lambda: (
+            kube.apps.read_namespaced_deployment("before-stable", k8s_namespace).spec.replicas == 2
+        ),
+        "the edit after the restart to reach the Deployment",
+        timeout=60,
+    )
+    assert op.proc.poll() is None
+    assert op.stop() == 0

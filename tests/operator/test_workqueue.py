@@ -41,3 +41,26 @@ async def test_an_event_supersedes_a_pending_retry() -> None:
     queue.done("a")
     await asyncio.sleep(0)
     assert len(queue) == 0
+
+
+async def test_urgent_keys_jump_the_queue_once() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    for key in ("status-1", "status-2", "edited"):
+        queue.add(key)
+    queue.add("new", urgent=True)
+    queue.add("edited", urgent=True)  # moves up, still queued once
+    assert len(queue) == 4
+    order = [await queue.get() for _ in range(4)]
+    assert order == ["new", "edited", "status-1", "status-2"]
+    assert len(queue) == 0
+
+
+async def test_an_urgent_event_during_processing_requeues_urgently() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("a")
+    key = await queue.get()
+    queue.add("b")
+    queue.add("a", urgent=True)
+    queue.done(key)
+    assert await queue.get() == "a"
+    assert await queue.get() == "b"
