@@ -27,6 +27,7 @@ they take the cache's 16-bit dtype with fp32 accumulation, and fp32 inputs use I
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -209,7 +210,68 @@ def _dot_setup(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """Dtype that the dots take and their fp32 precision (see the module docstring)."""
     if INTERPRETED or dtype == torch.float32:
         return tl.float32, "ieee"
-    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "ieee"
+    # The precision setting only matters for fp32 operands; 16-bit ones go to the MMA units.
+    return (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _num_warps(head_dim: int, dtype: tl.dtype) -> int:
+    # At head dim 128, or with fp32 (FMA) dots, four warps spill a 64-row tile's accumulators
+    # (bench/compile_check.py shows it); eight hold them in registers.
+    return 8 if head_dim >= 128 or dtype == tl.float32 else 4
+
+
+def decode_config(
+    q_dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    block_size: int,
+    num_splits: int,
+    int8: bool,
+    block_n: int,
+) -> dict[str, Any]:
+    """Compile-time parameters and warps of :func:`paged_decode_attention`'s split kernel."""
+    dtype, precision = _dot_setup(q_dtype)
+    return {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+        "NUM_SPLITS": num_splits,
+        # tl.dot needs 16 rows on a GPU; padded head rows are masked.
+        "BLOCK_H": max(16, triton.next_power_of_2(group)),
+        "BLOCK_N": block_n,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "DTYPE": dtype,
+        "PRECISION": precision,
+        "INT8": int8,
+        "num_warps": _num_warps(head_dim, dtype),
+    }
+
+
+def prefill_config(
+    q_dtype: torch.dtype,
+    head_dim: int,
+    group: int,
+    block_size: int,
+    int8: bool,
+    block_m: int,
+    block_n: int,
+) -> dict[str, Any]:
+    """Compile-time parameters and warps of :func:`paged_prefill_attention`'s kernel."""
+    dtype, precision = _dot_setup(q_dtype)
+    group_pad = triton.next_power_of_2(group)
+    return {
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "HEAD_DIM": head_dim,
+        "BLOCK_SIZE": block_size,
+        "BLOCK_Q": max(1, block_m // group_pad),
+        "BLOCK_N": block_n,
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "DTYPE": dtype,
+        "PRECISION": precision,
+        "INT8": int8,
+        "num_warps": _num_warps(head_dim, dtype),
+    }
 
 
 def decode_workspace(
@@ -252,7 +314,6 @@ def paged_decode_attention(
     assert int8 == (key_scale is not None) == (value_scale is not None)
     if batch == 0:
         return out
-    dtype, precision = _dot_setup(q.dtype)
     if num_splits > 1:
         if workspace is None:
             workspace = decode_workspace(batch, num_heads, head_dim, num_splits, q.device)
@@ -270,7 +331,6 @@ def paged_decode_attention(
         partial, lse = out, out
         target_strides = (out.stride(0), out.stride(1), 0)
         lse_strides = (0, 0)
-    block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         key_cache,
@@ -288,17 +348,7 @@ def paged_decode_attention(
         *lse_strides,
         num_kv_heads,
         scale * LOG2E,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
-        # tl.dot needs 16 rows on a GPU; padded head rows are masked.
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        DTYPE=dtype,
-        PRECISION=precision,
-        INT8=int8,
+        **decode_config(q.dtype, head_dim, group, block_size, num_splits, int8, block_n),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
@@ -314,7 +364,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
+            BLOCK_D=triton.next_power_of_2(head_dim),
         )
     return out
 
@@ -457,10 +507,9 @@ def paged_prefill_attention(
     assert int8 == (key_scale is not None) == (value_scale is not None)
     if num_seqs == 0:
         return out
-    group_pad = triton.next_power_of_2(group)
-    block_q = max(1, block_m // group_pad)
-    dtype, precision = _dot_setup(q.dtype)
-    _prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
+    config = prefill_config(q.dtype, head_dim, group, block_size, int8, block_m, block_n)
+    tiles = triton.cdiv(max_query_len, config["BLOCK_Q"])
+    _prefill_kernel[(num_seqs, tiles, num_kv_heads)](
         q,
         key_cache,
         value_cache,
@@ -478,16 +527,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         num_kv_heads,
         scale * LOG2E,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        DTYPE=dtype,
-        PRECISION=precision,
-        INT8=int8,
+        **config,
     )
     return out
 

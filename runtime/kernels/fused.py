@@ -63,6 +63,7 @@ def rms_norm(
     res_out = torch.empty_like(out) if residual is not None else out
     assert x2.stride(-1) == 1
     assert res2.stride(-1) == 1
+    block = triton.next_power_of_2(n)
     if rows:
         _rms_norm_kernel[(rows,)](
             x2,
@@ -77,7 +78,8 @@ def rms_norm(
             res_out.stride(0),
             eps,
             HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(n),
+            BLOCK=block,
+            num_warps=min(16, max(4, block // 1024)),
         )
     new_residual = res_out.view(x.shape) if residual is not None else None
     return out.view(x.shape), new_residual
