@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def _tiny_config(arch: str, vocab: int) -> LlamaConfig | Qwen3Config:
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab,
         "hidden_size": 64,
         "intermediate_size": 96,

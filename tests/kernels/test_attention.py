@@ -10,6 +10,7 @@ against the unquantized ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -154,7 +155,7 @@ def run_kernels(batch: PagedBatch, scale: float, num_splits: int) -> torch.Tenso
     one prefill launch, as the backend does."""
     out = torch.full_like(batch.q, float("nan"))
     nd = next((i for i, n in enumerate(batch.q_lens) if n != 1), len(batch.q_lens))
-    common = {"key_scale": batch.key_scale, "value_scale": batch.value_scale}
+    common: dict[str, Any] = {"key_scale": batch.key_scale, "value_scale": batch.value_scale}
     paged_decode_attention(
         batch.q[:nd],
         batch.key_cache,

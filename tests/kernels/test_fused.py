@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config
 
 from ladle.runtime.kernels.fused import (
     rms_norm,
@@ -61,7 +61,7 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype) -> None:
     )
 
 
-def _rope_tables(config: LlamaConfig | Qwen3Config, positions: torch.Tensor) -> torch.Tensor:
+def _rope_tables(config: PreTrainedConfig, positions: torch.Tensor) -> torch.Tensor:
     """Per-token cos/sin rows built as the model builds them, scaling included."""
     cfg = model_config_from_hf(config)
     freqs = positions.float()[:, None] * cfg.inv_freq[None, :]
