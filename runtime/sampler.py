@@ -71,11 +71,13 @@ def token_logprobs(
     ranks = ((sub > chosen_lp[rows, None]).sum(-1) + 1).tolist()
     width = max(n or 0 for n in num_top)
     top_lp, top_ids = sub.topk(width, dim=-1) if width else (sub[:, :0], sub[:, :0].long())
+    # One device-to-host copy for all rows: a copy per request would sync per request.
+    top_id_rows, top_lp_rows = top_ids.tolist(), top_lp.tolist()
     for j, i in enumerate(asked):
         n = num_top[i] or 0
         results[i].rank = ranks[j]
-        results[i].top_token_ids = top_ids[j, :n].tolist()
-        results[i].top_logprobs = top_lp[j, :n].tolist()
+        results[i].top_token_ids = top_id_rows[j][:n]
+        results[i].top_logprobs = top_lp_rows[j][:n]
     return results
 
 
