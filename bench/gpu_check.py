@@ -900,9 +900,13 @@ def count_syncs(spec: dict[str, Any]) -> dict[str, Any]:
         SamplingParams(temperature=0.8, top_k=20, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, ignore_eos=True),
         SamplingParams(temperature=1.0, seed=7, max_tokens=64, ignore_eos=True),
+        SamplingParams(temperature=0.9, min_p=0.05, logprobs=2, max_tokens=64, ignore_eos=True),
+        SamplingParams(
+            repetition_penalty=1.1, presence_penalty=0.2, max_tokens=64, ignore_eos=True
+        ),
     ]
     per_step: dict[str, float] = {}
-    large = 4 if spec.get("smoke") else 64
+    large = len(kinds) if spec.get("smoke") else 64
     per_step["large_batch"] = large
     for batch in (1, large):
         for i in range(batch):
