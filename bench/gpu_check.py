@@ -790,7 +790,7 @@ def run_worker(report: Report, spec: dict[str, Any], timeout: float) -> dict[str
     log = report.out / "workers.log"
     with log.open("a") as f:
         f.write(f"==== {spec['label']} rc={proc.returncode}\n")
-        f.write(f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n")
+        f.write(f"{proc.stdout[-12000:]}\n{proc.stderr[-8000:]}\n")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
@@ -809,6 +809,7 @@ def worker(spec: dict[str, Any]) -> None:
         "transformers": transformers_throughput,
         "syncs": count_syncs,
         "graphs": graph_parity,
+        "bench_cli": bench_cli,
     }[kind](spec)
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -881,6 +882,27 @@ def transformers_throughput(spec: dict[str, Any]) -> dict[str, Any]:
             errors.append(f"{attn}: {type(exc).__name__}: {exc}"[:300])
             gc.collect()
     raise RuntimeError(" | ".join(errors))
+
+
+def bench_cli(spec: dict[str, Any]) -> dict[str, Any]:
+    """``ladle bench throughput --profile`` (its workloads A and B, its GEMM ceiling probe and
+    its decode-step profile) on this GPU, so its CPU numbers have a GPU counterpart."""
+    from ladle.runtime.bench.throughput import bench
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = argparse.Namespace(
+            model=spec["model"],
+            workload="all",
+            max_num_batched_tokens=2048,
+            kv_cache_memory="8GiB",
+            seed=0,
+            skip_transformers=True,  # the fixed-length runs above compare with transformers
+            json=str(Path(tmp) / "bench.json"),
+            profile=True,
+        )
+        bench(args)
+        rows: list[dict[str, Any]] = json.loads((Path(tmp) / "bench.json").read_text())
+    return {"rows": rows}
 
 
 def sync() -> None:
@@ -1044,6 +1066,16 @@ def throughput(
             note = f"{result['tokens']} tokens in {result['seconds']:.1f} s"
             report.add(Row("throughput", label, result["tok_s"], "tok/s", None, note))
     report.meta["public_reference"] = PUBLIC
+    if smoke:
+        return
+    label = "ladle bench throughput --profile, default model"
+    spec = {**base, "kind": "bench_cli", "model": str(default), "label": label}
+    result = run_worker(report, spec, 240)
+    for row in result["rows"] if result else []:
+        name = f"bench throughput {row['workload']} {row['system']}"
+        report.add(
+            Row("throughput", name, row["tok_per_s"], "tok/s", None, "profile in workers.log")
+        )
 
 
 # -- main -------------------------------------------------------------------------------------
