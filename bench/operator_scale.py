@@ -215,7 +215,22 @@ def measure(
         "reconciles": operator.metric("ladle_operator_reconcile_total"),
         "reconcile_errors": operator.metric("ladle_operator_reconcile_errors_total"),
         "applies": operator.metric("ladle_operator_applies_total"),
+        "urgent_queue_wait_mean_seconds": mean(
+            operator, "ladle_operator_workqueue_wait_seconds", lane="urgent"
+        ),
+        "isvc_reconcile_mean_seconds": mean(
+            operator, "ladle_operator_reconcile_duration_seconds", kind="isvc"
+        ),
+        "apply_request_mean_seconds": mean(
+            operator, "ladle_operator_api_request_duration_seconds", method="PATCH"
+        ),
     }
+
+
+def mean(operator: OperatorProcess, histogram: str, **labels: str) -> float:
+    total = operator.metric(f"{histogram}_sum", **labels) or 0.0
+    count = operator.metric(f"{histogram}_count", **labels) or 0.0
+    return round(total / count, 3) if count else float("nan")
 
 
 def report(result: dict[str, Any]) -> bool:
@@ -236,8 +251,13 @@ def report(result: dict[str, Any]) -> bool:
         print(f"  {label:30s} {value:8.3f} {unit:2s} {goal:22s} {verdict}")
         ok = ok and (target is None or value < target)
     errors, cpu = result["reconcile_errors"] or 0, result["operator_cpu_seconds"]
-    print(f"  reconciles={result['reconciles']:.0f} errors={errors:.0f} "
-          f"applies={result['applies']:.0f} operator CPU={cpu}s")  # fmt: skip
+    print(
+        f"  reconciles={result['reconciles']:.0f} errors={errors:.0f} "
+        f"applies={result['applies']:.0f} operator CPU={cpu}s"
+    )
+    print(f"  mean urgent queue wait {result['urgent_queue_wait_mean_seconds']}s, "
+          f"mean InferenceService reconcile {result['isvc_reconcile_mean_seconds']}s, "
+          f"mean apply request {result['apply_request_mean_seconds']}s")  # fmt: skip
     return ok
 
 

@@ -148,7 +148,7 @@ class Controller:
         metrics: Metrics,
         *,
         identity: str = "ladle-operator",
-        workers: int = 8,
+        workers: int = 16,
         resync_seconds: float = 600.0,
     ) -> None:
         self.client = client
@@ -157,7 +157,11 @@ class Controller:
         self.identity = identity
         self.workers = workers
         self.resync_seconds = resync_seconds
-        self.queue: WorkQueue[WorkKey] = WorkQueue()
+        self.queue: WorkQueue[WorkKey] = WorkQueue(
+            on_wait=lambda urgent, seconds: metrics.queue_wait.labels(
+                "urgent" if urgent else "normal"
+            ).observe(seconds)
+        )
         self.isvcs: dict[IsvcKey, InferenceService] = {}
         self.pools: dict[str, GPUPool] = {}
         self.pool_members: dict[str, set[IsvcKey]] = {}
@@ -473,18 +477,17 @@ class Controller:
     async def _apply_children(self, isvc: InferenceService, children: Children) -> None:
         if children.config_map is not None:  # before the pods that mount it
             await self._ensure(isvc, children.config_map)
-        await asyncio.gather(
-            self._ensure(isvc, children.deployment),
-            self._ensure(isvc, children.service),
-            self._ensure(isvc, children.pdb),
-        )
-        if children.config_map is None:
-            cm_key = ("ConfigMap", isvc.meta.namespace, children.config_map_name)
-            if cm_key in self.children or cm_key in self.applied:
-                path = resource_path("v1", "ConfigMap", isvc.meta.namespace, cm_key[2])
-                await self.client.delete(path)
-                self.applied.pop(cm_key, None)
-                self.deleted.discard(cm_key)
+        rest = [c for c in children.all() if c is not children.config_map]
+        await asyncio.gather(*(self._ensure(isvc, child) for child in rest))
+        for kind, name in children.absent():
+            key = (kind, isvc.meta.namespace, name)
+            if key in self.children or key in self.applied:
+                api_version = "v1" if kind == "ConfigMap" else "policy/v1"
+                await self.client.delete(
+                    resource_path(api_version, kind, isvc.meta.namespace, name)
+                )
+                self.applied.pop(key, None)
+                self.deleted.discard(key)
 
     async def _ensure(self, isvc: InferenceService, obj: JSON) -> JSON | None:
         """Apply one child unless the live object is exactly what we last applied."""
@@ -583,7 +586,8 @@ class Controller:
             type_, on = cond["type"], cond["status"] == "True"
             if type_ == READY and on:
                 self.emit(obj, "Normal", "Ready", cond["message"])
-            elif type_ == PROGRESSING and on:
+            elif type_ == PROGRESSING and on and old:
+                # Not on creation: "it started" says nothing that Ready will not say.
                 self.emit(obj, "Normal", "RollingOut", cond["message"])
             elif type_ == DEGRADED and on:
                 self.emit(obj, "Warning", cond["reason"], cond["message"])

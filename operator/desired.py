@@ -145,18 +145,30 @@ def object_digest(obj: JSON) -> str:
 
 @dataclass(frozen=True)
 class Children:
-    """Every object one InferenceService owns; ``config_map`` is None when flags suffice."""
+    """Every object one variant owns. ``config_map`` is None when flags suffice; ``pdb`` is
+    None below two replicas, where a budget that allows one disruption protects nothing."""
 
     deployment: JSON
     service: JSON
-    pdb: JSON
+    pdb: JSON | None
     config_map: JSON | None
+    pdb_name: str
     config_map_name: str
 
     def all(self) -> list[JSON]:
-        """Every child, the ConfigMap first: it must exist before the pods that mount it."""
+        """Every child to exist, the ConfigMap first: pods mount it."""
+        optional = [self.pdb] if self.pdb is not None else []
         head = [self.config_map] if self.config_map is not None else []
-        return [*head, self.deployment, self.service, self.pdb]
+        return [*head, self.deployment, self.service, *optional]
+
+    def absent(self) -> list[tuple[str, str]]:
+        """(kind, name) of the optional children that must not exist."""
+        missing = []
+        if self.config_map is None:
+            missing.append(("ConfigMap", self.config_map_name))
+        if self.pdb is None:
+            missing.append(("PodDisruptionBudget", self.pdb_name))
+        return missing
 
 
 def _resources(isvc: InferenceService, gpu_resource: str) -> JSON:
@@ -352,7 +364,7 @@ def desired_children(
             ],
         },
     }
-    pdb: JSON = {
+    pdb: JSON | None = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": {
@@ -371,7 +383,8 @@ def desired_children(
     return Children(
         deployment=deployment,
         service=service,
-        pdb=pdb,
+        pdb=pdb if replicas >= 2 else None,
         config_map=config_map,
+        pdb_name=variant_name(name, variant),
         config_map_name=cm_name,
     )

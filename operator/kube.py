@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,11 @@ class KubeClient:
         field_manager: str,
         login_fn: Callable[[], kopf.ConnectionInfo] = login,
         timeout_seconds: float = 30.0,
+        observe: Callable[[str, float], None] | None = None,
     ) -> None:
         self.field_manager = field_manager
+        # Called with (HTTP method, seconds) after every request, for the latency metric.
+        self._observe = observe
         self._login = login_fn
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._info = login_fn()
@@ -106,7 +110,7 @@ class KubeClient:
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=32)
+            connector = aiohttp.TCPConnector(ssl=self._info.as_ssl_context(), limit=64)
             self._session = aiohttp.ClientSession(
                 base_url=self._info.server, connector=connector, timeout=self._timeout
             )
@@ -126,6 +130,21 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> JSON:
         data = None if body is None else json.dumps(body)
+        started = time.perf_counter()
+        try:
+            return await self._send(method, path, params, data, content_type)
+        finally:
+            if self._observe is not None:
+                self._observe(method, time.perf_counter() - started)
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        data: str | None,
+        content_type: str,
+    ) -> JSON:
         for attempt in (1, 2):
             headers = {"Accept": "application/json", **self._info.as_http_headers()}
             if data is not None:

@@ -37,7 +37,7 @@ class Options:
     lease_name: str = "ladle-operator"
     identity: str = "ladle-operator"
     timing: ElectionTiming = field(default_factory=ElectionTiming)
-    workers: int = 8
+    workers: int = 16
     resync_seconds: float = 600.0
     log_level: str = "INFO"
 
@@ -64,7 +64,12 @@ class Operator:
         runner = await serve(
             build_app(self.metrics, Health(self.ready)), opts.metrics_host, opts.metrics_port
         )
-        client = KubeClient(opts.config.field_manager)
+        client = KubeClient(
+            opts.config.field_manager,
+            observe=lambda method, seconds: self.metrics.api_latency.labels(method).observe(
+                seconds
+            ),
+        )
         elector = (
             LeaderElector(client, opts.lease_namespace, opts.lease_name, opts.identity, opts.timing)
             if opts.leader_elect

@@ -57,6 +57,20 @@ class Metrics:
             ["type", "reason"],
             registry=self.registry,
         )
+        self.queue_wait = Histogram(
+            "ladle_operator_workqueue_wait_seconds",
+            "Time objects wait in the work queue, by lane (urgent: spec changes).",
+            ["lane"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
+        self.api_latency = Histogram(
+            "ladle_operator_api_request_duration_seconds",
+            "Latency of the operator's own API requests (watches excluded), by HTTP method.",
+            ["method"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
         self.queue_depth = Gauge(
             "ladle_operator_workqueue_depth",
             "Objects waiting to be reconciled.",

@@ -11,8 +11,9 @@ edited InferenceService is not stuck behind hundreds of status refreshes of othe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -22,7 +23,12 @@ NORMAL = 1
 
 
 class WorkQueue(Generic[K]):
-    def __init__(self, base_delay: float = 0.5, max_delay: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_delay: float = 0.5,
+        max_delay: float = 30.0,
+        on_wait: Callable[[bool, float], None] | None = None,
+    ) -> None:
         self._lanes: tuple[deque[K], deque[K]] = (deque(), deque())
         # Queued key → its lane. A key that moved up leaves a stale entry behind, skipped later.
         self._queued: dict[K, int] = {}
@@ -33,6 +39,9 @@ class WorkQueue(Generic[K]):
         self._failures: dict[K, int] = {}
         self._base = base_delay
         self._max = max_delay
+        # When each queued key was first queued, to report (urgent, seconds waited) on get.
+        self._since: dict[K, float] = {}
+        self._on_wait = on_wait
 
     def __len__(self) -> int:
         return len(self._queued)
@@ -48,6 +57,7 @@ class WorkQueue(Generic[K]):
             return
         current = self._queued.get(key)
         if current is None:
+            self._since[key] = time.monotonic()
             self._queued[key] = lane
             self._lanes[lane].append(key)
             self._available.release()
@@ -85,6 +95,9 @@ class WorkQueue(Generic[K]):
                 if self._queued.get(key) == lane:
                     del self._queued[key]
                     self._processing.add(key)
+                    since = self._since.pop(key)
+                    if self._on_wait is not None:
+                        self._on_wait(lane == URGENT, time.monotonic() - since)
                     return key
         raise AssertionError("a permit without a queued key")
 

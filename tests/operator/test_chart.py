@@ -112,6 +112,7 @@ def test_install_upgrade_and_uninstall(
         ("patch", "deployments.apps", True),
         ("create", "deployments.apps", True),  # server-side apply that creates
         ("delete", "configmaps", True),
+        ("delete", "poddisruptionbudgets.policy", True),
         ("list", "events", True),
         ("create", "events", True),
         ("watch", "nodes", True),

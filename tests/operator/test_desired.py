@@ -35,6 +35,7 @@ def test_children_are_named_labelled_and_owned_deterministically(make_isvc: Buil
         ("Service", "chat"),
         ("PodDisruptionBudget", "chat-stable"),
     ]
+    assert children.absent() == [("ConfigMap", "chat-stable-config")]
     for child in children.all():
         meta = child["metadata"]
         assert meta["namespace"] == "team-a"
@@ -243,10 +244,18 @@ def test_threshold_is_operator_configuration(make_isvc: Builder) -> None:
 
 
 def test_service_fronts_every_variant_and_pdb_keeps_drains_moving(make_isvc: Builder) -> None:
-    children = desired_children(parse_isvc(make_isvc()), None, 1, CONFIG)
+    children = desired_children(parse_isvc(make_isvc()), None, 2, CONFIG)
     assert children.service["spec"]["selector"] == {"ladle.dev/inferenceservice": "chat"}
     assert children.service["spec"]["ports"] == [
         {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
     ]
+    assert children.pdb is not None
     assert children.pdb["spec"]["maxUnavailable"] == 1
     assert children.pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_no_disruption_budget_below_two_replicas(make_isvc: Builder) -> None:
+    # maxUnavailable 1 of 1 would allow every eviction anyway; 0 would block drains forever.
+    children = desired_children(parse_isvc(make_isvc()), None, 1, CONFIG)
+    assert children.pdb is None
+    assert ("PodDisruptionBudget", "chat-stable") in children.absent()

@@ -147,9 +147,7 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     ]  # fmt: skip
     assert row.split()[:6] == ["chat", "smollm2", "2", "2", "True", "Available"]
 
-    reasons = [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
-    assert "RollingOut" in reasons
-    assert "Ready" in reasons
+    assert ("Normal", "Ready") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "chat")]
     assert operator.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
 
 
@@ -194,12 +192,13 @@ def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: st
     assert ("False", "True") in new
     assert new[-1] == ("True", "False")
     assert new.index(("False", "True")) < len(new) - 1
+    assert "RollingOut" in [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
 
 
 def test_hand_edits_are_reverted_and_deleted_children_restored(
     kube: Kube, k8s_namespace: str
 ) -> None:
-    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.apply(isvc_manifest("chat", replicas=2), k8s_namespace)
     kube.wait_condition(k8s_namespace, "chat", "Ready")
 
     patch = {"spec": {"template": {"spec": {"containers": [{"name": "runtime", "image": "evil"}]}}}}
@@ -211,7 +210,7 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
     assert scaled.returncode == 0, scaled.stderr
     wait_for(
         lambda: (
-            (d := deployment(kube, k8s_namespace, "chat-stable")).spec.replicas == 1
+            (d := deployment(kube, k8s_namespace, "chat-stable")).spec.replicas == 2
             and d.spec.template.spec.containers[0].image == IMAGE
         ),
         "the Deployment's image and replicas to be restored",
@@ -237,8 +236,9 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
 def test_deleting_an_inference_service_garbage_collects_its_children(
     kube: Kube, k8s_namespace: str
 ) -> None:
-    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.apply(isvc_manifest("chat", replicas=2), k8s_namespace)
     kube.wait_condition(k8s_namespace, "chat", "Ready")
+    assert not gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable")
     deleted = kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "chat", "--wait=true")
     assert deleted.returncode == 0, deleted.stderr
     for kind in ("deployment/chat-stable", "service/chat", "poddisruptionbudget/chat-stable"):
@@ -331,6 +331,8 @@ def test_missing_pool_is_degraded_until_it_exists(kube: Kube, k8s_namespace: str
 def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_namespace: str) -> None:
     kube.apply(isvc_manifest("chat", maxReplicas=4), k8s_namespace)
     kube.wait_condition(k8s_namespace, "chat", "Ready")
+    # One replica: a disruption budget could protect nothing, so there is none.
+    assert gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable")
     scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=3")
     assert scaled.returncode == 0, scaled.stderr
     obj = kube.wait_condition(k8s_namespace, "chat", "Ready")
@@ -343,6 +345,13 @@ def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_names
     )
     assert scale["spec"]["replicas"] == 3
     assert scale["status"] == {"replicas": 3, "selector": "ladle.dev/inferenceservice=chat"}
+    assert not gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable")
+
+    kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=1")
+    wait_for(
+        lambda: gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable"),
+        "the disruption budget to go with the second replica",
+    )
 
 
 def test_a_large_configuration_moves_into_a_config_map_and_back(
