@@ -96,24 +96,26 @@ class BeamSearch:
         hits = [at_limit or c.token_id in self.eos_token_ids for c in candidates]
         running = [c for c, hit in zip(candidates, hits, strict=True) if not hit][:width]
 
-        if self.improvable and not (self.params.early_stopping is True and self._full):
-            penalized = (scores / float(length**self.params.length_penalty)).tolist()
-            for j in range(min(width, len(candidates))):
-                if hits[j]:
-                    c = candidates[j]
-                    self.finished.append(
-                        BeamHypothesis(
-                            [*beams[c.parent].token_ids, c.token_id],
-                            c.cumulative_logprob,
-                            penalized[j],
-                            "stop" if c.token_id in self.eos_token_ids else "length",
-                        )
+        # Only the first W candidates may finish; the rest are spares to keep W beams running.
+        # (transformers also blocks additions once the search cannot improve or, with
+        # early_stopping=True, is full; for one prompt the search has then already ended.)
+        penalized = (scores / float(length**self.params.length_penalty)).tolist()
+        for j in range(min(width, len(candidates))):
+            if hits[j]:
+                c = candidates[j]
+                self.finished.append(
+                    BeamHypothesis(
+                        [*beams[c.parent].token_ids, c.token_id],
+                        c.cumulative_logprob,
+                        penalized[j],
+                        "stop" if c.token_id in self.eos_token_ids else "length",
                     )
-            self.finished.sort(key=lambda h: h.score, reverse=True)
-            del self.finished[width:]
+                )
+        self.finished.sort(key=lambda h: h.score, reverse=True)
+        del self.finished[width:]
 
         self.num_generated = length
-        if self.improvable and running:
+        if running:
             self.improvable = self._can_improve(running[0].cumulative_logprob)
         self.done = (
             not self.improvable or (self.params.early_stopping is True and self._full) or all(hits)

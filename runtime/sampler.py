@@ -102,9 +102,7 @@ class Sampler:
         # One private fp32 copy, which every step below may change in place.
         logits = logits.to(torch.float32, copy=True)
         raw_logprobs = logits.log_softmax(dim=-1)
-        logits = self.constrain(logits, seqs)
-        logits = self.penalize(logits, seqs)
-        tokens = self.sample(logits, seqs)
+        tokens = self.draw(self.distribution(logits, seqs), seqs)
         return token_logprobs(raw_logprobs, tokens, [s.params.logprobs for s in seqs])
 
     def constrain(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
@@ -164,27 +162,37 @@ class Sampler:
         logits[rows] = sub - frequency * counts - presence * seen.to(sub.dtype)
         return logits
 
-    def sample(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        """Greedy argmax for greedy rows; temperature, min_p, top-k/top-p and a draw for the
-        others."""
-        tokens = logits.argmax(dim=-1)
+    def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        """The distribution each row's next token is drawn from: one-hot at the processed
+        argmax for greedy rows. Changes ``logits`` in place."""
+        logits = self.penalize(self.constrain(logits, seqs), seqs)
+        probs = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not random_rows:
-            return tokens
+            return probs
         params = [seqs[i].params for i in random_rows]
-        rows = torch.tensor(random_rows, device=self.device)
         temperature = torch.tensor([p.temperature for p in params], device=self.device)
-        scaled = logits[rows] / temperature[:, None]
+        scaled = logits[random_rows] / temperature[:, None]
         if any(p.min_p > 0 for p in params):
             scaled = self._min_p(scaled, [p.min_p for p in params])
         if any(p.top_k or p.top_p < 1.0 for p in params):
             scaled = self._top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        probs[random_rows] = scaled.softmax(dim=-1)
+        return probs
+
+    def draw(self, probs: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        """One token per row: the exponential race, with seeded rows' noise from their own
+        generators; one-hot (greedy) rows need no noise."""
+        tokens = probs.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not random_rows:
+            return tokens
+        picked = probs[random_rows]
+        noise = torch.empty_like(picked).exponential_()
         for j, i in enumerate(random_rows):
             if seqs[i].params.seed is not None:
                 noise[j].exponential_(generator=self._generator(seqs[i]))
-        tokens[rows] = (probs / noise).argmax(dim=-1)
+        tokens[random_rows] = (picked / noise).argmax(dim=-1)
         return tokens
 
     def _min_p(self, logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:

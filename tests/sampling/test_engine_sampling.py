@@ -1,0 +1,192 @@
+"""The sampling surface through the engine, on a tiny random model with the real tokenizer:
+n>1 forks, best_of, seeds, stop strings while streaming, finish reasons, logprobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ladle.runtime.engine import LLMEngine
+from ladle.runtime.llm import LLM
+from ladle.runtime.outputs import RequestOutput
+from ladle.runtime.sampling_params import RequestOutputKind, SamplingParams
+
+from .conftest import assert_no_blocks_leaked
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: two full 16-token blocks and a partial one
+
+
+def run(engine: LLMEngine, rid: str, prompt: Any, params: SamplingParams) -> list[RequestOutput]:
+    """Every output of one request, stepping the engine to the end."""
+    engine.add_request(rid, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    return outputs
+
+
+def test_n_samples_fork_after_prefill_and_share_the_prompt_blocks(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    engine.add_request("n4", PROMPT, params)
+    engine.step()  # the prefill: the first sample, then three forks
+    assert engine.kv.num_allocated_blocks() == 3  # all four hold the same three blocks
+    engine.step()
+    # Each sequence wrote into the shared partial block, so each owns a copy of it now; the
+    # two full prompt blocks stay shared (without sharing this would be 4 * 3 = 12).
+    assert engine.kv.num_allocated_blocks() == 2 + 4
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert final.finished
+    samples = [tuple(c.token_ids) for c in final.outputs]
+    assert [c.index for c in final.outputs] == [0, 1, 2, 3]
+    assert len(set(samples)) == 4
+    assert all(len(s) == 6 for s in samples)
+    assert_no_blocks_leaked(engine)
+
+
+def test_seeded_n_samples_are_reproducible_whatever_the_batch(tiny_llm: LLM) -> None:
+    seeded = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
+    noise = SamplingParams(n=3, temperature=1.5, max_tokens=7, ignore_eos=True)
+    alone = tiny_llm.generate([PROMPT], seeded, use_tqdm=False)[0]
+    crowded = tiny_llm.generate(
+        [[7, 8, 9], PROMPT, PROMPT[5:]], [noise, seeded, noise], use_tqdm=False
+    )[1]
+    assert [c.token_ids for c in crowded.outputs] == [c.token_ids for c in alone.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
+
+
+def test_best_of_returns_the_n_most_likely_of_its_samples(tiny_llm: LLM) -> None:
+    common: dict[str, Any] = {"temperature": 1.0, "seed": 3, "max_tokens": 5, "logprobs": 0}
+    all_four = tiny_llm.generate([PROMPT], SamplingParams(n=4, **common), use_tqdm=False)[0]
+    best = tiny_llm.generate([PROMPT], SamplingParams(n=2, best_of=4, **common), use_tqdm=False)[0]
+    ranked = sorted(all_four.outputs, key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
+    assert [c.token_ids for c in best.outputs] == [c.token_ids for c in ranked[:2]]
+    assert [c.index for c in best.outputs] == [0, 1]
+    for c in best.outputs:
+        assert c.logprobs is not None
+        total = sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True))
+        assert c.cumulative_logprob == pytest.approx(total, abs=1e-5)
+
+
+def _split_stop_string(tokenizer: Any, token_ids: list[int]) -> tuple[str, int]:
+    """A stop string made of the end of one token and the start of the next."""
+    pieces = [tokenizer.decode([t]) for t in token_ids]
+    for k in range(1, len(pieces) - 1):
+        a, b = pieces[k], pieces[k + 1]
+        if len(a) >= 2 and len(b) >= 2 and a.isprintable() and b.isprintable():
+            return a[-2:] + b[:2], k
+    raise AssertionError(f"no two printable tokens in {pieces}")
+
+
+def test_stop_string_split_across_tokens_never_streams(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    tokenizer = tiny_llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    free = run(engine, "free", PROMPT, greedy)[-1].outputs[0]
+    stop, _ = _split_stop_string(tokenizer, free.token_ids)
+    cut = free.text.find(stop)
+    params = greedy.clone(stop=[stop], output_kind=RequestOutputKind.DELTA)
+    streamed = ""
+    seen: list[str] = []
+    outputs = run(engine, "stream", PROMPT, params)
+    for out in outputs:
+        for c in out.outputs:
+            streamed += c.text
+        seen.append(streamed)
+        assert len(streamed) <= cut  # no part of the stop string is ever shown
+    final = outputs[-1].outputs[0]
+    assert streamed == free.text[:cut]
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop)
+    included = run(
+        engine, "incl", PROMPT, greedy.clone(stop=[stop], include_stop_str_in_output=True)
+    )
+    assert included[-1].outputs[0].text == free.text[: cut + len(stop)]
+    assert_no_blocks_leaked(engine)
+
+
+def test_finish_reasons_say_what_stopped(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    tokenizer = tiny_llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    free = run(engine, "free", PROMPT, greedy)[-1].outputs[0]
+    assert free.finish_reason == "length"
+    assert free.stop_reason is None
+    third = free.token_ids[2]
+    stopped = run(engine, "tok", PROMPT, greedy.clone(stop_token_ids=[third]))[-1].outputs[0]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", third)
+    assert stopped.token_ids == free.token_ids[:3]
+    assert stopped.text == tokenizer.decode(free.token_ids[:2])  # stop token text excluded
+    kept = run(
+        engine,
+        "keep",
+        PROMPT,
+        greedy.clone(stop_token_ids=[third], include_stop_str_in_output=True),
+    )[-1].outputs[0]
+    assert kept.text == tokenizer.decode(free.token_ids[:3])
+    engine.add_request("abort", PROMPT, greedy)
+    engine.step()
+    (aborted,) = engine.abort_request("abort")
+    assert aborted.finished
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert_no_blocks_leaked(engine)
+
+
+def test_min_tokens_defers_stop_tokens(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = run(engine, "free", PROMPT, greedy)[-1].outputs[0].token_ids[0]
+    out = run(engine, "min", PROMPT, greedy.clone(stop_token_ids=[first], min_tokens=3))
+    tokens = out[-1].outputs[0].token_ids
+    assert first not in tokens[:3]
+    assert len(tokens) >= 3
+
+
+def test_logprobs_and_prompt_logprobs_map_onto_openai(tiny_llm: LLM) -> None:
+    engine = tiny_llm.engine
+    tokenizer = tiny_llm.get_tokenizer()
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=4,
+        ignore_eos=True,
+        logprobs=3,
+        prompt_logprobs=2,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    outputs = run(engine, "lp", PROMPT[:20], params)
+    # Prompt logprobs come once, with the first output; position 0 has none.
+    with_prompt = [o for o in outputs if o.prompt_logprobs is not None]
+    assert len(with_prompt) == 1
+    prompt_lps = with_prompt[0].prompt_logprobs
+    assert prompt_lps is not None
+    assert len(prompt_lps) == 20
+    assert prompt_lps[0] is None
+    for token, position in zip(PROMPT[1:20], prompt_lps[1:], strict=True):
+        assert position is not None
+        assert token in position
+        assert len(position) <= 3
+    token_ids = [t for o in outputs for c in o.outputs for t in c.token_ids]
+    logprobs = [lp for o in outputs for c in o.outputs for lp in c.logprobs or []]
+    assert len(logprobs) == len(token_ids) == 4
+    for token, position in zip(token_ids, logprobs, strict=True):
+        chosen = position[token]
+        assert next(iter(position)) == token  # the sampled token comes first
+        assert chosen.rank == 1  # greedy, no penalties
+        assert chosen.decoded_token == tokenizer.decode([token])
+        top = sorted(position.values(), key=lambda lp: lp.rank or 0)
+        assert [lp.rank for lp in top] == [1, 2, 3]
+        assert [lp.logprob for lp in top] == sorted((lp.logprob for lp in top), reverse=True)
+    final = outputs[-1].outputs[0]
+    total = sum(p[t].logprob for p, t in zip(logprobs, token_ids, strict=True))
+    assert final.cumulative_logprob == pytest.approx(total, abs=1e-5)
+
+
+def test_logprobs_above_the_engine_limit_are_refused(tiny_llm: LLM) -> None:
+    from ladle.runtime.errors import RequestError
+
+    with pytest.raises(RequestError, match="logprobs: must be <= 20") as info:
+        tiny_llm.generate([PROMPT], SamplingParams(logprobs=21), use_tqdm=False)
+    assert info.value.param == "logprobs"
