@@ -322,8 +322,12 @@ class Controller:
     async def run(self) -> None:
         """Reconcile forever (until cancelled)."""
         async with asyncio.TaskGroup() as group:
+            # A quarter of the workers wait for spec changes only.
+            reserved = max(1, self.workers // 4)
             for index in range(self.workers):
-                group.create_task(self._worker(), name=f"reconcile-worker-{index}")
+                group.create_task(
+                    self._worker(urgent_only=index < reserved), name=f"reconcile-worker-{index}"
+                )
             group.create_task(self._resync(), name="resync")
             for index in range(EVENT_POSTERS):
                 group.create_task(self._post_events(), name=f"event-poster-{index}")
@@ -337,9 +341,9 @@ class Controller:
             for name in list(self.pools):
                 self.queue.add(WorkKey("pool", "", name))
 
-    async def _worker(self) -> None:
+    async def _worker(self, urgent_only: bool) -> None:
         while True:
-            key = await self.queue.get()
+            key = await self.queue.get(urgent_only)
             self.metrics.queue_depth.set(len(self.queue))
             started = time.perf_counter()
             try:
@@ -505,6 +509,15 @@ class Controller:
             return None
         if live is None and key in self.deleted and not await self._still_owned(isvc):
             return None
+        if record is None:
+            why = "new"
+        elif record.digest != digest:
+            why = "spec changed"
+        elif live is None:
+            why = "deleted"
+        else:
+            why = "changed by someone else"
+        log.debug("applying", extra={"child": "/".join(key), "why": why})
         seq = self.watch_seq.get(key, 0)
         result = await self.client.apply(obj)
         self.metrics.applies.labels(key[0]).inc()

@@ -32,7 +32,7 @@ class WorkQueue(Generic[K]):
         self._lanes: tuple[deque[K], deque[K]] = (deque(), deque())
         # Queued key → its lane. A key that moved up leaves a stale entry behind, skipped later.
         self._queued: dict[K, int] = {}
-        self._available = asyncio.Semaphore(0)
+        self._added = asyncio.Event()
         self._processing: set[K] = set()
         self._dirty: dict[K, int] = {}
         self._timers: dict[K, asyncio.TimerHandle] = {}
@@ -60,10 +60,11 @@ class WorkQueue(Generic[K]):
             self._since[key] = time.monotonic()
             self._queued[key] = lane
             self._lanes[lane].append(key)
-            self._available.release()
+            self._added.set()
         elif lane < current:
             self._queued[key] = lane
             self._lanes[lane].append(key)
+            self._added.set()
 
     def add_after(self, key: K, delay: float) -> None:
         if key in self._timers or key in self._queued:
@@ -87,19 +88,25 @@ class WorkQueue(Generic[K]):
         """Reset the backoff of a key after a successful reconcile."""
         self._failures.pop(key, None)
 
-    async def get(self) -> K:
-        await self._available.acquire()
-        for lane, entries in enumerate(self._lanes):
-            while entries:
-                key = entries.popleft()
-                if self._queued.get(key) == lane:
+    async def get(self, urgent_only: bool = False) -> K:
+        """The next key, urgent ones first; ``urgent_only`` workers leave the rest alone, so
+        that spec changes find a free worker however long the status backlog is."""
+        lanes = (URGENT,) if urgent_only else (URGENT, NORMAL)
+        while True:
+            for lane in lanes:
+                entries = self._lanes[lane]
+                while entries:
+                    key = entries.popleft()
+                    if self._queued.get(key) != lane:
+                        continue  # it moved to the urgent lane, or was taken
                     del self._queued[key]
                     self._processing.add(key)
                     since = self._since.pop(key)
                     if self._on_wait is not None:
                         self._on_wait(lane == URGENT, time.monotonic() - since)
                     return key
-        raise AssertionError("a permit without a queued key")
+            self._added.clear()
+            await self._added.wait()
 
     def done(self, key: K) -> None:
         self._processing.discard(key)

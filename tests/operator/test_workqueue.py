@@ -64,3 +64,14 @@ async def test_an_urgent_event_during_processing_requeues_urgently() -> None:
     queue.done(key)
     assert await queue.get() == "a"
     assert await queue.get() == "b"
+
+
+async def test_urgent_only_workers_leave_the_backlog_alone() -> None:
+    queue: WorkQueue[str] = WorkQueue()
+    queue.add("status")
+    reserved = asyncio.ensure_future(queue.get(urgent_only=True))
+    await asyncio.sleep(0.01)
+    assert not reserved.done()  # a normal key does not wake it
+    queue.add("spec", urgent=True)
+    assert await asyncio.wait_for(reserved, timeout=1) == "spec"
+    assert await queue.get() == "status"
