@@ -68,6 +68,7 @@ ChildKey = tuple[str, str, str]  # (kind, namespace, name)
 # Kinds whose metadata.generation moves only when their spec does.
 GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
 EVENT_POSTERS = 2
+POOL_STATUS_INTERVAL = 1.0  # seconds
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class Controller:
         self.written_status: dict[str, JSON] = {}
         # Children changed or deleted by someone else, to say so in an Event once restored.
         self.drifted: dict[ChildKey, str] = {}
+        self.pool_written_at: dict[str, float] = {}
         # Watch events seen per child, to tell whether an apply answer is the freshest state.
         self.watch_seq: dict[ChildKey, int] = {}
         self.deleted: set[ChildKey] = set()
@@ -355,7 +357,10 @@ class Controller:
                 delay = self.queue.retry(key)
                 self.metrics.errors.labels(key.kind).inc()
                 self.metrics.reconciles.labels(key.kind, "error").inc()
-                log.warning(
+                # In a namespace being deleted, nothing can be created until our object goes.
+                closing = isinstance(err, ApiError) and "being terminated" in err.message
+                log.log(
+                    logging.INFO if closing else logging.WARNING,
                     "reconcile failed; will retry",
                     extra={
                         "object": f"{key.namespace}/{key.name}",
@@ -640,8 +645,15 @@ class Controller:
         status = derive_pool_status(
             pool, list(self.nodes.values()), plan, services, now_rfc3339(), previous
         )
-        if status != previous:
-            await self._write_status(pool, status, previous)
+        if status == previous:
+            return
+        # A pool's counts move with every member: write them at most once a second.
+        wait = self.pool_written_at.get(name, -POOL_STATUS_INTERVAL) + POOL_STATUS_INTERVAL
+        if time.monotonic() < wait:
+            self.queue.add_after(WorkKey("pool", "", name), wait - time.monotonic())
+            return
+        await self._write_status(pool, status, previous)
+        self.pool_written_at[name] = time.monotonic()
 
     # ---- events
 
