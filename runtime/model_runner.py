@@ -125,6 +125,6 @@ class ModelRunner:
             num_top = [seq.params.prompt_logprobs] * (end - start)
             result[seq.seq_id] = (
                 start + 1,
-                token_logprobs(logits.log_softmax(-1), targets, num_top),
+                token_logprobs(logits, targets, num_top),
             )
         return result

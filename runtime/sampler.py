@@ -11,10 +11,14 @@ The order follows vLLM's V1 sampler, so that the same parameters pick the same d
 4. greedy rows take the argmax here; random rows divide by ``temperature``, drop tokens whose
    probability is below ``min_p`` times the top one, then apply ``top_k`` and ``top_p``.
 
-Random rows sample by the exponential race (``argmax(p / q)`` with ``q ~ Exp(1)``), which equals
-a categorical draw and lets each seeded row draw its noise from its own generator, so a seeded
-request samples the same tokens whatever else shares its batch. Each step builds only small
-tensors from the requests' parameters; no Python loop runs over the vocabulary.
+Random rows draw by inverse CDF from one uniform number each, which seeded rows take from their
+own generator, so a seeded request samples the same tokens whatever else shares its batch.
+
+The step avoids full passes over the vocabulary where it can, since on CPU each costs about as
+much as the arithmetic: penalties touch only the tokens seen; the filters share one softmax;
+no row is sorted unless its top-p nucleus is wider than its 256 most likely tokens. Each step
+builds only small tensors from the requests' parameters; no Python loop runs over the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 from ladle.runtime.sequence import Sequence
 
 _NEG_INF = float("-inf")
+# Top-p candidates per row; wider nuclei fall back to a full sort.
+_TOP_P_CANDIDATES = 256
 
 
 @dataclass
@@ -56,28 +62,29 @@ def _flat_index(
 
 
 def token_logprobs(
-    logprobs: torch.Tensor, chosen: torch.Tensor, num_top: SequenceOf[int | None]
+    logits: torch.Tensor, chosen: torch.Tensor, num_top: SequenceOf[int | None]
 ) -> list[TokenLogprobs]:
-    """The log-probability of each row's chosen token, plus rank and top-N where asked."""
-    chosen_lp = logprobs.gather(-1, chosen[:, None])[:, 0]
+    """The log-probability of each row's chosen token under ``log_softmax(logits)``, plus rank
+    and top-N where asked (``num_top`` per row, None for neither)."""
+    norm = logits.logsumexp(dim=-1)
+    chosen_logit = logits.gather(-1, chosen[:, None])[:, 0]
     results = [
-        TokenLogprobs(t, lp) for t, lp in zip(chosen.tolist(), chosen_lp.tolist(), strict=True)
+        TokenLogprobs(t, lp)
+        for t, lp in zip(chosen.tolist(), (chosen_logit - norm).tolist(), strict=True)
     ]
     asked = [i for i, n in enumerate(num_top) if n is not None]
     if not asked:
         return results
-    rows = torch.tensor(asked, device=logprobs.device)
-    sub = logprobs[rows]
-    ranks = ((sub > chosen_lp[rows, None]).sum(-1) + 1).tolist()
+    sub = logits[asked]
+    ranks = ((sub > chosen_logit[asked, None]).sum(-1) + 1).tolist()
     width = max(n or 0 for n in num_top)
-    top_lp, top_ids = sub.topk(width, dim=-1) if width else (sub[:, :0], sub[:, :0].long())
-    # One device-to-host copy for all rows: a copy per request would sync per request.
-    top_id_rows, top_lp_rows = top_ids.tolist(), top_lp.tolist()
+    top_logits, top_ids = sub.topk(width, dim=-1)
+    top_lps = top_logits - norm[asked, None]
     for j, i in enumerate(asked):
         n = num_top[i] or 0
         results[i].rank = ranks[j]
-        results[i].top_token_ids = top_id_rows[j][:n]
-        results[i].top_logprobs = top_lp_rows[j][:n]
+        results[i].top_token_ids = top_ids[j, :n].tolist()
+        results[i].top_logprobs = top_lps[j, :n].tolist()
     return results
 
 
@@ -99,11 +106,42 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> list[TokenLogprobs]:
         """Sample one token per row of ``logits`` (one row per sequence, in order)."""
-        # One private fp32 copy, which every step below may change in place.
-        logits = logits.to(torch.float32, copy=True)
-        raw_logprobs = logits.log_softmax(dim=-1)
-        tokens = self.draw(self.distribution(logits, seqs), seqs)
-        return token_logprobs(raw_logprobs, tokens, [s.params.logprobs for s in seqs])
+        raw = logits.float()
+        tokens, rows, probs = self._select(raw.clone(), seqs)
+        if rows:
+            tokens[rows] = self._draw(probs, [seqs[i] for i in rows])
+        return token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+
+    def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        """The distribution each row's token is drawn from (one-hot for greedy rows), for
+        inspection; the step itself never builds the greedy rows' one-hots."""
+        tokens, rows, probs = self._select(logits.to(torch.float32, copy=True), seqs)
+        dist = torch.zeros_like(logits, dtype=torch.float32)
+        dist.scatter_(-1, tokens[:, None], 1.0)
+        if rows:
+            dist[rows] = probs / probs.sum(dim=-1, keepdim=True)
+        return dist
+
+    def _select(
+        self, logits: torch.Tensor, seqs: SequenceOf[Sequence]
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Process ``logits`` in place: the greedy pick of every row, and the rows to sample
+        at random with their (unnormalized) probabilities."""
+        logits = self.penalize(self.constrain(logits, seqs), seqs)
+        greedy = logits.argmax(dim=-1)
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not rows:
+            return greedy, rows, logits[:0]
+        params = [seqs[i].params for i in rows]
+        temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        probs = (logits[rows] / temperature[:, None]).softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            probs = self._min_p(probs, [p.min_p for p in params])
+        if any(p.top_k for p in params):
+            probs = self._top_k(probs, [p.top_k for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            probs = self._top_p(probs, [p.top_p for p in params])
+        return greedy, rows, probs
 
     def constrain(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         """Apply allowed_token_ids, then bad_words and min_tokens (-inf), then logit_bias."""
@@ -133,92 +171,92 @@ class Sampler:
 
     def penalize(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         """vLLM's ``apply_penalties``: repetition over prompt and output, frequency and presence
-        (OpenAI's definitions) over the output."""
+        (OpenAI's definitions) over the output. Only the logits of tokens seen are touched."""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
         if not rows:
             return logits
         picked = [seqs[i] for i in rows]
-        local = range(len(rows))
         vocab = logits.shape[-1]
-        counts = torch.zeros(len(rows), vocab, device=self.device)
-        out_rows, out_ids = _flat_index(local, [s.output_token_ids for s in picked], self.device)
-        counts.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=counts.dtype), True)
-        seen = counts > 0
+        out_rows, out_ids = _flat_index(rows, [s.output_token_ids for s in picked], self.device)
         prompt_rows, prompt_ids = _flat_index(
-            local, [s.prompt_token_ids for s in picked], self.device
+            rows, [s.prompt_token_ids for s in picked], self.device
         )
-        seen_anywhere = seen.clone()
-        seen_anywhere[prompt_rows, prompt_ids] = True
+        # One flat key per (row, token); output occurrences count, prompt ones only mark.
+        keys = torch.cat([out_rows * vocab + out_ids, prompt_rows * vocab + prompt_ids])
+        weights = torch.cat([torch.ones_like(out_ids), torch.zeros_like(prompt_ids)])
+        seen, inverse = torch.unique(keys, return_inverse=True)
+        counts = torch.zeros_like(seen).index_add_(0, inverse, weights).to(logits.dtype)
 
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, device=self.device)[:, None]
+        def per_key(name: str, neutral: float) -> torch.Tensor:
+            values = torch.full((len(seqs),), neutral, device=self.device)
+            values[rows] = torch.tensor([getattr(s.params, name) for s in picked])
+            return values[seen // vocab]
 
-        repetition = column([s.params.repetition_penalty for s in picked])
-        frequency = column([s.params.frequency_penalty for s in picked])
-        presence = column([s.params.presence_penalty for s in picked])
-        sub = logits[rows]
-        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
-        sub = torch.where(seen_anywhere, penalized, sub)
-        logits[rows] = sub - frequency * counts - presence * seen.to(sub.dtype)
+        repetition = per_key("repetition_penalty", 1.0)
+        flat = logits.view(-1)
+        values = flat[seen]
+        values = torch.where(values > 0, values / repetition, values * repetition)
+        values -= per_key("frequency_penalty", 0.0) * counts
+        values -= per_key("presence_penalty", 0.0) * (counts > 0).to(values.dtype)
+        flat[seen] = values
         return logits
 
-    def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        """The distribution each row's next token is drawn from: one-hot at the processed
-        argmax for greedy rows. Changes ``logits`` in place."""
-        logits = self.penalize(self.constrain(logits, seqs), seqs)
-        probs = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not random_rows:
-            return probs
-        params = [seqs[i].params for i in random_rows]
-        temperature = torch.tensor([p.temperature for p in params], device=self.device)
-        scaled = logits[random_rows] / temperature[:, None]
-        if any(p.min_p > 0 for p in params):
-            scaled = self._min_p(scaled, [p.min_p for p in params])
-        if any(p.top_k or p.top_p < 1.0 for p in params):
-            scaled = self._top_k_top_p(scaled, [p.top_k for p in params], [p.top_p for p in params])
-        probs[random_rows] = scaled.softmax(dim=-1)
+    def _draw(self, probs: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+        """Inverse-CDF draws: one uniform number per row, from the row's own generator when
+        it is seeded. ``probs`` need not sum to one."""
+        uniform = torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device)
+        for j, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                uniform[j] = torch.rand(
+                    1, generator=self._generator(seq), dtype=torch.float64, device=self.device
+                )
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
+        return picked.clamp_(max=probs.shape[-1] - 1)
+
+    # The filters work on probabilities after temperature, each on what the previous ones kept
+    # (renormalizing changes no comparison below, so it is left to the draw).
+
+    def _min_p(self, probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+        """Drop tokens less likely than ``min_p`` times the most likely one."""
+        scale = torch.tensor(min_p, device=self.device)[:, None]
+        return probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * scale, 0.0)
+
+    def _top_k(self, probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        """Keep tokens at least as likely as the k-th (ties at the k-th are kept, as in vLLM)."""
+        vocab = probs.shape[-1]
+        k = [t if 0 < t < vocab else vocab for t in top_k]
+        ranked = probs.topk(max(k), dim=-1).values
+        kth = ranked.gather(-1, torch.tensor(k, device=self.device)[:, None] - 1)
+        return probs.masked_fill(probs < kth, 0.0)
+
+    def _top_p(self, probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+        """Keep the smallest set of most likely tokens whose mass reaches p: a token stays when
+        the mass of the tokens more likely than it is below p (vLLM's rule)."""
+        p = torch.tensor(top_p, device=self.device, dtype=probs.dtype)
+        target = p * probs.sum(dim=-1)
+        width = min(_TOP_P_CANDIDATES, probs.shape[-1])
+        top_probs, top_ids = probs.topk(width, dim=-1)
+        mass = top_probs.cumsum(dim=-1)
+        filtered = p < 1.0
+        inside = filtered & (mass[:, -1] >= target)
+        if inside.any():
+            rows = inside.nonzero()[:, 0]
+            keep = (mass[rows] - top_probs[rows]) < target[rows, None]
+            kept = torch.where(keep, top_probs[rows], 0.0)
+            probs[rows] = torch.zeros_like(probs[rows]).scatter_(-1, top_ids[rows], kept)
+        wide = filtered & ~inside
+        if wide.any():
+            rows = wide.nonzero()[:, 0]
+            probs[rows] = self._top_p_sorted(probs[rows], target[rows])
         return probs
 
-    def draw(self, probs: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        """One token per row: the exponential race, with seeded rows' noise from their own
-        generators; one-hot (greedy) rows need no noise."""
-        tokens = probs.argmax(dim=-1)
-        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not random_rows:
-            return tokens
-        picked = probs[random_rows]
-        noise = torch.empty_like(picked).exponential_()
-        for j, i in enumerate(random_rows):
-            if seqs[i].params.seed is not None:
-                noise[j].exponential_(generator=self._generator(seqs[i]))
-        tokens[random_rows] = (picked / noise).argmax(dim=-1)
-        return tokens
-
-    def _min_p(self, logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-        """Drop tokens less likely than ``min_p`` times the most likely one (after temperature)."""
-        probs = logits.softmax(dim=-1)
-        threshold = (
-            probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=self.device)[:, None]
-        )
-        return logits.masked_fill(probs < threshold, _NEG_INF)
-
-    def _top_k_top_p(
-        self, logits: torch.Tensor, top_k: list[int], top_p: list[float]
-    ) -> torch.Tensor:
-        """vLLM's ``apply_top_k_top_p``: one ascending sort; top-k keeps ties at the k-th value;
-        top-p keeps the smallest set of most likely tokens whose mass reaches p."""
-        vocab = logits.shape[-1]
-        ordered, order = logits.sort(dim=-1, descending=False)
-        k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=self.device)
-        kth = ordered.gather(-1, (vocab - k)[:, None])
-        ordered = ordered.masked_fill(ordered < kth, _NEG_INF)
-        probs = ordered.softmax(dim=-1)
-        p = torch.tensor(top_p, device=self.device, dtype=probs.dtype)[:, None]
-        drop = probs.cumsum(dim=-1) <= 1 - p
-        drop[:, -1] = False
-        ordered = ordered.masked_fill(drop, _NEG_INF)
-        return torch.empty_like(logits).scatter_(-1, order, ordered)
+    def _top_p_sorted(self, probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Top-p over a full sort, for nuclei wider than the candidates."""
+        ordered, order = probs.sort(dim=-1, descending=True)
+        mass = ordered.cumsum(dim=-1)
+        ordered = ordered.masked_fill(mass - ordered >= target[:, None], 0.0)
+        return torch.zeros_like(probs).scatter_(-1, order, ordered)
 
 
 def _banned_tokens(seq: Sequence) -> list[int]:

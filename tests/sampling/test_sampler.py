@@ -113,6 +113,30 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert dist(logits, SamplingParams(top_p=0.4)) == pytest.approx([1.0, 0, 0, 0], abs=1e-6)
 
 
+def test_top_k_keeps_ties_at_the_kth_logit() -> None:
+    assert dist([1.0, 1.0, 1.0, 0.0], SamplingParams(top_k=2)) == pytest.approx(
+        [1 / 3, 1 / 3, 1 / 3, 0.0], abs=1e-6
+    )
+
+
+def test_top_p_wider_than_the_candidates_sorts_the_row() -> None:
+    """A flat row's nucleus (500 of 1000 tokens) exceeds the 256 candidates; a peaked row in
+    the same batch stays on the fast path, and a top_p=1 row is untouched."""
+    flat = torch.zeros(1000)
+    peaked = torch.full((1000,), -20.0)
+    peaked[:3] = torch.tensor([3.0, 2.0, 1.0])
+    seqs = [make_seq(SamplingParams(top_p=p)) for p in (0.5, 0.5, 1.0)]
+    probs = Sampler(CPU).distribution(torch.stack([flat, peaked, flat]), seqs)
+    kept = probs[0][probs[0] > 0]
+    assert len(kept) == 500
+    assert kept.tolist() == pytest.approx([1 / 500] * 500)
+    top = softmax([3.0, 2.0, 1.0] + [-20.0] * 997)
+    # 0.665 >= 0.5 already: only the first token stays.
+    assert top[0] > 0.5
+    assert probs[1, :3].tolist() == pytest.approx([1.0, 0.0, 0.0], abs=1e-6)
+    assert probs[2].tolist() == pytest.approx([1 / 1000] * 1000)
+
+
 def test_allowed_token_ids_mask_everything_else() -> None:
     got = dist(LOGITS, SamplingParams(allowed_token_ids=[1, 2]))
     assert got == pytest.approx(softmax([-math.inf, -1.0, 0.5, -math.inf]), abs=1e-6)
@@ -150,15 +174,15 @@ def test_rows_of_one_batch_get_their_own_parameters() -> None:
 
 
 def test_draws_follow_the_distribution() -> None:
-    """The exponential race samples from ``distribution``: 20k draws land within 4 sigma."""
+    """Sampled tokens follow ``distribution``: 20k draws land within 4 sigma."""
     draws = 20_000
     params = SamplingParams(top_k=3)
     seqs = [make_seq(params) for _ in range(draws)]
     sampler = Sampler(CPU)
-    probs = sampler.distribution(torch.tensor([LOGITS] * draws), seqs)
-    tokens = sampler.draw(probs, seqs)
+    tokens = torch.tensor([s.token_id for s in sampler(torch.tensor([LOGITS] * draws), seqs)])
     counts = torch.bincount(tokens, minlength=4).tolist()
-    expected = softmax([2.0, -math.inf, 0.5, 1.0])
+    expected = dist(LOGITS, params)
+    assert expected == pytest.approx(softmax([2.0, -math.inf, 0.5, 1.0]), abs=1e-6)
     for count, p in zip(counts, expected, strict=True):
         sigma = math.sqrt(draws * p * (1 - p)) or 1.0
         assert abs(count - draws * p) < 4 * sigma
