@@ -72,6 +72,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Stop scheduling a running sequence but keep its blocks: a beam that has sampled
+        waits for its siblings, then comes back through ``add_running``."""
+        self.running.remove(seq)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
