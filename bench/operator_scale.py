@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,9 @@ from kubernetes.client import ApiClient
 from ladle.cluster import build
 from ladle.cluster.control_plane import Cluster, Options
 from ladle.cluster.pytest_plugin import KubeCluster
+from ladle.operator.api import parse_isvc
+from ladle.operator.config import OperatorConfig
+from ladle.operator.desired import desired_children
 from ladle.operator.testing import OperatorProcess, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +63,7 @@ class Recorder:
         self.kubectl = kubectl
         self.env = env
         self.deployments: dict[str, float] = {}
+        self.available: dict[str, float] = {}
         self.ready: dict[str, float] = {}
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen[str]] = []
@@ -81,9 +88,13 @@ class Recorder:
         return thread
 
     def _deployment(self, line: str) -> None:
-        name = line.rsplit("/", 1)[-1].removesuffix("-stable")
+        name, _, available = line.partition(" ")
+        name = name.removesuffix("-stable")
+        now = time.monotonic()
         with self.lock:
-            self.deployments.setdefault(name, time.monotonic())
+            self.deployments.setdefault(name, now)
+            if available not in ("", "0"):
+                self.available.setdefault(name, now)
 
     def _isvc(self, line: str) -> None:
         name, _, ready = line.partition(" ")
@@ -91,10 +102,12 @@ class Recorder:
             with self.lock:
                 self.ready.setdefault(name, time.monotonic())
 
-    def start(self) -> None:
-        self._follow(["deployments", "-o", "name"], self._deployment)
-        jsonpath = '{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\\n"}'
-        self._follow(["inferenceservices", "-o", f"jsonpath={jsonpath}"], self._isvc)
+    def start(self, inference_services: bool) -> None:
+        deployments = '{.metadata.name} {.status.availableReplicas}{"\\n"}'
+        self._follow(["deployments", "-o", f"jsonpath={deployments}"], self._deployment)
+        if inference_services:
+            ready = '{.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\\n"}'
+            self._follow(["inferenceservices", "-o", f"jsonpath={ready}"], self._isvc)
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -106,7 +119,7 @@ def isvc(index: int) -> dict[str, Any]:
     return {
         "apiVersion": "ladle.dev/v1alpha1",
         "kind": "InferenceService",
-        "metadata": {"name": f"svc-{index:04d}"},
+        "metadata": {"name": f"svc-{index:04d}", "namespace": NAMESPACE},
         "spec": {
             "model": {"name": "smollm2"},
             "gpuPool": "bench",
@@ -123,6 +136,7 @@ def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     cluster.up(options)
     try:
         handle = KubeCluster(cluster, build.bin_dir())
+        recorder = Recorder(handle.kubectl, handle.env())
         helm = subprocess.run(
             [str(handle.helm), "upgrade", "--install", "ladle", str(ROOT / "charts" / "ladle"),
              "--namespace", SYSTEM, "--create-namespace", "--set", "replicas=0", "--wait"],
@@ -130,30 +144,53 @@ def run(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
         )  # fmt: skip
         if helm.returncode != 0:
             raise SystemExit(helm.stderr)
-        kubeconfig = handle.service_account_kubeconfig(SYSTEM, "ladle", state_dir / "sa.kubeconfig")
-        operator = OperatorProcess(
-            kubeconfig,
-            state_dir / "operator.log",
-            lease_namespace=SYSTEM,
-            lease="ladle-operator",
-            identity="bench",
-            extra_args=["--log-level", "WARNING"],
-        )
-        try:
-            operator.wait_leading()
-            with handle.api_client() as api:
-                return measure(args, api, operator, Recorder(handle.kubectl, handle.env()))
-        finally:
-            operator.stop()
+        with handle.api_client() as api:
+            if args.baseline:
+                return measure(args, api, None, recorder)
+            kubeconfig = handle.service_account_kubeconfig(
+                SYSTEM, "ladle", state_dir / "sa.kubeconfig"
+            )
+            operator = OperatorProcess(
+                kubeconfig,
+                state_dir / "operator.log",
+                lease_namespace=SYSTEM,
+                lease="ladle-operator",
+                identity="bench",
+                extra_args=["--log-level", "WARNING", *args.operator_args],
+            )
+            try:
+                operator.wait_leading()
+                return measure(args, api, operator, recorder)
+            finally:
+                operator.stop()
     finally:
         cluster.down()
 
 
+def create_at_rate(count: int, rate: float, create: Callable[[int], None]) -> dict[int, float]:
+    """Open-loop arrivals: request i is sent at i/rate seconds whatever earlier ones take."""
+    sent: dict[int, float] = {}
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        futures = []
+        first = time.monotonic()
+        for index in range(count):
+            time.sleep(max(0.0, first + index / rate - time.monotonic()))
+            sent[index] = time.monotonic()
+            futures.append(pool.submit(create, index))
+        for future in futures:
+            future.result()
+    return sent
+
+
 def measure(
-    args: argparse.Namespace, api: ApiClient, operator: OperatorProcess, recorder: Recorder
+    args: argparse.Namespace,
+    api: ApiClient,
+    operator: OperatorProcess | None,
+    recorder: Recorder,
 ) -> dict[str, Any]:
     core = client.CoreV1Api(api)
     custom = client.CustomObjectsApi(api)
+    apps = client.AppsV1Api(api)
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=NAMESPACE)))
     custom.create_cluster_custom_object(
         "ladle.dev", "v1alpha1", "gpupools",
@@ -164,42 +201,52 @@ def measure(
         lambda: core.read_namespaced_service_account("default", NAMESPACE),
         "the bench namespace's default ServiceAccount",
     )
-    recorder.start()
+    recorder.start(inference_services=operator is not None)
     time.sleep(2.0)  # let the watches establish
 
-    print(f"creating {args.services} InferenceServices at {args.rate}/s ...", flush=True)
-    sent: dict[str, float] = {}
-    first = time.monotonic()
-    for index in range(args.services):
-        due = first + index / args.rate
-        time.sleep(max(0.0, due - time.monotonic()))
-        body = isvc(index)
-        sent[body["metadata"]["name"]] = time.monotonic()
+    def create_isvc(index: int) -> None:
         custom.create_namespaced_custom_object(
-            "ladle.dev", "v1alpha1", NAMESPACE, "inferenceservices", body
+            "ladle.dev", "v1alpha1", NAMESPACE, "inferenceservices", isvc(index)
         )
+
+    def create_children(index: int) -> None:
+        # What the operator would create, posted directly: the cluster's own cost.
+        body = isvc(index)
+        body["metadata"].update(uid="none", generation=1)
+        children = desired_children(parse_isvc(body), None, 1, OperatorConfig())
+        for child in (children.deployment, children.service):
+            del child["metadata"]["ownerReferences"]
+        apps.create_namespaced_deployment(NAMESPACE, children.deployment)
+        core.create_namespaced_service(NAMESPACE, children.service)
+
+    what = "InferenceServices" if operator else "Deployments and Services (no operator)"
+    print(f"creating {args.services} {what} at {args.rate}/s ...", flush=True)
+    first = time.monotonic()
+    sent_at = create_at_rate(args.services, args.rate, create_isvc if operator else create_children)
     created = time.monotonic() - first
     print(f"created in {created:.1f}s; waiting for Ready ...", flush=True)
+    done = recorder.ready if operator else recorder.available
 
-    def all_ready() -> bool:
+    def all_done() -> bool:
         with recorder.lock:
-            return len(recorder.ready) >= args.services
+            return len(done) >= args.services
 
     try:
-        wait_for(all_ready, "every InferenceService to be Ready", timeout=args.timeout)
+        wait_for(all_done, "every one to be Ready", timeout=args.timeout)
     except TimeoutError as err:
         print(err, file=sys.stderr)
     recorder.stop()
 
     with recorder.lock:
+        sent = {f"svc-{i:04d}": t for i, t in sent_at.items()}
         latencies = [
             recorder.deployments[n] - t for n, t in sent.items() if n in recorder.deployments
         ]
-        ready_at = max(recorder.ready.values()) - first if recorder.ready else float("nan")
-        ready_count = len(recorder.ready)
-    rss_mb = operator.peak_rss_bytes() / 2**20
-    cpu = psutil.Process(operator.pid).cpu_times()
-    return {
+        ready_at = max(done.values()) - first if done else float("nan")
+        ready_count = len(done)
+    result: dict[str, Any] = {
+        "apiserver_top_requests": apiserver_costs(recorder),
+        "mode": "operator" if operator else "baseline",
         "services": args.services,
         "nodes": args.nodes,
         "rate_per_second": args.rate,
@@ -210,21 +257,61 @@ def measure(
         "apply_to_deployment_max_seconds": round(max(latencies), 3),
         "ready": ready_count,
         "all_ready_seconds": round(ready_at, 1),
-        "operator_peak_rss_mb": round(rss_mb, 1),
-        "operator_cpu_seconds": round(cpu.user + cpu.system, 1),
-        "reconciles": operator.metric("ladle_operator_reconcile_total"),
-        "reconcile_errors": operator.metric("ladle_operator_reconcile_errors_total"),
-        "applies": operator.metric("ladle_operator_applies_total"),
-        "urgent_queue_wait_mean_seconds": mean(
-            operator, "ladle_operator_workqueue_wait_seconds", lane="urgent"
-        ),
-        "isvc_reconcile_mean_seconds": mean(
-            operator, "ladle_operator_reconcile_duration_seconds", kind="isvc"
-        ),
-        "apply_request_mean_seconds": mean(
-            operator, "ladle_operator_api_request_duration_seconds", method="PATCH"
-        ),
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
+    if operator is not None:
+        cpu = psutil.Process(operator.pid).cpu_times()
+        result.update(
+            {
+                "operator_peak_rss_mb": round(operator.peak_rss_bytes() / 2**20, 1),
+                "operator_cpu_seconds": round(cpu.user + cpu.system, 1),
+                "reconciles": operator.metric("ladle_operator_reconcile_total"),
+                "reconcile_errors": operator.metric("ladle_operator_reconcile_errors_total"),
+                "applies": operator.metric("ladle_operator_applies_total"),
+                "urgent_queue_wait_mean_seconds": mean(
+                    operator, "ladle_operator_workqueue_wait_seconds", lane="urgent"
+                ),
+                "isvc_reconcile_mean_seconds": mean(
+                    operator, "ladle_operator_reconcile_duration_seconds", kind="isvc"
+                ),
+                "apply_request_mean_seconds": mean(
+                    operator, "ladle_operator_api_request_duration_seconds", method="PATCH"
+                ),
+            }
+        )
+    return result
+
+
+def apiserver_costs(recorder: Recorder, top: int = 8) -> list[str]:
+    """The API server's own view: which requests took its time (count, mean, total)."""
+    raw = subprocess.run(
+        [str(recorder.kubectl), "get", "--raw", "/metrics"],
+        env=recorder.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    totals: dict[tuple[str, ...], list[float]] = {}
+    for line in raw.splitlines():
+        if not line.startswith("apiserver_request_duration_seconds_"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        part = series.removeprefix("apiserver_request_duration_seconds_").split("{", 1)[0]
+        if part not in ("sum", "count"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', series))
+        if labels.get("verb") in ("WATCH", "CONNECT"):
+            continue
+        key = (labels.get("verb", ""), labels.get("resource", ""), labels.get("subresource", ""))
+        slot = totals.setdefault(key, [0.0, 0.0])
+        slot[0 if part == "sum" else 1] += float(value)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [
+        f"{verb} {resource}{'/' + sub if sub else ''}: {count:.0f} requests, "
+        f"mean {1000 * total / count:.0f} ms, total {total:.1f} s"
+        for (verb, resource, sub), (total, count) in ranked
+        if count
+    ]
 
 
 def mean(operator: OperatorProcess, histogram: str, **labels: str) -> float:
@@ -234,30 +321,40 @@ def mean(operator: OperatorProcess, histogram: str, **labels: str) -> float:
 
 
 def report(result: dict[str, Any]) -> bool:
-    checks = [
+    ok = result["ready"] == result["services"]
+    what = "InferenceServices" if result["mode"] == "operator" else "Deployments, no operator"
+    print(
+        f"\n{result['services']} {what} on {result['nodes']} nodes x 8 GPUs at "
+        f"{result['rate_per_second']}/s: {result['ready']} Ready "
+        f"(load average {result['load_average_1m']})"
+    )
+    checks: list[tuple[str, float, str, float | None]] = [
         ("p50 apply -> Deployment", result["apply_to_deployment_p50_seconds"], "s", None),
         ("p99 apply -> Deployment", result["apply_to_deployment_p99_seconds"], "s",
          TARGET_P99_SECONDS),
         ("all Ready after first apply", result["all_ready_seconds"], "s",
          TARGET_ALL_READY_SECONDS),
-        ("operator peak RSS", result["operator_peak_rss_mb"], "MB", TARGET_RSS_MB),
     ]  # fmt: skip
-    ok = result["ready"] == result["services"]
-    print(f"\n{result['services']} InferenceServices, {result['nodes']} nodes x 8 GPUs, "
-          f"{result['rate_per_second']}/s ({result['ready']} Ready)")  # fmt: skip
+    if result["mode"] == "operator":
+        checks.append(("operator peak RSS", result["operator_peak_rss_mb"], "MB", TARGET_RSS_MB))
     for label, value, unit, target in checks:
         verdict = "" if target is None else ("PASS" if value < target else "FAIL")
         goal = "" if target is None else f"(target < {target:g} {unit})"
         print(f"  {label:30s} {value:8.3f} {unit:2s} {goal:22s} {verdict}")
         ok = ok and (target is None or value < target)
-    errors, cpu = result["reconcile_errors"] or 0, result["operator_cpu_seconds"]
-    print(
-        f"  reconciles={result['reconciles']:.0f} errors={errors:.0f} "
-        f"applies={result['applies']:.0f} operator CPU={cpu}s"
-    )
-    print(f"  mean urgent queue wait {result['urgent_queue_wait_mean_seconds']}s, "
-          f"mean InferenceService reconcile {result['isvc_reconcile_mean_seconds']}s, "
-          f"mean apply request {result['apply_request_mean_seconds']}s")  # fmt: skip
+    if result["mode"] == "operator":
+        print(
+            f"  reconciles={result['reconciles']:.0f} errors={result['reconcile_errors'] or 0:.0f}"
+            f" applies={result['applies']:.0f} operator CPU={result['operator_cpu_seconds']}s"
+        )
+        print(
+            f"  mean urgent queue wait {result['urgent_queue_wait_mean_seconds']}s, mean "
+            f"InferenceService reconcile {result['isvc_reconcile_mean_seconds']}s, mean apply "
+            f"request {result['apply_request_mean_seconds']}s"
+        )
+    print("  API server time by request (top):")
+    for line in result["apiserver_top_requests"]:
+        print(f"    {line}")
     return ok
 
 
@@ -268,6 +365,18 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=10.0, help="creates per second")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for Ready")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--operator-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="extra `ladle operator` flags (last on the line), e.g. --workers 32",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="no operator: create the same Deployments and Services directly, to measure the "
+        "cluster's own share",
+    )
     args = parser.parse_args()
     if build.missing():
         raise SystemExit("cluster binaries missing: run `ladle cluster build`")

@@ -115,6 +115,11 @@ def trim(obj: Mapping[str, Any]) -> JSON:
     return out
 
 
+def _child_key(obj: Mapping[str, Any]) -> ChildKey:
+    meta = obj["metadata"]
+    return (str(obj["kind"]), str(meta["namespace"]), str(meta["name"]))
+
+
 def _relevant(child: Mapping[str, Any]) -> object:
     """What a reconcile reads from a cached child: other changes need no reconcile."""
     meta = child.get("metadata") or {}
@@ -176,6 +181,9 @@ class Controller:
         # Children changed or deleted by someone else, to say so in an Event once restored.
         self.drifted: dict[ChildKey, str] = {}
         self.pool_written_at: dict[str, float] = {}
+        # Children being created in the background, and where to spawn such tasks.
+        self.creating: dict[ChildKey, asyncio.Task[None]] = {}
+        self._group: asyncio.TaskGroup | None = None
         # Watch events seen per child, to tell whether an apply answer is the freshest state.
         self.watch_seq: dict[ChildKey, int] = {}
         self.deleted: set[ChildKey] = set()
@@ -324,6 +332,7 @@ class Controller:
     async def run(self) -> None:
         """Reconcile forever (until cancelled)."""
         async with asyncio.TaskGroup() as group:
+            self._group = group
             # A quarter of the workers wait for spec changes only.
             reserved = max(1, self.workers // 4)
             for index in range(self.workers):
@@ -486,8 +495,15 @@ class Controller:
     async def _apply_children(self, isvc: InferenceService, children: Children) -> None:
         if children.config_map is not None:  # before the pods that mount it
             await self._ensure(isvc, children.config_map)
-        rest = [c for c in children.all() if c is not children.config_map]
-        await asyncio.gather(*(self._ensure(isvc, child) for child in rest))
+        inline = []
+        for child in children.all():
+            if child is children.config_map:
+                continue
+            if child["kind"] == "Service" and _child_key(child) not in self.children:
+                self._create_in_background(isvc, child)
+            else:
+                inline.append(child)
+        await asyncio.gather(*(self._ensure(isvc, child) for child in inline))
         for kind, name in children.absent():
             key = (kind, isvc.meta.namespace, name)
             if key in self.children or key in self.applied:
@@ -498,10 +514,35 @@ class Controller:
                 self.applied.pop(key, None)
                 self.deleted.discard(key)
 
+    def _create_in_background(self, isvc: InferenceService, service: JSON) -> None:
+        """Create a Service without holding up the reconcile.
+
+        The API server allocates ClusterIPs one at a time; under load a Service create takes
+        seconds, and a worker waiting on it would delay other InferenceServices' Deployments.
+        The watch event of the new Service (or a failure) brings the owner back to the queue.
+        """
+        key = _child_key(service)
+        if key in self.creating or self._group is None:
+            return
+        owner = WorkKey("isvc", isvc.meta.namespace, isvc.meta.name)
+
+        async def create() -> None:
+            try:
+                await self._ensure(isvc, service)
+            except REQUEST_ERRORS as err:
+                log.warning(
+                    "could not create a Service; will retry",
+                    extra={"child": "/".join(key), "error": str(err)},
+                )
+                self.queue.retry(owner)
+            finally:
+                self.creating.pop(key, None)
+
+        self.creating[key] = self._group.create_task(create(), name=f"create-{'/'.join(key)}")
+
     async def _ensure(self, isvc: InferenceService, obj: JSON) -> JSON | None:
         """Apply one child unless the live object is exactly what we last applied."""
-        meta = obj["metadata"]
-        key = (str(obj["kind"]), str(meta["namespace"]), str(meta["name"]))
+        key = _child_key(obj)
         digest = object_digest(obj)
         record = self.applied.get(key)
         live = self.children.get(key)
