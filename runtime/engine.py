@@ -304,6 +304,13 @@ class LLMEngine:
         """Check the request's token ids against the model and add the tokenizer's data. A beam
         search steps each beam greedily, reporting the top logprobs the search ranks."""
         if isinstance(params, BeamSearchParams):
+            # All beams must fit in one step, or the last ones would never run with the others.
+            if params.beam_width > self.args.max_num_batched_tokens:
+                raise RequestError(
+                    f"beam_width: must be <= max_num_batched_tokens "
+                    f"({self.args.max_num_batched_tokens}), got {params.beam_width}",
+                    "beam_width",
+                )
             eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
             width = BeamSearch(params, eos, params.max_tokens).num_candidates
             params = SamplingParams(
@@ -436,6 +443,7 @@ class LLMEngine:
             changed[rid] = state
             if state.beam is not None:
                 state.pending[seq.seq_id] = sample
+                self.scheduler.detach(seq)
                 continue
             self._append(state, seq, sample)
             if seq.finish_reason is not None:
@@ -498,14 +506,12 @@ class LLMEngine:
         """One beam-search step once every live beam has sampled; the chosen continuations
         fork their parents' blocks and dropped beams free theirs at once.
 
-        A beam whose siblings did not all run this step (preempted, or out of token budget)
-        recomputes its last token next step, so that the beams stay in lockstep."""
+        Beams that sampled are held out of scheduling (keeping their blocks) until the others
+        have too, so that siblings that missed a step (out of token budget, or preempted)
+        catch up without competing with them."""
         assert state.beam is not None
         beams = [s for s in state.seqs if not s.is_finished]
         if any(b.seq_id not in state.pending for b in beams):
-            for b in beams:
-                if state.pending.pop(b.seq_id, None) is not None:
-                    b.num_computed_tokens -= 1
             return
         samples = [state.pending.pop(b.seq_id) for b in beams]
         continuations = state.beam.step(
@@ -540,11 +546,11 @@ class LLMEngine:
             child.output_token_ids = list(parent.output_token_ids)
             self.kv.fork(parent, child)
             self._seq_owner[child.seq_id] = state
-            self.scheduler.add_running(child)
             survivors.append(child)
         for seq, c in zip(survivors, continuations, strict=True):
             seq.append_token(c.token_id)
             seq.cumulative_logprob = c.cumulative_logprob
+            self.scheduler.add_running(seq)
         dropped = [b for i, b in enumerate(beams) if i not in reused]
         self.scheduler.finish(dropped)
         for b in dropped:

@@ -15,8 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ladle.runtime.beam_search import BeamCandidates, BeamHypothesis, BeamSearch, BeamSearchOutput
+from ladle.runtime.config import EngineArgs
+from ladle.runtime.engine import LLMEngine
+from ladle.runtime.errors import RequestError
 from ladle.runtime.llm import LLM
-from ladle.runtime.sampling_params import BeamSearchParams, EarlyStopping
+from ladle.runtime.sampling_params import BeamSearchParams, EarlyStopping, SamplingParams
 
 from .conftest import assert_no_blocks_leaked
 
@@ -221,3 +224,43 @@ def test_every_hypothesis_and_score_match_transformers(
         assert hypothesis.token_ids == tokens
         # We recompute each beam's logits; transformers reuses its KV cache.
         assert hypothesis.score == pytest.approx(score, rel=1e-5, abs=1e-5)
+
+
+def test_beams_that_miss_a_step_rerun_with_their_siblings(
+    tiny_model_path: Path, tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 6-token budget shared with a chunked prefill leaves some beams out of several steps;
+    the others recompute their last token until all sample together, and the result is the
+    same as the search run alone."""
+    params = BeamSearchParams(beam_width=4, max_tokens=6)
+    alone = tiny_llm.beam_search([PROMPTS[1]], params)[0]
+    engine = LLMEngine(
+        EngineArgs(
+            model=str(tiny_model_path),
+            max_num_batched_tokens=6,
+            kv_cache_memory=32 << 20,
+            max_model_len=256,
+        )
+    )
+    partial_steps = 0
+    advance = LLMEngine._advance_beams
+
+    def spy(self: LLMEngine, state: Any) -> None:
+        nonlocal partial_steps
+        live = [s for s in state.seqs if not s.is_finished]
+        partial_steps += 0 < len(state.pending) < len(live)
+        advance(self, state)
+
+    monkeypatch.setattr(LLMEngine, "_advance_beams", spy)
+    engine.add_request("beam", PROMPTS[1][:4], params)
+    engine.add_request("long", list(range(3000, 3030)), SamplingParams(max_tokens=2))
+    engine.add_request("beam-full", PROMPTS[1], params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert partial_steps > 0
+    crowded = outputs["beam-full"].outputs
+    assert [c.token_ids for c in crowded] == [s.tokens[len(PROMPTS[1]) :] for s in alone.sequences]
+    assert_no_blocks_leaked(engine)
+    with pytest.raises(RequestError, match="beam_width: must be <= max_num_batched_tokens"):
+        engine.add_request("wide", PROMPTS[1], BeamSearchParams(beam_width=7, max_tokens=2))
