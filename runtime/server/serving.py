@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from ladle.runtime.async_engine import AsyncLLM, EngineDeadError
 from ladle.runtime.errors import RequestError
 from ladle.runtime.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from ladle.runtime.sampling_params import RequestOutputKind, SamplingParams
+from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from ladle.runtime.server.errors import APIError, error_body, from_validation_errors
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.metrics import RequestRecord
@@ -77,10 +77,13 @@ _SERVER_FIELDS = frozenset(
         "add_generation_prompt",
         "continue_final_message",
         "chat_template_kwargs",
+        "use_beam_search",
     }
 )
 # Accepted for client compatibility; they do not change what is generated.
 _IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
+# The completions API's default length (chat's is "until the context is full").
+_COMPLETIONS_MAX_TOKENS = 16
 # JSON cannot carry -inf; OpenAI and vLLM clamp to this.
 _MIN_LOGPROB = -9999.0
 
@@ -113,8 +116,9 @@ def build_sampling_params(request: _GenerationRequest, overrides: dict[str, Any]
     kwargs.update(overrides)
     if isinstance(kwargs.get("stop"), str):
         kwargs["stop"] = [kwargs["stop"]]
-    for name in sorted(set(kwargs) - _sampling_fields()):
-        raise RequestError(f"{name}: not supported by this server", name)
+    unknown = sorted(set(kwargs) - _sampling_fields())
+    if unknown:
+        raise RequestError(f"{unknown[0]}: not supported by this server", unknown[0])
     kwargs["output_kind"] = RequestOutputKind.DELTA
     try:
         return _sampling_adapter().validate_python(kwargs)
@@ -122,9 +126,36 @@ def build_sampling_params(request: _GenerationRequest, overrides: dict[str, Any]
         raise from_validation_errors(list(exc.errors())) from None
 
 
-def _public_params(params: SamplingParams) -> dict[str, Any]:
+def build_beam_params(
+    request: _GenerationRequest, max_tokens: int | None, default_max_tokens: int
+) -> BeamSearchParams:
+    """vLLM's ``use_beam_search``: ``n`` beams, best first. As in vLLM, the sampling fields
+    other than the beam search's own do not apply and are ignored."""
+    extra = request.model_extra or {}
+    kwargs = {k: extra[k] for k in ("length_penalty", "early_stopping") if k in extra}
+    try:
+        return _beam_adapter().validate_python(
+            {
+                "beam_width": request.n,
+                "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
+                "ignore_eos": extra.get("ignore_eos", False),
+                **kwargs,
+            }
+        )
+    except ValidationError as exc:
+        raise from_validation_errors(list(exc.errors())) from None
+
+
+@functools.cache
+def _beam_adapter() -> TypeAdapter[BeamSearchParams]:
+    return TypeAdapter(BeamSearchParams)
+
+
+def _public_params(params: SamplingParams | BeamSearchParams) -> dict[str, Any]:
     """The settings that shaped this request, for its log line: temperature and max_tokens
     always, the rest where they differ from the defaults."""
+    if isinstance(params, BeamSearchParams):
+        return {"use_beam_search": True, **dataclasses.asdict(params)}
     defaults = _default_params()
     return {
         name: getattr(params, name)
@@ -184,7 +215,11 @@ class OpenAIServing:
             )
 
     def _prepare(
-        self, llm: AsyncLLM, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        llm: AsyncLLM,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams,
     ) -> _Prompt:
         """Tokenize and validate now, so that a bad prompt is a 400 before any stream starts."""
         engine = llm.engine
@@ -232,7 +267,7 @@ class OpenAIServing:
         llm: AsyncLLM,
         record: RequestRecord,
         prompt: _Prompt,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         priority: int,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine request; however it ends, its record is finished, counted and logged."""
@@ -284,7 +319,7 @@ class OpenAIServing:
         endpoint: str,
         response_id: str,
         prompts: list[_Prompt],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request: _GenerationRequest,
         arrival: float,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
@@ -411,9 +446,14 @@ class OpenAIServing:
         self.check_model(llm, request.model)
         if request.suffix:
             raise RequestError("suffix: not supported by this server", "suffix")
-        overrides = {} if request.logprobs is None else {"logprobs": request.logprobs}
-        params = build_sampling_params(request, overrides)
-        if request.echo and params.logprobs is not None:
+        params: SamplingParams | BeamSearchParams
+        if _beam_search(request):
+            max_tokens = request.max_tokens
+            params = build_beam_params(request, max_tokens, _COMPLETIONS_MAX_TOKENS)
+        else:
+            overrides = {} if request.logprobs is None else {"logprobs": request.logprobs}
+            params = build_sampling_params(request, overrides)
+        if request.echo and request.logprobs is not None:
             raise RequestError("echo: not supported together with logprobs", "echo")
         response_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = [
@@ -560,7 +600,6 @@ class OpenAIServing:
             else request.max_tokens
         )
         overrides["max_tokens"] = max_tokens
-        params = build_sampling_params(request, overrides)
         text, ids = self.render_chat(
             llm,
             request.messages,
@@ -568,7 +607,17 @@ class OpenAIServing:
             request.continue_final_message,
             request.chat_template_kwargs,
         )
-        if request.stream and params.prompt_logprobs is not None:
+        params: SamplingParams | BeamSearchParams
+        if _beam_search(request):
+            room = max(1, llm.engine.max_model_len - len(ids))
+            params = build_beam_params(request, max_tokens, room)
+        else:
+            params = build_sampling_params(request, overrides)
+        if (
+            request.stream
+            and isinstance(params, SamplingParams)
+            and params.prompt_logprobs is not None
+        ):
             raise RequestError("prompt_logprobs: not supported when streaming chat", "stream")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = _Prompt(text, self._prepare(llm, response_id, ids, params).token_ids)
@@ -676,6 +725,10 @@ class OpenAIServing:
             usage=self._usage([prompt], completion_tokens),
             prompt_logprobs=self._prompt_logprobs(prompt_logprobs),
         )
+
+
+def _beam_search(request: _GenerationRequest) -> bool:
+    return bool((request.model_extra or {}).get("use_beam_search", False))
 
 
 def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:

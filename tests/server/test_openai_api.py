@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from ladle.runtime import LLM, SamplingParams
+from ladle.runtime.sampling_params import BeamSearchParams
 
 from .conftest import Server
 
@@ -208,8 +209,27 @@ def test_multiple_prompts_in_one_request(client: openai.OpenAI) -> None:
     assert [c.text for c in sorted(both.choices, key=lambda c: c.index)] == single
 
 
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    """The offline engine, configured as the server is, for token-exact comparisons."""
+    return LLM(kv_cache_memory="64MiB", max_model_len=512)
+
+
+def test_beam_search_matches_offline(client: openai.OpenAI, offline: LLM) -> None:
+    response = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt=PROMPT,
+        max_tokens=4,
+        n=2,
+        extra_body={"use_beam_search": True, "length_penalty": 1.0},
+    )
+    beams = offline.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=4))
+    served = [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+    assert served == [s.text for s in beams[0].sequences]
+
+
 async def test_16_concurrent_streams_equal_offline_greedy(
-    aclient: openai.AsyncOpenAI, server: Server
+    aclient: openai.AsyncOpenAI, offline: LLM
 ) -> None:
     prompts = [f"Write the number {i} in words:" for i in range(16)]
 
@@ -225,11 +245,10 @@ async def test_16_concurrent_streams_equal_offline_greedy(
         return "".join([c.choices[0].text async for c in chunks if c.choices])
 
     served = await asyncio.gather(*(stream(p) for p in prompts))
-    llm = LLM(kv_cache_memory="64MiB", max_model_len=512)
-    offline = llm.generate(
+    expected = offline.generate(
         prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
     )
-    assert served == [o.outputs[0].text for o in offline]
+    assert served == [o.outputs[0].text for o in expected]
 
 
 def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
