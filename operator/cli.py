@@ -71,7 +71,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=int(_env("CONFIG_MAP_THRESHOLD_BYTES", "256")),
         help="engine flags longer than this move into a ConfigMap (default: %(default)s)",
     )
-    parser.add_argument("--workers", type=int, default=int(_env("WORKERS", "16")))
+    parser.add_argument("--workers", type=int, default=int(_env("WORKERS", "32")))
     parser.add_argument(
         "--resync-seconds", type=float, default=float(_env("RESYNC_SECONDS", "600"))
     )

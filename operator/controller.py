@@ -69,6 +69,7 @@ ChildKey = tuple[str, str, str]  # (kind, namespace, name)
 GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
 EVENT_POSTERS = 2
 POOL_STATUS_INTERVAL = 1.0  # seconds
+BACKGROUND_CREATES = 8
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class Controller:
         metrics: Metrics,
         *,
         identity: str = "ladle-operator",
-        workers: int = 16,
+        workers: int = 32,
         resync_seconds: float = 600.0,
     ) -> None:
         self.client = client
@@ -183,6 +184,7 @@ class Controller:
         self.pool_written_at: dict[str, float] = {}
         # Children being created in the background, and where to spawn such tasks.
         self.creating: dict[ChildKey, asyncio.Task[None]] = {}
+        self.creating_slots = asyncio.Semaphore(BACKGROUND_CREATES)
         self._group: asyncio.TaskGroup | None = None
         # Watch events seen per child, to tell whether an apply answer is the freshest state.
         self.watch_seq: dict[ChildKey, int] = {}
@@ -528,7 +530,8 @@ class Controller:
 
         async def create() -> None:
             try:
-                await self._ensure(isvc, service)
+                async with self.creating_slots:  # a storm of creates only slows each one down
+                    await self._ensure(isvc, service)
             except REQUEST_ERRORS as err:
                 log.warning(
                     "could not create a Service; will retry",

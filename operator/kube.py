@@ -97,7 +97,7 @@ class KubeClient:
         self,
         field_manager: str,
         login_fn: Callable[[], kopf.ConnectionInfo] = login,
-        timeout_seconds: float = 30.0,
+        timeout_seconds: float = 60.0,
         observe: Callable[[str, float], None] | None = None,
     ) -> None:
         self.field_manager = field_manager

@@ -37,7 +37,7 @@ class Options:
     lease_name: str = "ladle-operator"
     identity: str = "ladle-operator"
     timing: ElectionTiming = field(default_factory=ElectionTiming)
-    workers: int = 16
+    workers: int = 32
     resync_seconds: float = 600.0
     log_level: str = "INFO"
 
