@@ -292,15 +292,13 @@ class LLMEngine:
             request_id,
             text,
             ids,
-            self._bind_params(params, len(ids)),
+            self._bind_params(params),
             time.monotonic() if arrival_time is None else arrival_time,
             priority,
             beam_params,
         )
 
-    def _bind_params(
-        self, params: SamplingParams | BeamSearchParams, num_prompt: int
-    ) -> SamplingParams:
+    def _bind_params(self, params: SamplingParams | BeamSearchParams) -> SamplingParams:
         """Check the request's token ids against the model and add the tokenizer's data. A beam
         search steps each beam greedily, reporting the top logprobs the search ranks."""
         if isinstance(params, BeamSearchParams):
@@ -311,7 +309,7 @@ class LLMEngine:
                     f"({self.args.max_num_batched_tokens}), got {params.beam_width}",
                     "beam_width",
                 )
-            eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+            eos = frozenset(self.eos_token_ids)
             width = BeamSearch(params, eos, params.max_tokens).num_candidates
             params = SamplingParams(
                 temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=width
@@ -544,6 +542,7 @@ class LLMEngine:
             )
             child.token_ids = list(parent.token_ids)
             child.output_token_ids = list(parent.output_token_ids)
+            child.num_cached_tokens = parent.num_cached_tokens
             self.kv.fork(parent, child)
             self._seq_owner[child.seq_id] = state
             survivors.append(child)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
+from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine
 from ladle.runtime.llm import LLM
 from ladle.runtime.models.loader import resolve_model
@@ -59,6 +60,18 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path
 @pytest.fixture(scope="session")
 def tiny_llm(tiny_model_path: Path) -> LLM:
     return LLM(str(tiny_model_path), kv_cache_memory="32MiB", max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_chunked_engine(tiny_model_path: Path) -> LLMEngine:
+    """The tiny model with a 6-token step budget: prompts are chunked, decodes crowd out."""
+    args = EngineArgs(
+        model=str(tiny_model_path),
+        max_num_batched_tokens=6,
+        kv_cache_memory=32 << 20,
+        max_model_len=256,
+    )
+    return LLMEngine(args)
 
 
 def make_seq(

@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from ladle.runtime.beam_search import BeamCandidates, BeamHypothesis, BeamSearch, BeamSearchOutput
-from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine
 from ladle.runtime.errors import RequestError
 from ladle.runtime.llm import LLM
@@ -227,21 +226,14 @@ def test_every_hypothesis_and_score_match_transformers(
 
 
 def test_beams_that_miss_a_step_rerun_with_their_siblings(
-    tiny_model_path: Path, tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+    tiny_chunked_engine: LLMEngine, tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A 6-token budget shared with a chunked prefill leaves some beams out of several steps;
     the others recompute their last token until all sample together, and the result is the
     same as the search run alone."""
     params = BeamSearchParams(beam_width=4, max_tokens=6)
     alone = tiny_llm.beam_search([PROMPTS[1]], params)[0]
-    engine = LLMEngine(
-        EngineArgs(
-            model=str(tiny_model_path),
-            max_num_batched_tokens=6,
-            kv_cache_memory=32 << 20,
-            max_model_len=256,
-        )
-    )
+    engine = tiny_chunked_engine
     partial_steps = 0
     advance = LLMEngine._advance_beams
 

@@ -184,6 +184,25 @@ def test_logprobs_and_prompt_logprobs_map_onto_openai(tiny_llm: LLM) -> None:
     assert final.cumulative_logprob == pytest.approx(total, abs=1e-5)
 
 
+def test_prompt_logprobs_survive_chunked_prefill(
+    tiny_llm: LLM, tiny_chunked_engine: LLMEngine
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    whole = tiny_llm.generate([PROMPT[:20]], params, use_tqdm=False)[0].prompt_logprobs
+    chunked = run(tiny_chunked_engine, "chunked", PROMPT[:20], params)[-1].prompt_logprobs
+    assert whole is not None
+    assert chunked is not None
+    assert len(whole) == len(chunked) == 20
+    for a, b in zip(whole[1:], chunked[1:], strict=True):
+        assert a is not None
+        assert b is not None
+        assert list(a) == list(b)
+        assert [lp.logprob for lp in a.values()] == pytest.approx(
+            [lp.logprob for lp in b.values()], abs=1e-5
+        )
+    assert_no_blocks_leaked(tiny_chunked_engine)
+
+
 def test_logprobs_above_the_engine_limit_are_refused(tiny_llm: LLM) -> None:
     from ladle.runtime.errors import RequestError
 
