@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ PORT_NAMES = (
     "kube-scheduler",
     "kwok",
 )
+NODE_LEASE_SECONDS = 40  # what kubelets use
 
 
 class ClusterError(RuntimeError):
@@ -323,9 +325,13 @@ class Cluster:
             stopped.append(name)
         return stopped
 
-    def restart_apiserver(self, timeout: float = 60.0) -> float:
+    def restart_apiserver(self, timeout: float = 90.0) -> float:
         """Stop kube-apiserver and start it again with the same flags, for resilience tests
-        (clients must survive it); returns the seconds until /readyz passes again."""
+        (clients must survive it); returns the seconds until workloads run again.
+
+        /readyz alone is not enough: the controllers' watches come back with a backoff, and
+        until they do, the ReplicaSet controller refuses to act on its stale cache. Waiting for
+        a probe Deployment keeps the restart from leaking into the tests that follow."""
         state = self.state()
         record = state["processes"]["kube-apiserver"]
         proc = self._live(record)
@@ -337,10 +343,52 @@ class Cluster:
                 for straggler in alive:
                     straggler.kill()
         self._start(state, "kube-apiserver", record["argv"])
-        self._wait(
-            "kube-apiserver /readyz", lambda: self.api("GET", "/readyz") == "ok", start + timeout
-        )
+        deadline = start + timeout
+        self._wait("kube-apiserver /readyz", lambda: self.api("GET", "/readyz") == "ok", deadline)
+        self._wait_for_a_workload(deadline)
         return time.monotonic() - start
+
+    def _wait_for_a_workload(self, deadline: float) -> None:
+        """Run a one-pod Deployment to Available and delete it: proof that the Deployment and
+        ReplicaSet controllers, the scheduler and kwok all see the API server again."""
+        name = f"ladle-probe-{uuid.uuid4().hex[:8]}"
+        path = "/apis/apps/v1/namespaces/default/deployments"
+        labels = {"app.kubernetes.io/name": name}
+        probe = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": name},
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": labels},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"containers": [{"name": "probe", "image": "ladle.dev/probe"}]},
+                },
+            },
+        }
+
+        def create() -> bool:
+            try:
+                self.api("POST", path, probe)
+            except urllib.error.HTTPError as err:
+                if err.code != 409:  # a retry after a lost response finds it there
+                    raise
+            return True
+
+        self._wait("the API server to accept a probe Deployment", create, deadline)
+        try:
+            self._wait(
+                "a probe Deployment to become Available",
+                lambda: (
+                    (self.api("GET", f"{path}/{name}").get("status") or {}).get("availableReplicas")
+                    == 1
+                ),
+                deadline,
+            )
+        finally:
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                self.api("DELETE", f"{path}/{name}?propagationPolicy=Background")
 
     def down(self) -> list[str]:
         """Stop our processes and remove the state folder."""
@@ -485,6 +533,10 @@ class Cluster:
             f"--config={stages}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={nodes.KWOK_SELECTOR}",
+            # Renew node Leases like kubelets do. The flag's default only applies through a
+            # KwokConfiguration, and without Leases node-lifecycle marks every node (and its
+            # pods) NotReady for a few seconds each node-monitor grace period.
+            f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
             f"--cidr={POD_CIDR}",
             f"--node-ip={HOST}",
             f"--server-address={HOST}:{ports['kwok']}",
