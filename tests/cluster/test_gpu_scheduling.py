@@ -40,6 +40,29 @@ def test_nodes_advertise_gpus_and_product_labels(k8s_api: ApiClient) -> None:
         assert node.status.allocatable[GPU_RESOURCE] == "8"
 
 
+def test_nodes_renew_their_leases_like_kubelets(k8s_api: ApiClient) -> None:
+    # Without Leases, node-lifecycle marks every node and its pods NotReady for a few seconds in
+    # each grace period, and Ready pods flicker under the tests' feet.
+    coordination = client.CoordinationV1Api(k8s_api)
+    names = [
+        n.metadata.name
+        for n in client.CoreV1Api(k8s_api).list_node(label_selector="type=kwok").items
+    ]
+    first = {
+        name: coordination.read_namespaced_lease(name, "kube-node-lease").spec.renew_time
+        for name in names
+    }
+    wait_until(
+        lambda: all(
+            coordination.read_namespaced_lease(name, "kube-node-lease").spec.renew_time
+            > first[name]
+            for name in names
+        ),
+        "every node Lease to be renewed",
+        timeout=60,
+    )
+
+
 def test_gpu_deployment_gets_running_ready_pods(k8s_api: ApiClient, k8s_namespace: str) -> None:
     labels = {"app": "gpu-engine"}
     deployment = client.V1Deployment(
