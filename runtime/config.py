@@ -104,7 +104,7 @@ class EngineArgs:
         group.add_argument("--num-gpu-blocks-override", type=int)
         group.add_argument("--seed", type=int, default=0)
         group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-        group.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+        group.add_argument("--attention-backend", default="auto", help="auto, cpu, torch or triton")
         group.add_argument(
             "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
         )

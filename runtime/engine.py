@@ -152,7 +152,7 @@ class LLMEngine:
         spec = KVCacheSpec(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype
         )
-        backend = select_backend(args.attention_backend, self.device)
+        backend = select_backend(args.attention_backend, self.device, kv_dtype)
         if kv_dtype == torch.int8 and backend.name != "triton":
             raise ConfigError("kv_cache_dtype int8 needs the triton attention backend")
         self.attention: AttentionBackend = backend(spec, self.device)

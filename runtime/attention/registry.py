@@ -7,11 +7,15 @@ from collections.abc import Callable
 import torch
 
 from ladle.runtime.attention.backend import AttentionBackend
+from ladle.runtime.attention.cpu_backend import CpuAttentionBackend, cpu_kernel_supports
 from ladle.runtime.attention.torch_backend import TorchAttentionBackend
 from ladle.runtime.config import ConfigError
-from ladle.runtime.kernels import interpreting, triton_available
+from ladle.runtime.kernels import cpu_kernels, interpreting, triton_available
 
-BACKENDS: dict[str, type[AttentionBackend]] = {TorchAttentionBackend.name: TorchAttentionBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    TorchAttentionBackend.name: TorchAttentionBackend,
+    CpuAttentionBackend.name: CpuAttentionBackend,
+}
 
 
 def _load_triton() -> type[AttentionBackend]:
@@ -25,11 +29,22 @@ def _load_triton() -> type[AttentionBackend]:
 LAZY_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"triton": _load_triton}
 
 
-def select_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """``auto`` means the Triton kernels on CUDA when Triton is installed, the torch path
-    otherwise. ``triton`` on CPU needs ``TRITON_INTERPRET=1`` (slow; for tests)."""
+def _auto(device: torch.device, kv_dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        return "triton" if triton_available() else "torch"
+    if cpu_kernel_supports(kv_dtype, device) and cpu_kernels.load() is not None:
+        return "cpu"
+    return "torch"
+
+
+def select_backend(
+    name: str, device: torch.device, kv_dtype: torch.dtype
+) -> type[AttentionBackend]:
+    """``auto`` means the Triton kernels on CUDA when Triton is installed, the C decode kernel
+    on CPU when it builds (fp32 caches), the torch path otherwise. ``triton`` on CPU needs
+    ``TRITON_INTERPRET=1`` (slow; for tests)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        name = _auto(device, kv_dtype)
     if name in BACKENDS:
         return BACKENDS[name]
     known = ", ".join([*BACKENDS, *LAZY_BACKENDS])

@@ -30,26 +30,27 @@ class TorchAttentionBackend(AttentionBackend):
         self._prefill_masks: dict[int, torch.Tensor] = {}
 
     def begin_step(self, meta: AttentionMetadata) -> None:
-        bs = self.spec.block_size
-        nd = meta.num_decodes
-        if nd:
-            max_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
-            self._decode_blocks = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
-            span = torch.arange(max_blocks * bs, device=self.device)
-            self._decode_mask = (span[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
-            per_cache = nd * max_blocks * bs * self.spec.num_kv_heads * self.spec.head_dim
-            if self._workspace.numel() < 2 * per_cache:
-                self._workspace = torch.empty(
-                    2 * per_cache, dtype=self.spec.dtype, device=self.device
-                )
+        if meta.num_decodes:
+            self._begin_decodes(meta)
         self._prefill_masks = {}
-        for i in range(nd, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
             ctx = meta.seq_lens_cpu[i]
             if ctx != q_len:
                 # Causal, aligned to the end: query j sits at absolute position ctx - q_len + j.
                 rows = torch.arange(ctx - q_len, ctx, device=self.device)[:, None]
                 self._prefill_masks[i] = torch.arange(ctx, device=self.device)[None, :] <= rows
+
+    def _begin_decodes(self, meta: AttentionMetadata) -> None:
+        bs = self.spec.block_size
+        nd = meta.num_decodes
+        max_blocks = -(-max(meta.seq_lens_cpu[:nd]) // bs)
+        self._decode_blocks = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
+        span = torch.arange(max_blocks * bs, device=self.device)
+        self._decode_mask = (span[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
+        per_cache = nd * max_blocks * bs * self.spec.num_kv_heads * self.spec.head_dim
+        if self._workspace.numel() < 2 * per_cache:
+            self._workspace = torch.empty(2 * per_cache, dtype=self.spec.dtype, device=self.device)
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, part: int) -> torch.Tensor:
         n = blocks.numel() * self.spec.block_size
@@ -72,23 +73,50 @@ class TorchAttentionBackend(AttentionBackend):
         cache.key.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, k)
         cache.value.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
+        if meta.num_decodes:
+            self._decode(q, cache, meta, scale, out)
+        self._prefill(q, k, v, cache, meta, scale, out)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Attention of the first ``num_decodes`` rows, one query token per sequence."""
+        hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
         nd = meta.num_decodes
-        if nd:
-            span = self._decode_mask.shape[-1]
-            keys = self._gather(cache.key, self._decode_blocks, 0).view(nd, span, hkv, dim)
-            values = self._gather(cache.value, self._decode_blocks, 1).view(nd, span, hkv, dim)
-            group = q.shape[1] // hkv
-            packed = q[:nd].view(nd, hkv, group, dim)
-            attn = F.scaled_dot_product_attention(
-                packed,
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=self._decode_mask,
-                scale=scale,
-            )
-            out[:nd] = attn.reshape(nd, hkv * group, dim)
+        span = self._decode_mask.shape[-1]
+        keys = self._gather(cache.key, self._decode_blocks, 0).view(nd, span, hkv, dim)
+        values = self._gather(cache.value, self._decode_blocks, 1).view(nd, span, hkv, dim)
+        group = q.shape[1] // hkv
+        packed = q[:nd].view(nd, hkv, group, dim)
+        attn = F.scaled_dot_product_attention(
+            packed,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self._decode_mask,
+            scale=scale,
+        )
+        out[:nd] = attn.reshape(nd, hkv * group, dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """One SDPA call per prefill chunk, reading earlier context from the cache."""
+        hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
         bs = self.spec.block_size
-        for i in range(nd, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             ctx = meta.seq_lens_cpu[i]
             mask = self._prefill_masks.get(i)
@@ -108,4 +136,3 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[start:end] = attn[0].transpose(0, 1)
-        return out

@@ -1,17 +1,21 @@
 """The forward pass's small ops, in plain torch or as fused Triton kernels.
 
 The model calls these through one object, chosen with its attention backend: the Triton
-backend brings the fused kernels (on CUDA, or on CPU under the interpreter), the torch backend
-keeps plain torch. ``add_rms_norm`` adds a sublayer's output into the residual stream and
-normalizes the sum; ``rope`` takes each token's cos/sin rows, gathered once per step.
+backend brings the fused kernels (on CUDA, or on CPU under the interpreter), the CPU backend its
+C RMSNorm, the torch backend keeps plain torch. ``add_rms_norm`` adds a sublayer's output into
+the residual stream and normalizes the sum; ``rope`` takes each token's cos/sin rows, gathered
+once per step.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from ladle.runtime.kernels import cpu_kernels
 
 
 class ModelOps(Protocol):
@@ -83,6 +87,27 @@ class TritonOps:
         return self._fused.silu_and_mul(x)
 
 
+class CpuOps(TorchOps):
+    """RMSNorm (with the residual add) from our C kernels: on a CPU, torch spends more on
+    dispatching its six small ops than on the arithmetic. The rest stays plain torch."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return cpu_kernels.rms_norm(self._lib, x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_kernels.rms_norm(self._lib, x, weight, eps, residual), residual
+
+
 def ops_for_backend(attention_backend: str) -> ModelOps:
-    """The Triton attention backend brings the fused kernels; any other keeps torch."""
-    return TritonOps() if attention_backend == "triton" else TorchOps()
+    """Each attention backend brings its own small ops: Triton's fused kernels, the CPU
+    backend's C kernels; the torch backend keeps torch."""
+    if attention_backend == "triton":
+        return TritonOps()
+    if attention_backend == "cpu" and (lib := cpu_kernels.load()) is not None:
+        return CpuOps(lib)
+    return TorchOps()

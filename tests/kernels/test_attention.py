@@ -21,10 +21,12 @@ from ladle.runtime.attention.backend import (
     KVCacheSpec,
     LayerKVCache,
 )
+from ladle.runtime.attention.cpu_backend import CpuAttentionBackend
 from ladle.runtime.attention.registry import select_backend
 from ladle.runtime.attention.torch_backend import TorchAttentionBackend
 from ladle.runtime.attention.triton_backend import TritonAttentionBackend
 from ladle.runtime.config import ConfigError
+from ladle.runtime.kernels import cpu_kernels
 from ladle.runtime.kernels.attention import (
     paged_attention_ref,
     paged_decode_attention,
@@ -310,7 +312,7 @@ def test_store_kv_writes_mapped_slots_and_skips_padding(int8: bool) -> None:
 
 
 def step_meta(
-    seqs: list[tuple[int, int]], tables: list[list[int]], block_size: int
+    seqs: list[tuple[int, int]], tables: list[list[int]], block_size: int, device: torch.device
 ) -> tuple[AttentionMetadata, int]:
     """Metadata for sequences given as (already cached tokens, new tokens), decodes first."""
     starts, lens, slots = [0], [], []
@@ -324,12 +326,12 @@ def step_meta(
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
         num_decodes=sum(1 for _, new in seqs if new == 1),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
         ),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         max_query_len=max(new for _, new in seqs),
         max_seq_len=max(lens),
         query_start_loc_cpu=starts,
@@ -348,9 +350,9 @@ def run_steps(
     outs = []
     torch.manual_seed(11)
     for seqs, tables in steps:
-        meta, n = step_meta(seqs, tables, backend.spec.block_size)
-        q = torch.randn(n, heads[0], head_dim, device=DEVICE)
-        kv = torch.randn(n, 2, heads[1], head_dim, device=DEVICE)
+        meta, n = step_meta(seqs, tables, backend.spec.block_size, backend.device)
+        q = torch.randn(n, heads[0], head_dim, device=backend.device)
+        kv = torch.randn(n, 2, heads[1], head_dim, device=backend.device)
         backend.begin_step(meta)
         outs.append(backend.forward(q, kv[:, 0], kv[:, 1], caches[0], meta, head_dim**-0.5))
     return outs
@@ -407,13 +409,78 @@ def test_int8_copy_blocks_copies_scales() -> None:
         assert torch.equal(layer.value_scale[2], layer.value_scale[0])
 
 
-def test_triton_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu = torch.device("cpu")
-    assert select_backend("auto", cpu) is TorchAttentionBackend
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    assert select_backend("auto", cpu, fp32) is CpuAttentionBackend
+    # The C kernel is fp32 only; other caches keep the torch path.
+    assert select_backend("auto", cpu, torch.bfloat16) is TorchAttentionBackend
+    spec = KVCacheSpec(1, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ConfigError, match="fp32 KV cache on the CPU"):
+        CpuAttentionBackend(spec, cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_backend("triton", cpu) is TritonAttentionBackend
+    assert select_backend("triton", cpu, fp32) is TritonAttentionBackend
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET"):
-        select_backend("triton", cpu)
+        select_backend("triton", cpu, fp32)
     with pytest.raises(ConfigError, match="unknown"):
-        select_backend("flash", cpu)
+        select_backend("flash", cpu, fp32)
+
+
+def test_without_a_compiler_cpu_falls_back_to_torch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    cpu_kernels.load.cache_clear()
+    try:
+        assert select_backend("auto", torch.device("cpu"), torch.float32) is TorchAttentionBackend
+        assert "could not build the CPU kernels" in caplog.text
+        with pytest.raises(ConfigError, match="needs a C compiler"):
+            CpuAttentionBackend(KVCacheSpec(1, 2, 64, 16, torch.float32), torch.device("cpu"))
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+# (query heads, KV heads), head dim, block size, contexts: one token, a block boundary, one past
+# it, long contexts over shuffled blocks.
+CPU_CASES = [
+    ((2, 2), 64, 16, [1, 16, 17, 200]),
+    ((9, 3), 64, 16, [30, 196, 5]),
+    ((8, 1), 128, 8, [33, 8, 1]),
+    ((28, 4), 128, 32, [300, 64]),
+]
+
+
+@pytest.mark.parametrize(("heads", "head_dim", "block_size", "contexts"), CPU_CASES)
+def test_cpu_decode_kernel_matches_dense_reference(
+    heads: tuple[int, int], head_dim: int, block_size: int, contexts: list[int]
+) -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None, "the C kernel must build on the test machines"
+    torch.manual_seed(sum(contexts))
+    batch = paged_batch([(1, c) for c in contexts], heads, head_dim, block_size, torch.float32)
+    scale = head_dim**-0.5
+    out = torch.full_like(batch.q, float("nan"))
+    cpu_kernels.paged_decode_attention(
+        lib,
+        batch.q.cpu(),
+        batch.key_cache.cpu(),
+        batch.value_cache.cpu(),
+        batch.block_tables.cpu(),
+        batch.seq_lens.cpu(),
+        scale,
+        out,
+    )
+    assert rel_err(out, dense_reference(batch, scale)) < 1e-5
+
+
+def test_cpu_backend_matches_torch_backend_over_mixed_steps() -> None:
+    heads, head_dim, block_size = (6, 2), 64, 4
+    spec = KVCacheSpec(1, heads[1], head_dim, block_size, torch.float32)
+    cpu = torch.device("cpu")
+    torch_backend = TorchAttentionBackend(spec, cpu)
+    cpu_backend = CpuAttentionBackend(spec, cpu)
+    expected = run_steps(torch_backend, torch_backend.allocate(12), STEPS, heads, head_dim)
+    got = run_steps(cpu_backend, cpu_backend.allocate(12), STEPS, heads, head_dim)
+    for out, ref in zip(got, expected, strict=True):
+        assert rel_err(out, ref) < 1e-5

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, PreTrainedConfig, Qwen3Config
 
+from ladle.runtime.kernels import cpu_kernels
 from ladle.runtime.kernels.fused import (
     rms_norm,
     rms_norm_ref,
@@ -131,3 +132,30 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     assert out.shape == (3, width)
     assert out.dtype == dtype
     assert rel_err(out, silu_and_mul_ref(x)) < TOLERANCE[dtype]
+
+
+def test_cpu_rms_norm_kernel_with_and_without_residual() -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None, "the C kernels must build on the test machines"
+    torch.manual_seed(2)
+    hidden = 96
+    for rows in (5, 2048):  # below and above the size where it goes multi-threaded
+        wide = torch.randn(rows, 2 * hidden)
+        x = wide[:, :hidden]  # a strided view, as when it comes out of a split
+        residual = torch.randn(rows, hidden)
+        weight = torch.rand(hidden) + 0.5
+        out = cpu_kernels.rms_norm(lib, x, weight, 1e-6)
+        assert rel_err(out, rms_norm_ref(x, weight, 1e-6)[0]) < TOLERANCE[torch.float32]
+        ref, ref_residual = rms_norm_ref(x, weight, 1e-6, residual)
+        out = cpu_kernels.rms_norm(lib, x, weight, 1e-6, residual)  # residual += x in place
+        assert rel_err(out, ref) < TOLERANCE[torch.float32]
+        assert ref_residual is not None
+        assert torch.equal(residual, ref_residual)
+    heads = torch.randn(3, 4, 32)  # Qwen3's per-head q/k norm
+    assert (
+        rel_err(
+            cpu_kernels.rms_norm(lib, heads, weight[:32], 1e-6),
+            rms_norm_ref(heads, weight[:32], 1e-6)[0],
+        )
+        < TOLERANCE[torch.float32]
+    )

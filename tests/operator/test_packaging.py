@@ -142,6 +142,8 @@ def test_wheel_carries_the_operator_and_the_console_script(wheel: Path) -> None:
     # A namespace package: an __init__ would shadow the stdlib `operator` from the repo root.
     assert "ladle/operator/__init__.py" not in names
     assert "ladle/cli.py" in names
+    # The runtime builds its CPU kernels from this source on first use.
+    assert "ladle/runtime/kernels/cpu_kernels.c" in names
 
 
 def test_operator_imports_only_what_its_image_installs() -> None:

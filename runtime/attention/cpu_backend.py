@@ -1,0 +1,61 @@
+"""Attention for CPUs: the torch path, with decodes read straight from the paged cache.
+
+Decode attention on a CPU is bound by memory traffic. The torch path gathers every decoding
+sequence's blocks into a workspace and then reads that copy in SDPA, so it moves the context
+three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks keep the
+torch path: they are GEMM-bound, and SDPA handles them well.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ladle.runtime.attention.backend import AttentionMetadata, KVCacheSpec, LayerKVCache
+from ladle.runtime.attention.torch_backend import TorchAttentionBackend
+from ladle.runtime.config import ConfigError
+from ladle.runtime.kernels import cpu_kernels
+
+
+def cpu_kernel_supports(spec_dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and spec_dtype == torch.float32
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
+        if not cpu_kernel_supports(spec.dtype, device):
+            raise ConfigError(
+                f"attention backend 'cpu' needs an fp32 KV cache on the CPU, not "
+                f"{spec.dtype} on {device.type}"
+            )
+        lib = cpu_kernels.load()
+        if lib is None:
+            raise ConfigError("attention backend 'cpu' needs a C compiler (see the log)")
+        super().__init__(spec, device)
+        self._lib: ctypes.CDLL = lib
+
+    def _begin_decodes(self, meta: AttentionMetadata) -> None:
+        """Nothing to gather: the kernel follows the block tables itself."""
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        nd = meta.num_decodes
+        cpu_kernels.paged_decode_attention(
+            self._lib,
+            q[:nd].contiguous(),
+            cache.key,
+            cache.value,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            out[:nd],
+        )

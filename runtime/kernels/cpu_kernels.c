@@ -1,0 +1,109 @@
+/* fp32 kernels for CPUs, where torch's small ops cost more in dispatch than in arithmetic.
+ *
+ * Built with -fopenmp: each parallelizes over rows or sequences with the thread count the
+ * caller passes (torch's), and stays on one thread when the work is too small to share.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, as transformers computes it.
+ * With a residual, the row is first added into it (in place) and the sum is normalized: one
+ * pass instead of torch's six small ops. */
+void ladle_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                        int64_t rows, int32_t cols, float eps, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *src = x + r * cols;
+        if (residual != NULL) {
+            float *res = residual + r * cols;
+#pragma omp simd
+            for (int d = 0; d < cols; d++) res[d] += src[d];
+            src = res;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int d = 0; d < cols; d++) squares += src[d] * src[d];
+        const float inv = 1.0f / sqrtf(squares / (float)cols + eps);
+        float *o = out + r * cols;
+#pragma omp simd
+        for (int d = 0; d < cols; d++) o[d] = weight[d] * (src[d] * inv);
+    }
+}
+
+/* Decode attention over the paged KV cache.
+ *
+ * One query token per sequence reads its keys and values straight from the cache blocks named
+ * by its block table, so nothing is gathered into a contiguous copy first: on a CPU, decode
+ * attention is bound by memory traffic, and the gather used to triple it.
+ *
+ * Layouts (all contiguous): q and out [num_seqs, num_heads, head_dim]; caches
+ * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, table_stride].
+ */
+
+int ladle_paged_decode_attention_f32(
+    const float *q, const float *key_cache, const float *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+    int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+    int32_t block_size, float scale, int32_t num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t block_stride = token_stride * block_size;
+    int failed = 0;
+
+    /* One sequence per task: its blocks are read front to back, every head of a token at once,
+     * which keeps the reads sequential within each block. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int s = 0; s < num_seqs; s++) {
+        const int len = seq_lens[s];
+        const int32_t *table = block_tables + s * table_stride;
+        const float *qs = q + (int64_t)s * num_heads * head_dim;
+        float *os = out + (int64_t)s * num_heads * head_dim;
+        /* scores[head * len + t], then one normalizer per query head */
+        float *scores = malloc(sizeof(float) * (size_t)num_heads * ((size_t)len + 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *inv_sum = scores + (size_t)num_heads * len;
+
+        for (int t = 0; t < len; t++) {
+            const float *k = key_cache + (int64_t)table[t / block_size] * block_stride +
+                             (int64_t)(t % block_size) * token_stride;
+            for (int head = 0; head < num_heads; head++) {
+                const float *qh = qs + (int64_t)head * head_dim;
+                const float *kh = k + (int64_t)(head / group) * head_dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int d = 0; d < head_dim; d++) acc += qh[d] * kh[d];
+                scores[head * len + t] = acc * scale;
+            }
+        }
+        for (int head = 0; head < num_heads; head++) {
+            float *row = scores + (size_t)head * len;
+            float max = -INFINITY;
+            for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
+            float sum = 0.0f;
+            for (int t = 0; t < len; t++) {
+                row[t] = expf(row[t] - max);
+                sum += row[t];
+            }
+            inv_sum[head] = 1.0f / sum;
+        }
+        for (int i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
+        for (int t = 0; t < len; t++) {
+            const float *v = value_cache + (int64_t)table[t / block_size] * block_stride +
+                             (int64_t)(t % block_size) * token_stride;
+            for (int head = 0; head < num_heads; head++) {
+                const float p = scores[head * len + t] * inv_sum[head];
+                const float *vh = v + (int64_t)(head / group) * head_dim;
+                float *oh = os + (int64_t)head * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) oh[d] += p * vh[d];
+            }
+        }
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,172 @@
+"""Our fp32 CPU kernels (``cpu_kernels.c``): decode attention over the paged cache, RMSNorm.
+
+The system C compiler builds them once per source, compiler and CPU (``-O3 -march=native
+-fopenmp``) into the cache folder, where later processes find them; ctypes calls them and
+releases the GIL meanwhile. Without a working compiler, :func:`load` returns None and the
+engine keeps the plain torch path, which computes the same things.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ladle.runtime.models.loader import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), version, _cpu_flags(), *FLAGS]).encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(built, target)  # atomic: a concurrent builder finds a whole file or none
+    log.info("built the CPU kernels", extra={"path": str(target)})
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None (with a warning saying why) when it cannot be built."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found; the CPU path uses plain torch")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", None) or str(err)
+        log.warning(
+            "could not build the CPU kernels; the CPU path uses plain torch",
+            extra={"error": detail.strip()[-2000:]},
+        )
+        return None
+    attention = lib.ladle_paged_decode_attention_f32
+    attention.restype = ctypes.c_int
+    attention.argtypes = [
+        *(ctypes.c_void_p,) * 4,
+        ctypes.c_int64,
+        *(ctypes.c_void_p,) * 2,
+        *(ctypes.c_int32,) * 5,
+        ctypes.c_float,
+        ctypes.c_int32,
+    ]
+    norm = lib.ladle_rms_norm_f32
+    norm.restype = None
+    norm.argtypes = [
+        *(ctypes.c_void_p,) * 4,
+        ctypes.c_int64,
+        ctypes.c_int32,
+        ctypes.c_float,
+        ctypes.c_int32,
+    ]
+    return lib
+
+
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension; with ``residual``, ``residual += x`` (in place) first
+    and the sum is normalized. fp32, contiguous ``weight`` and ``residual``."""
+    x = x.contiguous()
+    assert x.dtype == weight.dtype == torch.float32
+    assert weight.is_contiguous()
+    if residual is not None:
+        assert residual.is_contiguous()
+        assert residual.shape == x.shape
+    out = torch.empty_like(x)
+    cols = x.shape[-1]
+    lib.ladle_rms_norm_f32(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // cols,
+        cols,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``out[s] = softmax(q[s] K_s^T * scale) V_s`` for one query token per sequence.
+
+    q/out: [num_seqs, num_heads, head_dim] fp32; caches: [num_blocks, block_size,
+    num_kv_heads, head_dim] fp32; block_tables int32 with unit column stride; seq_lens int32.
+    """
+    for t in (q, key_cache, value_cache, out, seq_lens):
+        assert t.is_contiguous()
+    assert block_tables.stride(1) == 1
+    assert block_tables.dtype == seq_lens.dtype == torch.int32
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    failed = lib.ladle_paged_decode_attention_f32(
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("CPU decode attention could not allocate its score buffer")
