@@ -20,7 +20,13 @@ from ladle.runtime.sampling_params import SamplingParams
 from ladle.runtime.sequence import Sequence
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
-_ATTENTION = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::bmm")
+_ATTENTION = (
+    "scaled_dot_product",
+    "aten::index_select",
+    "aten::index_copy",
+    "aten::bmm",
+    "ladle::paged_decode_attention",
+)
 
 
 @dataclass
@@ -83,7 +89,7 @@ def profile_decode(llm: LLM, prompts: list[list[int]], steps: int = 8) -> Decode
             gemm += seconds
         elif any(tag in event.key for tag in _ATTENTION):
             attention += seconds
-        elif event.key.startswith("aten::"):
+        elif event.key.startswith(("aten::", "ladle::")):
             other += seconds
     # The sampler's own kernels landed in "other"; count them once, as sampling.
     return DecodeProfile(

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from ladle.runtime.models.loader import cache_dir
 
@@ -118,16 +119,17 @@ def rms_norm(
         assert residual.shape == x.shape
     out = torch.empty_like(x)
     cols = x.shape[-1]
-    lib.ladle_rms_norm_f32(
-        x.data_ptr(),
-        None if residual is None else residual.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.numel() // cols,
-        cols,
-        eps,
-        torch.get_num_threads(),
-    )
+    with record_function("ladle::rms_norm"):
+        lib.ladle_rms_norm_f32(
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // cols,
+            cols,
+            eps,
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -152,21 +154,22 @@ def paged_decode_attention(
     assert block_tables.dtype == seq_lens.dtype == torch.int32
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    failed = lib.ladle_paged_decode_attention_f32(
-        q.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        num_seqs,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
+    with record_function("ladle::paged_decode_attention"):  # named in profiles
+        failed = lib.ladle_paged_decode_attention_f32(
+            q.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            torch.get_num_threads(),
+        )
     if failed:
         raise MemoryError("CPU decode attention could not allocate its score buffer")
