@@ -31,6 +31,34 @@ void ladle_rms_norm_f32(const float *x, float *residual, const float *weight, fl
     }
 }
 
+/* RoPE in rotate-half form, in place: each head's (x1, x2) halves become
+ * (x1 cos - x2 sin, x2 cos + x1 sin), with the token's cos/sin rows [head_dim / 2]. q and k may
+ * be rows of the QKV projection's output: their tokens are q_stride and k_stride floats apart. */
+void ladle_rope_f32(float *q, int32_t q_heads, int64_t q_stride, float *k, int32_t k_heads,
+                    int64_t k_stride, const float *cos, const float *sin, int64_t tokens,
+                    int32_t head_dim, int32_t num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 64)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * half;
+        const float *s = sin + t * half;
+        for (int part = 0; part < 2; part++) {
+            float *x = part == 0 ? q + t * q_stride : k + t * k_stride;
+            const int heads = part == 0 ? q_heads : k_heads;
+            for (int h = 0; h < heads; h++) {
+                float *x1 = x + (int64_t)h * head_dim;
+                float *x2 = x1 + half;
+#pragma omp simd
+                for (int d = 0; d < half; d++) {
+                    const float a = x1[d], b = x2[d];
+                    x1[d] = a * c[d] - b * s[d];
+                    x2[d] = b * c[d] + a * s[d];
+                }
+            }
+        }
+    }
+}
+
 /* Decode attention over the paged KV cache.
  *
  * One query token per sequence reads its keys and values straight from the cache blocks named

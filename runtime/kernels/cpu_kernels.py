@@ -1,4 +1,4 @@
-"""Our fp32 CPU kernels (``cpu_kernels.c``): decode attention over the paged cache, RMSNorm.
+"""Our fp32 CPU kernels (``cpu_kernels.c``): paged decode attention, RMSNorm and RoPE.
 
 The system C compiler builds them once per source, compiler and CPU (``-O3 -march=native
 -fopenmp``) into the cache folder, where later processes find them; ctypes calls them and
@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from ladle.runtime.models.loader import cache_dir
 
@@ -99,7 +98,45 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_float,
         ctypes.c_int32,
     ]
+    rope = lib.ladle_rope_f32
+    rope.restype = None
+    rope.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_int64,
+        *(ctypes.c_void_p,) * 2,
+        ctypes.c_int64,
+        *(ctypes.c_int32,) * 2,
+    ]
     return lib
+
+
+def rope_(
+    lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place. They may be row views of a wider buffer
+    (the QKV output) as long as their heads are dense; cos and sin are [T, D/2]."""
+    tokens, q_heads, head_dim = q.shape
+    assert q.dtype == k.dtype == torch.float32
+    assert q.stride()[1:] == k.stride()[1:] == (head_dim, 1)
+    cos, sin = cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous()
+    assert cos.shape[1] * 2 == head_dim
+    lib.ladle_rope_f32(
+        q.data_ptr(),
+        q_heads,
+        q.stride(0),
+        k.data_ptr(),
+        k.shape[1],
+        k.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        head_dim,
+        torch.get_num_threads(),
+    )
 
 
 def rms_norm(
@@ -119,17 +156,16 @@ def rms_norm(
         assert residual.shape == x.shape
     out = torch.empty_like(x)
     cols = x.shape[-1]
-    with record_function("ladle::rms_norm"):
-        lib.ladle_rms_norm_f32(
-            x.data_ptr(),
-            None if residual is None else residual.data_ptr(),
-            weight.data_ptr(),
-            out.data_ptr(),
-            x.numel() // cols,
-            cols,
-            eps,
-            torch.get_num_threads(),
-        )
+    lib.ladle_rms_norm_f32(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // cols,
+        cols,
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -154,22 +190,21 @@ def paged_decode_attention(
     assert block_tables.dtype == seq_lens.dtype == torch.int32
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    with record_function("ladle::paged_decode_attention"):  # named in profiles
-        failed = lib.ladle_paged_decode_attention_f32(
-            q.data_ptr(),
-            key_cache.data_ptr(),
-            value_cache.data_ptr(),
-            block_tables.data_ptr(),
-            block_tables.stride(0),
-            seq_lens.data_ptr(),
-            out.data_ptr(),
-            num_seqs,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            block_size,
-            scale,
-            torch.get_num_threads(),
-        )
+    failed = lib.ladle_paged_decode_attention_f32(
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
     if failed:
         raise MemoryError("CPU decode attention could not allocate its score buffer")

@@ -1,8 +1,8 @@
-"""The forward pass's small ops, in plain torch or as fused Triton kernels.
+"""The forward pass's small ops: plain torch, our C kernels for CPUs, or fused Triton kernels.
 
 The model calls these through one object, chosen with its attention backend: the Triton
-backend brings the fused kernels (on CUDA, or on CPU under the interpreter), the CPU backend its
-C RMSNorm, the torch backend keeps plain torch. ``add_rms_norm`` adds a sublayer's output into
+backend brings the fused kernels (on CUDA, or on CPU under the interpreter), the CPU backend its C
+kernels, the torch backend keeps plain torch. ``add_rms_norm`` adds a sublayer's output into
 the residual stream and normalizes the sum; ``rope`` takes each token's cos/sin rows, gathered
 once per step.
 """
@@ -88,8 +88,9 @@ class TritonOps:
 
 
 class CpuOps(TorchOps):
-    """RMSNorm (with the residual add) from our C kernels: on a CPU, torch spends more on
-    dispatching its six small ops than on the arithmetic. The rest stays plain torch."""
+    """RMSNorm and RoPE from our C kernels: on a CPU, torch spends more on dispatching their
+    many small ops than on the arithmetic. RoPE rotates Q and K in place inside the QKV output,
+    as the Triton kernel does. SiLU-and-mul stays torch, whose vectorized exp beats libm's."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -101,6 +102,12 @@ class CpuOps(TorchOps):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return cpu_kernels.rms_norm(self._lib, x, weight, eps, residual), residual
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cpu_kernels.rope_(self._lib, q, k, cos, sin)
+        return q, k
 
 
 def ops_for_backend(attention_backend: str) -> ModelOps:

@@ -159,3 +159,31 @@ def test_cpu_rms_norm_kernel_with_and_without_residual() -> None:
         )
         < TOLERANCE[torch.float32]
     )
+
+
+@pytest.mark.parametrize("name", list(ROPE_CONFIGS))
+def test_cpu_rope_kernel_in_place_on_qkv_views(name: str) -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    torch.manual_seed(4)
+    config = ROPE_CONFIGS[name]
+    cfg = model_config_from_hf(config)
+    dim, q_size, kv_size = cfg.head_dim, cfg.q_size, cfg.kv_size
+    for tokens in (5, 100):  # below and above the size where it goes multi-threaded
+        positions = torch.arange(tokens) * 3
+        cos, sin = _rope_tables(config, positions)
+        qkv = torch.randn(tokens, q_size + 2 * kv_size)
+        before = qkv.clone()
+        q = qkv[:, :q_size].view(tokens, cfg.num_heads, dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, cfg.num_kv_heads, dim)
+        ref_q, ref_k = rotary_embedding_ref(q, cos, sin), rotary_embedding_ref(k, cos, sin)
+        cpu_kernels.rope_(lib, q, k, cos[:, None, :], sin[:, None, :])
+        assert rel_err(q, ref_q) < TOLERANCE[torch.float32]
+        assert rel_err(k, ref_k) < TOLERANCE[torch.float32]
+        assert torch.equal(qkv[:, q_size + kv_size :], before[:, q_size + kv_size :])
+    # Separate contiguous q and k (after Qwen3's per-head norms): different token strides.
+    q, k = torch.randn(tokens, cfg.num_heads, dim), torch.randn(tokens, cfg.num_kv_heads, dim)
+    ref_q, ref_k = rotary_embedding_ref(q, cos, sin), rotary_embedding_ref(k, cos, sin)
+    cpu_kernels.rope_(lib, q, k, cos, sin)
+    assert rel_err(q, ref_q) < TOLERANCE[torch.float32]
+    assert rel_err(k, ref_k) < TOLERANCE[torch.float32]
