@@ -37,6 +37,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(spec, device)
         self._lib: ctypes.CDLL = lib
 
+    def _store(
+        self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
+    ) -> None:
+        cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
+
     def _begin_decodes(self, meta: AttentionMetadata) -> None:
         """Nothing to gather: the kernel follows the block tables itself."""
 

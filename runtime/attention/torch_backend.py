@@ -69,14 +69,19 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
-        cache.key.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, k)
-        cache.value.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, v)
+        self._store(k, v, cache, meta)
         out = torch.empty_like(q)
         if meta.num_decodes:
             self._decode(q, cache, meta, scale, out)
         self._prefill(q, k, v, cache, meta, scale, out)
         return out
+
+    def _store(
+        self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
+    ) -> None:
+        hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
+        cache.key.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, k)
+        cache.value.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, v)
 
     def _decode(
         self,

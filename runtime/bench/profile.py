@@ -20,7 +20,7 @@ from ladle.runtime.sampling_params import SamplingParams
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 _ATTENTION = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::bmm")
-_C_KERNELS = ("paged_decode_attention", "rms_norm", "rope_")
+_C_KERNELS = ("paged_decode_attention", "store_kv", "rms_norm", "rope_")
 
 
 @dataclass
@@ -91,7 +91,7 @@ def profile_decode(llm: LLM, prompts: list[list[int]], steps: int = 8) -> Decode
             attention += seconds
         elif event.key.startswith("aten::"):
             other += seconds
-    attention += kernels["paged_decode_attention"].seconds
+    attention += kernels["paged_decode_attention"].seconds + kernels["store_kv"].seconds
     other += kernels["rms_norm"].seconds + kernels["rope_"].seconds
     # The sampler's own kernels landed in "other"; count them once, as sampling.
     return DecodeProfile(

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, as transformers computes it.
  * With a residual, the row is first added into it (in place) and the sum is normalized: one
@@ -56,6 +57,63 @@ void ladle_rope_f32(float *q, int32_t q_heads, int64_t q_stride, float *k, int32
                 }
             }
         }
+    }
+}
+
+/* SiLU-and-mul of the fused gate/up projection: out = silu(x[:, :n]) * x[:, n:].
+ *
+ * libm's expf does not vectorize (without -ffast-math), so AVX2 machines use exp8: x = k ln2 + r
+ * with |r| <= ln2 / 2, e^r from its Taylor series to degree 7, 2^k built in the exponent bits;
+ * about 2 ulp, like torch's own vectorized exp. */
+#ifdef __AVX2__
+#include <immintrin.h>
+
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(k, _mm256_set1_ps(0.693145751953125f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(k, _mm256_set1_ps(1.428606765330187e-06f)));
+    static const float taylor[] = {1.98412698e-4f, 1.38888889e-3f, 8.33333333e-3f,
+                                   4.16666667e-2f, 1.66666667e-1f, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(taylor[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(taylor[i]));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+void ladle_silu_and_mul_f32(const float *x, float *out, int64_t rows, int32_t n,
+                            int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * 2 * n;
+        const float *up = gate + n;
+        float *o = out + r * n;
+        int d = 0;
+#ifdef __AVX2__
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; d + 8 <= n; d += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + d);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + d, _mm256_mul_ps(silu, _mm256_loadu_ps(up + d)));
+        }
+#endif
+        for (; d < n; d++) o[d] = gate[d] / (1.0f + expf(-gate[d])) * up[d];
+    }
+}
+
+/* Write each token's keys and values (rows of num_kv_heads * head_dim floats, k_stride and
+ * v_stride floats apart, as in the QKV output) into its cache slot. */
+void ladle_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                        float *key_cache, float *value_cache, const int64_t *slots,
+                        int64_t tokens, int32_t row) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        memcpy(key_cache + slot * row, k + t * k_stride, sizeof(float) * (size_t)row);
+        memcpy(value_cache + slot * row, v + t * v_stride, sizeof(float) * (size_t)row);
     }
 }
 

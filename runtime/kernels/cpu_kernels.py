@@ -1,4 +1,4 @@
-"""Our fp32 CPU kernels (``cpu_kernels.c``): paged decode attention, RMSNorm and RoPE.
+"""Our fp32 CPU kernels (``cpu_kernels.c``): paged decode attention, KV store and small ops.
 
 The system C compiler builds them once per source, compiler and CPU (``-O3 -march=native
 -fopenmp``) into the cache folder, where later processes find them; ctypes calls them and
@@ -111,7 +111,63 @@ def load() -> ctypes.CDLL | None:
         ctypes.c_int64,
         *(ctypes.c_int32,) * 2,
     ]
+    store = lib.ladle_store_kv_f32
+    store.restype = None
+    store.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        *(ctypes.c_void_p,) * 3,
+        ctypes.c_int64,
+        ctypes.c_int32,
+    ]
+    silu = lib.ladle_silu_and_mul_f32
+    silu.restype = None
+    silu.argtypes = [*(ctypes.c_void_p,) * 2, ctypes.c_int64, *(ctypes.c_int32,) * 2]
     return lib
+
+
+def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :n]) * x[..., n:]`` for the fused gate/up output [T, 2n]."""
+    x = x.contiguous()
+    assert x.dtype == torch.float32
+    n = x.shape[-1] // 2
+    out = x.new_empty((*x.shape[:-1], n))
+    lib.ladle_silu_and_mul_f32(
+        x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n, torch.get_num_threads()
+    )
+    return out
+
+
+def store_kv(
+    lib: ctypes.CDLL,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """``cache[slots[t]] = k[t]`` (and v): k, v [T, Hkv, D] with dense heads, possibly row views
+    of the QKV output; caches [num_blocks, block_size, Hkv, D]; slots int64."""
+    tokens, num_kv_heads, head_dim = k.shape
+    assert k.dtype == v.dtype == key_cache.dtype == torch.float32
+    assert k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+    assert key_cache.is_contiguous()
+    assert value_cache.is_contiguous()
+    assert slots.dtype == torch.int64
+    assert slots.is_contiguous()
+    lib.ladle_store_kv_f32(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slots.data_ptr(),
+        tokens,
+        num_kv_heads * head_dim,
+    )
 
 
 def rope_(

@@ -87,10 +87,10 @@ class TritonOps:
         return self._fused.silu_and_mul(x)
 
 
-class CpuOps(TorchOps):
-    """RMSNorm and RoPE from our C kernels: on a CPU, torch spends more on dispatching their
-    many small ops than on the arithmetic. RoPE rotates Q and K in place inside the QKV output,
-    as the Triton kernel does. SiLU-and-mul stays torch, whose vectorized exp beats libm's."""
+class CpuOps:
+    """Our C kernels: on a CPU, torch spends more on dispatching the many small ops of a norm,
+    a rotation or an activation than on their arithmetic, and makes a pass over memory for
+    each. RoPE rotates Q and K in place inside the QKV output, as the Triton kernel does."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
@@ -108,6 +108,9 @@ class CpuOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cpu_kernels.rope_(self._lib, q, k, cos, sin)
         return q, k
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_and_mul(self._lib, x)
 
 
 def ops_for_backend(attention_backend: str) -> ModelOps:

@@ -187,3 +187,16 @@ def test_cpu_rope_kernel_in_place_on_qkv_views(name: str) -> None:
     cpu_kernels.rope_(lib, q, k, cos, sin)
     assert rel_err(q, ref_q) < TOLERANCE[torch.float32]
     assert rel_err(k, ref_k) < TOLERANCE[torch.float32]
+
+
+def test_cpu_silu_and_mul_kernel() -> None:
+    lib = cpu_kernels.load()
+    assert lib is not None
+    torch.manual_seed(5)
+    for rows, width in ((3, 1100), (200, 1536)):  # a scalar tail; the multi-threaded size
+        x = torch.randn(rows, 2 * width) * 3
+        x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -30.0])  # both clamps, zero, underflow
+        out = cpu_kernels.silu_and_mul(lib, x)
+        assert out.shape == (rows, width)
+        assert rel_err(out, silu_and_mul_ref(x)) < TOLERANCE[torch.float32]
+        torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=1e-6, atol=1e-6)
