@@ -11,8 +11,8 @@ The order follows vLLM's V1 sampler, so that the same parameters pick the same d
 4. greedy rows take the argmax here; random rows divide by ``temperature``, drop tokens whose
    probability is below ``min_p`` times the top one, then apply ``top_k`` and ``top_p``.
 
-Random rows draw by inverse CDF from one uniform number each, which seeded rows take from their
-own generator, so a seeded request samples the same tokens whatever else shares its batch.
+Random rows draw by the exponential race, which seeded rows take from their own generator, so a
+seeded request samples the same tokens whatever else shares its batch.
 
 The step avoids full passes over the vocabulary where it can, since on CPU each costs about as
 much as the arithmetic: penalties touch only the tokens seen; the filters share one softmax;
@@ -202,17 +202,16 @@ class Sampler:
         return logits
 
     def _draw(self, probs: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
-        """Inverse-CDF draws: one uniform number per row, from the row's own generator when
-        it is seeded. ``probs`` need not sum to one."""
-        uniform = torch.rand(len(seqs), 1, dtype=torch.float64, device=self.device)
+        """The exponential race (as vLLM draws): ``argmax(p / E)`` with ``E ~ Exp(1)`` picks
+        token i with probability p_i, from the row's own generator when it is seeded.
+        ``probs`` need not sum to one. An inverse-CDF draw moves to a neighbouring token when
+        rounding anywhere below the drawn point changes, and a batch of another size does
+        round the GEMMs differently; the race changes its pick only on a near-exact tie."""
+        race = torch.empty_like(probs).exponential_()
         for j, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                uniform[j] = torch.rand(
-                    1, generator=self._generator(seq), dtype=torch.float64, device=self.device
-                )
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)[:, 0]
-        return picked.clamp_(max=probs.shape[-1] - 1)
+                race[j].exponential_(generator=self._generator(seq))
+        return probs.div_(race).argmax(dim=-1)
 
     # The filters work on probabilities after temperature, each on what the previous ones kept
     # (renormalizing changes no comparison below, so it is left to the draw).
