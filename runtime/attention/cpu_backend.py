@@ -56,7 +56,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd = meta.num_decodes
         cpu_kernels.paged_decode_attention(
             self._lib,
-            q[:nd].contiguous(),
+            q[:nd],
             cache.key,
             cache.value,
             meta.block_tables,

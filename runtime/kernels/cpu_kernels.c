@@ -123,12 +123,13 @@ void ladle_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_
  * by its block table, so nothing is gathered into a contiguous copy first: on a CPU, decode
  * attention is bound by memory traffic, and the gather used to triple it.
  *
- * Layouts (all contiguous): q and out [num_seqs, num_heads, head_dim]; caches
- * [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs, table_stride].
+ * Layouts: q and out [num_seqs, num_heads, head_dim], q's rows q_stride floats apart (rows of
+ * the QKV output), out contiguous; caches [num_blocks, block_size, num_kv_heads, head_dim];
+ * block_tables [num_seqs, table_stride].
  */
 
 int ladle_paged_decode_attention_f32(
-    const float *q, const float *key_cache, const float *value_cache,
+    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
     int32_t block_size, float scale, int32_t num_threads) {
@@ -143,7 +144,7 @@ int ladle_paged_decode_attention_f32(
     for (int s = 0; s < num_seqs; s++) {
         const int len = seq_lens[s];
         const int32_t *table = block_tables + s * table_stride;
-        const float *qs = q + (int64_t)s * num_heads * head_dim;
+        const float *qs = q + (int64_t)s * q_stride;
         float *os = out + (int64_t)s * num_heads * head_dim;
         /* scores[head * len + t], then one normalizer per query head */
         float *scores = malloc(sizeof(float) * (size_t)num_heads * ((size_t)len + 1));

@@ -29,6 +29,20 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+# (return type, argument types) of each entry point in cpu_kernels.c.
+_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "ladle_paged_decode_attention_f32": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
+    ),
+    "ladle_rms_norm_f32": (None, [_P, _P, _P, _P, _I64, _I32, _F32, _I32]),
+    "ladle_rope_f32": (None, [_P, _I32, _I64, _P, _I32, _I64, _P, _P, _I64, _I32, _I32]),
+    "ladle_store_kv_f32": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32]),
+    "ladle_silu_and_mul_f32": (None, [_P, _P, _I64, _I32, _I32]),
+}
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -79,52 +93,9 @@ def load() -> ctypes.CDLL | None:
             extra={"error": detail.strip()[-2000:]},
         )
         return None
-    attention = lib.ladle_paged_decode_attention_f32
-    attention.restype = ctypes.c_int
-    attention.argtypes = [
-        *(ctypes.c_void_p,) * 4,
-        ctypes.c_int64,
-        *(ctypes.c_void_p,) * 2,
-        *(ctypes.c_int32,) * 5,
-        ctypes.c_float,
-        ctypes.c_int32,
-    ]
-    norm = lib.ladle_rms_norm_f32
-    norm.restype = None
-    norm.argtypes = [
-        *(ctypes.c_void_p,) * 4,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.c_float,
-        ctypes.c_int32,
-    ]
-    rope = lib.ladle_rope_f32
-    rope.restype = None
-    rope.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int32,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int32,
-        ctypes.c_int64,
-        *(ctypes.c_void_p,) * 2,
-        ctypes.c_int64,
-        *(ctypes.c_int32,) * 2,
-    ]
-    store = lib.ladle_store_kv_f32
-    store.restype = None
-    store.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        *(ctypes.c_void_p,) * 3,
-        ctypes.c_int64,
-        ctypes.c_int32,
-    ]
-    silu = lib.ladle_silu_and_mul_f32
-    silu.restype = None
-    silu.argtypes = [*(ctypes.c_void_p,) * 2, ctypes.c_int64, *(ctypes.c_int32,) * 2]
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 
@@ -237,17 +208,20 @@ def paged_decode_attention(
 ) -> None:
     """``out[s] = softmax(q[s] K_s^T * scale) V_s`` for one query token per sequence.
 
-    q/out: [num_seqs, num_heads, head_dim] fp32; caches: [num_blocks, block_size,
-    num_kv_heads, head_dim] fp32; block_tables int32 with unit column stride; seq_lens int32.
+    q/out: [num_seqs, num_heads, head_dim] fp32 (q may be rows of the QKV output); caches:
+    [num_blocks, block_size, num_kv_heads, head_dim] fp32; block_tables int32 with unit column
+    stride; seq_lens int32.
     """
-    for t in (q, key_cache, value_cache, out, seq_lens):
+    for t in (key_cache, value_cache, out, seq_lens):
         assert t.is_contiguous()
+    assert q.stride()[1:] == (q.shape[2], 1)  # dense heads; tokens may be QKV rows apart
     assert block_tables.stride(1) == 1
     assert block_tables.dtype == seq_lens.dtype == torch.int32
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     failed = lib.ladle_paged_decode_attention_f32(
         q.data_ptr(),
+        q.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
         block_tables.data_ptr(),

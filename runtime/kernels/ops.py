@@ -118,6 +118,8 @@ def ops_for_backend(attention_backend: str) -> ModelOps:
     backend's C kernels; the torch backend keeps torch."""
     if attention_backend == "triton":
         return TritonOps()
-    if attention_backend == "cpu" and (lib := cpu_kernels.load()) is not None:
+    if attention_backend == "cpu":
+        lib = cpu_kernels.load()
+        assert lib is not None, "the cpu backend exists only once its kernels are built"
         return CpuOps(lib)
     return TorchOps()
