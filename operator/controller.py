@@ -177,6 +177,9 @@ class Controller:
         self.unschedulable: dict[IsvcKey, dict[str, tuple[str, str]]] = {}
         self.applied: dict[ChildKey, Applied] = {}
         self.grants: dict[IsvcKey, int] = {}
+        # Each pool's last plan, dropped when a claim or the quota changes: every reconcile of
+        # a member reads it, and recomputing it each time costs O(members) per reconcile.
+        self.plans: dict[str, PoolPlan[IsvcKey]] = {}
         # The status last written per object (by uid), fresher than the watch cache.
         self.written_status: dict[str, JSON] = {}
         # Children changed or deleted by someone else, to say so in an Event once restored.
@@ -222,6 +225,7 @@ class Controller:
             else:
                 members.discard(key)
             if spec_changed:
+                self.plans.pop(pool, None)
                 self.queue.add(WorkKey("pool", "", pool))
         if (
             not spec_changed
@@ -243,6 +247,7 @@ class Controller:
         new = self.pools.get(name)
         self.queue.add(WorkKey("pool", "", name))
         if old is None or new is None or old.meta.generation != new.meta.generation:
+            self.plans.pop(name, None)
             # Placement or quota changed: every member's pods and grants may change.
             for key in self.pool_members.get(name, ()):
                 self.queue.add(WorkKey("isvc", *key), urgent=True)
@@ -406,7 +411,12 @@ class Controller:
     def plan(self, pool_name: str, reconciling: IsvcKey | None = None) -> PoolPlan[IsvcKey]:
         """Plan the pool and record the grants at once (no await: concurrent plans agree).
 
-        Members whose grant changed are queued, except the one being reconciled right now."""
+        Members whose grant changed are queued, except the one being reconciled right now.
+        An unchanged pool keeps its plan: replanning with the grants as current replicas gives
+        the same grants back."""
+        cached = self.plans.get(pool_name)
+        if cached is not None:
+            return cached
         pool = self.pools.get(pool_name)
         claims = [
             Claim(
@@ -425,6 +435,7 @@ class Controller:
                 self.grants[key] = granted
                 if key != reconciling:
                     self.queue.add(WorkKey("isvc", *key))
+        self.plans[pool_name] = plan
         return plan
 
     # ---- InferenceService
@@ -674,6 +685,7 @@ class Controller:
             if key in members:
                 members.discard(key)
             # Freed GPUs may let others in the pool grow.
+            self.plans.pop(pool, None)
             self.queue.add(WorkKey("pool", "", pool))
             self.plan(pool)
 
@@ -778,8 +790,24 @@ def build_registry(
     return registry
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf builds a diff base (a deep copy of the object) on every event, for change handlers.
+    The operator registers event handlers only, which never read it: about 15% of its CPU at
+    scale went there."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        """Nothing to remember."""
+
+
 def build_settings(workers: int) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
+    settings.persistence.diffbase_storage = NoDiffBase()
     settings.peering.standalone = True  # one active instance is ensured by the Lease instead
     settings.posting.enabled = False  # the controller posts its own, meaningful Events
     settings.scanning.disabled = True  # no CRD/namespace watching, so no RBAC for it

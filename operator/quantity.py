@@ -7,6 +7,7 @@ as a quantity string on Node objects.
 
 from __future__ import annotations
 
+import functools
 import re
 from decimal import Decimal
 
@@ -29,8 +30,11 @@ _PATTERN = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=1024)
 def parse_quantity(text: str | int | float) -> Decimal:
-    """Return the exact value of a quantity; raise ValueError for anything else."""
+    """Return the exact value of a quantity; raise ValueError for anything else.
+
+    Cached: pool status reads every node's GPU count on each reconcile, and they repeat."""
     if isinstance(text, int | float):
         return Decimal(str(text))
     match = _PATTERN.match(text.strip())

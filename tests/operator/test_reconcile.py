@@ -159,17 +159,16 @@ def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: st
     seen: list[tuple[int, str, str]] = []
     stop = threading.Event()
 
+    def state(obj: dict[str, Any]) -> tuple[int, str, str]:
+        return (
+            (obj.get("status") or {}).get("observedGeneration", 0),
+            kube.condition(obj, "Ready").get("status", ""),
+            kube.condition(obj, "Progressing").get("status", ""),
+        )
+
     def record() -> None:
         while not stop.is_set():
-            obj = kube.isvc(k8s_namespace, "chat")
-            st = obj.get("status") or {}
-            seen.append(
-                (
-                    st.get("observedGeneration", 0),
-                    kube.condition(obj, "Ready").get("status", ""),
-                    kube.condition(obj, "Progressing").get("status", ""),
-                )
-            )
+            seen.append(state(kube.isvc(k8s_namespace, "chat")))
             stop.wait(0.05)
 
     watcher = threading.Thread(target=record)
@@ -180,6 +179,7 @@ def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: st
     finally:
         stop.set()
         watcher.join()
+    seen.append(state(obj))  # the poller may have stopped before its last sample got this far
     generation = obj["metadata"]["generation"]
     assert generation == 2
     after = deployment(kube, k8s_namespace, "chat-stable")
@@ -305,6 +305,18 @@ def test_gpu_pool_quota_is_enforced_and_explained(kube: Kube, k8s_namespace: str
         obj = kube.wait_condition(k8s_namespace, "second", "Ready")
         assert kube.condition(obj, "Degraded")["status"] == "False"
         assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 1
+
+        # A larger quota and a deleted member both hand GPUs to the one still waiting.
+        kube.kubectl("scale", "-n", k8s_namespace, "lisvc/second", "--replicas=3")
+        kube.wait_condition(k8s_namespace, "second", "Degraded", reason="QuotaExceeded")
+        kube.apply(pool_manifest(pool, quota={"gpus": 3}))
+        wait_for(
+            lambda: deployment(kube, k8s_namespace, "second-stable").spec.replicas == 2,
+            "the raised quota to grant a second replica",
+        )
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "first")
+        obj = kube.wait_condition(k8s_namespace, "second", "Degraded", "False")
+        assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 3
     finally:
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
