@@ -25,7 +25,8 @@ Sections, in order of value, each skipped once the time budget is spent:
    random weights (graphs, eager, torch attention) and on the default model's shape; and a
    fixed-output-length workload against transformers' continuous batching.
 
-Results go to ``results.json`` and ``table.txt`` under ``--out``; the table is printed last.
+Results go to ``results.json`` and ``table.txt`` under ``--out``; the table is printed last,
+and the exit status is 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -887,21 +888,14 @@ def transformers_throughput(spec: dict[str, Any]) -> dict[str, Any]:
 def bench_cli(spec: dict[str, Any]) -> dict[str, Any]:
     """``ladle bench throughput --profile`` (its workloads A and B, its GEMM ceiling probe and
     its decode-step profile) on this GPU, so its CPU numbers have a GPU counterpart."""
-    from ladle.runtime.bench.throughput import bench
+    from ladle.cli import main as ladle
 
     with tempfile.TemporaryDirectory() as tmp:
-        args = argparse.Namespace(
-            model=spec["model"],
-            workload="all",
-            max_num_batched_tokens=2048,
-            kv_cache_memory="8GiB",
-            seed=0,
-            skip_transformers=True,  # the fixed-length runs above compare with transformers
-            json=str(Path(tmp) / "bench.json"),
-            profile=True,
-        )
-        bench(args)
-        rows: list[dict[str, Any]] = json.loads((Path(tmp) / "bench.json").read_text())
+        out = Path(tmp) / "bench.json"
+        # The fixed-length runs above already compare with transformers.
+        argv = ["bench", "throughput", "--model", spec["model"], "--skip-transformers", "--profile"]
+        ladle([*argv, "--json", str(out)])
+        rows: list[dict[str, Any]] = json.loads(out.read_text())
     return {"rows": rows}
 
 
@@ -1066,8 +1060,6 @@ def throughput(
             note = f"{result['tokens']} tokens in {result['seconds']:.1f} s"
             report.add(Row("throughput", label, result["tok_s"], "tok/s", None, note))
     report.meta["public_reference"] = PUBLIC
-    if smoke:
-        return
     label = "ladle bench throughput --profile, default model"
     spec = {**base, "kind": "bench_cli", "model": str(default), "label": label}
     result = run_worker(report, spec, 240)
@@ -1151,6 +1143,7 @@ def main() -> None:
     if args.smoke and not args.models_dir:
         shutil.rmtree(models_dir, ignore_errors=True)
     print("\n" + table)
+    sys.exit(1 if any(r.ok is False for r in report.rows) else 0)
 
 
 if __name__ == "__main__":
