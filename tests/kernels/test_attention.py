@@ -451,19 +451,29 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("qkv_rows", [False, True], ids=["q", "q-in-qkv"])
 @pytest.mark.parametrize(("heads", "head_dim", "block_size", "contexts"), CPU_CASES)
 def test_cpu_decode_kernel_matches_dense_reference(
-    heads: tuple[int, int], head_dim: int, block_size: int, contexts: list[int]
+    heads: tuple[int, int], head_dim: int, block_size: int, contexts: list[int], qkv_rows: bool
 ) -> None:
     lib = cpu_kernels.load()
     assert lib is not None, "the C kernel must build on the test machines"
     torch.manual_seed(sum(contexts))
     batch = paged_batch([(1, c) for c in contexts], heads, head_dim, block_size, torch.float32)
     scale = head_dim**-0.5
+    q = batch.q.cpu()
+    if qkv_rows:
+        # As the backend passes it: q is a view of the fused QKV output, whose rows also hold
+        # K and V (garbage here), so consecutive tokens are a whole QKV row apart.
+        num_q = heads[0] * head_dim
+        qkv = torch.randn(len(contexts), num_q + 2 * heads[1] * head_dim)
+        qkv[:, :num_q] = q.reshape(len(contexts), num_q)
+        q = qkv[:, :num_q].view_as(q)
+        assert not q.is_contiguous()
     out = torch.full_like(batch.q, float("nan"))
     cpu_kernels.paged_decode_attention(
         lib,
-        batch.q.cpu(),
+        q,
         batch.key_cache.cpu(),
         batch.value_cache.cpu(),
         batch.block_tables.cpu(),
