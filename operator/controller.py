@@ -87,6 +87,18 @@ class Applied:
     version: str
 
 
+@dataclass(frozen=True)
+class CreateFailure:
+    """Why a background create of a child failed, and when to try it again.
+
+    Its owner's reconciles succeed meanwhile, so the work queue's own backoff (reset by every
+    successful reconcile) would retry a create that keeps failing at the base delay forever."""
+
+    message: str
+    failures: int
+    retry_at: float  # time.monotonic()
+
+
 def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -188,6 +200,8 @@ class Controller:
         # Children being created in the background, and where to spawn such tasks.
         self.creating: dict[ChildKey, asyncio.Task[None]] = {}
         self.creating_slots = asyncio.Semaphore(BACKGROUND_CREATES)
+        # The last background create of a child that failed, until one succeeds.
+        self.create_failures: dict[ChildKey, CreateFailure] = {}
         self._group: asyncio.TaskGroup | None = None
         # Watch events seen per child, to tell whether an apply answer is the freshest state.
         self.watch_seq: dict[ChildKey, int] = {}
@@ -492,6 +506,13 @@ class Controller:
             unschedulable=tuple(unschedulable),
             quota_note=quota_note,
         )
+        service_key = ("Service", namespace, name)
+        failure = self.create_failures.get(service_key)
+        pending = None
+        if service_key not in self.children:
+            pending = f"Service {name} " + (
+                f"could not be created: {failure.message}" if failure else "is being created"
+            )
         previous = self.written_status.get(isvc.meta.uid) or isvc.status
         status = derive_isvc_status(
             isvc,
@@ -501,6 +522,8 @@ class Controller:
             now=now_rfc3339(),
             previous=previous,
             pool_problem=pool_problem,
+            service_pending=pending,
+            service_error=pending if failure else None,
         )
         if status != previous:
             await self._write_status(isvc, status, previous)
@@ -532,25 +555,38 @@ class Controller:
 
         The API server allocates ClusterIPs one at a time; under load a Service create takes
         seconds, and a worker waiting on it would delay other InferenceServices' Deployments.
-        The watch event of the new Service (or a failure) brings the owner back to the queue.
+        The owner goes back to the queue when the create is done, whether it worked or not.
         """
         key = _child_key(service)
         if key in self.creating or self._group is None:
             return
         owner = WorkKey("isvc", isvc.meta.namespace, isvc.meta.name)
+        failure = self.create_failures.get(key)
+        if failure is not None and time.monotonic() < failure.retry_at:
+            # Any event of the owner cancels a pending retry; so each reconcile sets it again.
+            self.queue.add_after(owner, failure.retry_at - time.monotonic())
+            return
 
         async def create() -> None:
             try:
                 async with self.creating_slots:  # a storm of creates only slows each one down
                     await self._ensure(isvc, service)
+                self.create_failures.pop(key, None)
             except REQUEST_ERRORS as err:
+                failures = failure.failures + 1 if failure is not None else 1
+                delay = self.queue.backoff(failures)
                 log.warning(
                     "could not create a Service; will retry",
-                    extra={"child": "/".join(key), "error": str(err)},
+                    extra={"child": "/".join(key), "error": str(err), "retry_in": delay},
                 )
-                self.queue.retry(owner)
+                self.create_failures[key] = CreateFailure(
+                    str(err), failures, time.monotonic() + delay
+                )
             finally:
                 self.creating.pop(key, None)
+                # Its status says Ready, or why not; a failure also arms the retry. (The new
+                # Service's watch event would not do: _ensure caches the object first.)
+                self.queue.add(owner)
 
         self.creating[key] = self._group.create_task(create(), name=f"create-{'/'.join(key)}")
 
@@ -677,6 +713,7 @@ class Controller:
             ("Service", name),
             ("ConfigMap", config_map_name(name, STABLE)),
         ):
+            self.create_failures.pop((kind, namespace, child), None)
             self.applied.pop((kind, namespace, child), None)
             self.watch_seq.pop((kind, namespace, child), None)
             self.drifted.pop((kind, namespace, child), None)

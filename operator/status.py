@@ -143,9 +143,15 @@ def derive_isvc_status(
     now: str,
     previous: Mapping[str, Any] | None = None,
     pool_problem: str | None = None,
+    service_pending: str | None = None,
+    service_error: str | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
-    condition transition times."""
+    condition transition times.
+
+    ``service_pending`` says why the Service behind ``url`` does not exist yet (None once it
+    does), and ``service_error`` why creating it failed: Ready promises a working URL, so it
+    waits for the Service as well as for the replicas."""
     problems: list[tuple[str, str]] = []
     if pool_problem:
         problems.append(("GPUPoolNotFound", pool_problem))
@@ -159,6 +165,8 @@ def derive_isvc_status(
             )
         if v.rollout.failure:
             problems.append(("ReplicaFailure", f"{v.deployment_name}: {v.rollout.failure}"))
+    if service_error:
+        problems.append(("ServiceNotCreated", service_error))
     blocking = problems[0] if problems else None
     for v in variants:
         if v.quota_note:
@@ -174,7 +182,10 @@ def derive_isvc_status(
     complete = all(v.rollout.complete for v in variants) and bool(variants)
     stalled = next((v for v in variants if v.rollout.stalled), None)
 
-    if complete:
+    if complete and service_pending:
+        ready = Condition(READY, False, "ServiceNotCreated", service_pending)
+        progressing = Condition(PROGRESSING, True, "CreatingService", service_pending)
+    elif complete:
         capped = (
             f" (quota allows {granted} of {requested} requested)" if granted < requested else ""
         )

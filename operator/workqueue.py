@@ -76,11 +76,15 @@ class WorkQueue(Generic[K]):
         self._timers.pop(key, None)
         self.add(key)
 
+    def backoff(self, failures: int) -> float:
+        """The delay before the next try after ``failures`` failures in a row."""
+        return min(self._base * 2.0 ** (failures - 1), self._max)
+
     def retry(self, key: K) -> float:
         """Requeue after an error with exponential backoff; return the delay."""
         failures = self._failures.get(key, 0) + 1
         self._failures[key] = failures
-        delay = min(self._base * 2.0 ** (failures - 1), self._max)
+        delay = self.backoff(failures)
         self.add_after(key, delay)
         return delay
 

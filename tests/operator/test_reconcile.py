@@ -340,6 +340,47 @@ def test_missing_pool_is_degraded_until_it_exists(kube: Kube, k8s_namespace: str
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
 
+def test_ready_waits_for_a_service_the_api_server_refuses(kube: Kube, k8s_namespace: str) -> None:
+    """Ready promises a working URL: a namespace quota that forbids Services keeps the
+    InferenceService unready, in the API server's words, until the quota goes."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-services"},
+        "spec": {"hard": {"services": "0"}},
+    }
+    kube.apply(yaml.safe_dump(quota), k8s_namespace)
+    wait_for(
+        lambda: (
+            kube.kubectl(
+                "get",
+                "-n",
+                k8s_namespace,
+                "resourcequota/no-services",
+                "-o",
+                "jsonpath={.status.hard}",
+            ).stdout
+        ),
+        "the quota controller to take the quota in",
+    )
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "chat", "Degraded", reason="ServiceNotCreated")
+    ready = kube.condition(obj, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ServiceNotCreated")
+    assert ready["message"].startswith("Service chat could not be created: 403")
+    assert "exceeded quota: no-services" in ready["message"]
+    wait_for(
+        lambda: deployment(kube, k8s_namespace, "chat-stable").status.available_replicas == 1,
+        "the replica to come up meanwhile",
+    )
+    assert kube.condition(kube.isvc(k8s_namespace, "chat"), "Ready")["status"] == "False"
+
+    kube.kubectl("delete", "-n", k8s_namespace, "resourcequota/no-services")
+    obj = kube.wait_condition(k8s_namespace, "chat", "Ready")
+    assert kube.condition(obj, "Degraded")["status"] == "False"
+    assert not gone(kube, "-n", k8s_namespace, "service/chat")
+
+
 def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_namespace: str) -> None:
     kube.apply(isvc_manifest("chat", maxReplicas=4), k8s_namespace)
     kube.wait_condition(k8s_namespace, "chat", "Ready")

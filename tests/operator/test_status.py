@@ -30,6 +30,8 @@ def observe(
     granted: int | None = None,
     unschedulable: tuple[UnschedulablePod, ...] = (),
     quota_note: str | None = None,
+    service_pending: str | None = None,
+    service_error: str | None = None,
 ) -> dict[str, Any]:
     variant = VariantObservation(
         name="stable",
@@ -44,7 +46,13 @@ def observe(
         quota_note=quota_note,
     )
     return derive_isvc_status(
-        isvc, [variant], url="http://chat.team-a.svc.cluster.local/v1", selector="s", now=NOW
+        isvc,
+        [variant],
+        url="http://chat.team-a.svc.cluster.local/v1",
+        selector="s",
+        now=NOW,
+        service_pending=service_pending,
+        service_error=service_error,
     )
 
 
@@ -65,6 +73,32 @@ def test_available_rollout_is_ready(make_isvc: Builder, make_deployment: Builder
     assert (status["replicas"], status["readyReplicas"], status["availableReplicas"]) == (2, 2, 2)
     assert status["url"] == "http://chat.team-a.svc.cluster.local/v1"
     assert status["variants"][0]["deployment"] == "chat-stable"
+
+
+def test_ready_waits_for_the_service_behind_the_url(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    isvc = parse_isvc(make_isvc())
+    status = observe(isvc, make_deployment(1), service_pending="Service chat is being created")
+    assert conditions(status) == {
+        "Ready": ("False", "ServiceNotCreated"),
+        "Progressing": ("True", "CreatingService"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert status["conditions"][0]["message"] == "Service chat is being created"
+    assert status["availableReplicas"] == 1
+
+
+def test_a_service_that_cannot_be_created_is_degraded_with_the_api_servers_words(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    why = "Service chat could not be created: 403 Forbidden: exceeded quota: services=0"
+    isvc = parse_isvc(make_isvc())
+    for deployment in (make_deployment(1), make_deployment(1, available=0, ready=0)):
+        status = observe(isvc, deployment, service_pending=why, service_error=why)
+        assert conditions(status)["Ready"] == ("False", "ServiceNotCreated")
+        assert conditions(status)["Degraded"] == ("True", "ServiceNotCreated")
+        assert status["conditions"][0]["message"] == why
 
 
 def test_rollout_in_progress_is_progressing_not_ready(
