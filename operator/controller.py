@@ -330,19 +330,22 @@ class Controller:
     # ---- running
 
     async def prime(self) -> None:
-        """Fill the caches before the first reconcile, so quota plans see every claim."""
+        """Fill the caches before the first reconcile, so quota plans see every claim and a
+        new leader does not report an existing Service as missing (Ready needs it)."""
         isvcs = await self.client.list(f"/apis/{GROUP}/{VERSION}/{ISVC_PLURAL}")
         pools = await self.client.list(f"/apis/{GROUP}/{VERSION}/{POOL_PLURAL}")
         nodes = await self.client.list("/api/v1/nodes")
-        deployments = await self.client.list(
-            "/apis/apps/v1/deployments", {"labelSelector": MANAGED_SELECTOR}
-        )
+        managed = {"labelSelector": MANAGED_SELECTOR}
+        deployments = await self.client.list("/apis/apps/v1/deployments", managed)
+        services = await self.client.list("/api/v1/services", managed)
         for obj in pools:
             self.observe_pool("ADDED", {**obj, "kind": POOL_KIND})
         for obj in nodes:
             self.observe_node("ADDED", obj)
         for obj in deployments:
             self.observe_child("ADDED", {**obj, "kind": "Deployment"})
+        for obj in services:
+            self.observe_child("ADDED", {**obj, "kind": "Service"})
         for obj in isvcs:
             self.observe_isvc("ADDED", obj)
         log.info(

@@ -54,6 +54,7 @@ def test_killing_the_active_operator_fails_over(
 
     kube.apply(isvc("before"), k8s_namespace)
     kube.wait_condition(k8s_namespace, "before", "Ready")
+    settled = kube.isvc(k8s_namespace, "before")["metadata"]["resourceVersion"]
 
     first.stop(signal.SIGKILL)  # no chance to release the Lease
     killed = time.monotonic()
@@ -66,6 +67,8 @@ def test_killing_the_active_operator_fails_over(
     kube.apply(isvc("after"), k8s_namespace)
     kube.wait_condition(k8s_namespace, "after", "Ready")
     assert second.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
+    # The new leader found "before" exactly as it should be: not even its status was rewritten.
+    assert kube.isvc(k8s_namespace, "before")["metadata"]["resourceVersion"] == settled
     assert second.stop() == 0  # and hands the Lease back for the next test
 
 
