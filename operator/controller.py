@@ -582,8 +582,11 @@ class Controller:
                     "could not create a Service; will retry",
                     extra={"child": "/".join(key), "error": str(err), "retry_in": delay},
                 )
+                message = str(err)
+                if isinstance(err, ApiError) and err.status == 409:
+                    message = f"a Service of that name exists and is not ours ({message})"
                 self.create_failures[key] = CreateFailure(
-                    str(err), failures, time.monotonic() + delay
+                    message, failures, time.monotonic() + delay
                 )
             finally:
                 self.creating.pop(key, None)
@@ -618,7 +621,9 @@ class Controller:
             why = "changed by someone else"
         log.debug("applying", extra={"child": "/".join(key), "why": why})
         seq = self.watch_seq.get(key, 0)
-        result = await self.client.apply(obj)
+        # Never take over an object we have not seen: one of the same name that someone else
+        # made (a user's Service "chat", say) answers 409 instead of being overwritten.
+        result = await self.client.apply(obj, force=record is not None or live is not None)
         self.metrics.applies.labels(key[0]).inc()
         self.applied[key] = Applied(digest, child_version(result))
         if self.watch_seq.get(key, 0) == seq:

@@ -164,10 +164,13 @@ class KubeClient:
                 return result
         raise AssertionError("unreachable")
 
-    async def apply(self, obj: Mapping[str, Any], *, subresource: str | None = None) -> JSON:
-        """Server-side apply under the operator's single field manager, taking ownership."""
+    async def apply(
+        self, obj: Mapping[str, Any], *, subresource: str | None = None, force: bool = True
+    ) -> JSON:
+        """Server-side apply under the operator's single field manager; ``force`` takes over
+        fields that other managers own, otherwise such a conflict is a 409."""
         path = object_path(obj) + (f"/{subresource}" if subresource else "")
-        params = {"fieldManager": self.field_manager, "force": "true"}
+        params = {"fieldManager": self.field_manager, "force": str(force).lower()}
         return await self.request("PATCH", path, params=params, body=obj, content_type=APPLY_PATCH)
 
     async def get(self, path: str) -> JSON | None:
