@@ -488,11 +488,17 @@ class Controller:
 
         namespace, name = key
         deployment_key = ("Deployment", namespace, variant_name(name, STABLE))
+        conflict: ApiError | None = None
         if pool_problem is None:
             children = desired_children(
                 isvc, pool.spec if pool else None, granted, self.config, STABLE
             )
-            await self._apply_children(isvc, children)
+            try:
+                await self._apply_children(isvc, children)
+            except ApiError as err:
+                if err.status != 409:
+                    raise
+                conflict = err  # someone else's object has a child's name: say so, then retry
         deployment = self.children.get(deployment_key)
 
         unschedulable = await self._unschedulable_pods(key)
@@ -527,9 +533,12 @@ class Controller:
             pool_problem=pool_problem,
             service_pending=pending,
             service_error=pending if failure else None,
+            conflict=conflict.message if conflict else None,
         )
         if status != previous:
             await self._write_status(isvc, status, previous)
+        if conflict is not None:
+            raise conflict  # the work queue retries with backoff until the name is free
 
     async def _apply_children(self, isvc: InferenceService, children: Children) -> None:
         if children.config_map is not None:  # before the pods that mount it
@@ -582,11 +591,8 @@ class Controller:
                     "could not create a Service; will retry",
                     extra={"child": "/".join(key), "error": str(err), "retry_in": delay},
                 )
-                message = str(err)
-                if isinstance(err, ApiError) and err.status == 409:
-                    message = f"a Service of that name exists and is not ours ({message})"
                 self.create_failures[key] = CreateFailure(
-                    message, failures, time.monotonic() + delay
+                    str(err), failures, time.monotonic() + delay
                 )
             finally:
                 self.creating.pop(key, None)
@@ -623,7 +629,15 @@ class Controller:
         seq = self.watch_seq.get(key, 0)
         # Never take over an object we have not seen: one of the same name that someone else
         # made (a user's Service "chat", say) answers 409 instead of being overwritten.
-        result = await self.client.apply(obj, force=record is not None or live is not None)
+        force = record is not None or live is not None
+        try:
+            result = await self.client.apply(obj, force=force)
+        except ApiError as err:
+            if err.status != 409 or force:
+                raise
+            raise ApiError(
+                409, f"{key[0]} {key[2]} exists and is not ours: {err.message}", err.reason
+            ) from err
         self.metrics.applies.labels(key[0]).inc()
         self.applied[key] = Applied(digest, child_version(result))
         if self.watch_seq.get(key, 0) == seq:

@@ -145,16 +145,20 @@ def derive_isvc_status(
     pool_problem: str | None = None,
     service_pending: str | None = None,
     service_error: str | None = None,
+    conflict: str | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
 
     ``service_pending`` says why the Service behind ``url`` does not exist yet (None once it
     does), and ``service_error`` why creating it failed: Ready promises a working URL, so it
-    waits for the Service as well as for the replicas."""
+    waits for the Service as well as for the replicas. ``conflict`` names a child that could
+    not be applied because someone else's object holds its name."""
     problems: list[tuple[str, str]] = []
     if pool_problem:
         problems.append(("GPUPoolNotFound", pool_problem))
+    if conflict:
+        problems.append(("ChildConflict", conflict))
     for v in variants:
         sched = _scheduling_problem(v)
         if sched:

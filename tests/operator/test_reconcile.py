@@ -381,28 +381,42 @@ def test_ready_waits_for_a_service_the_api_server_refuses(kube: Kube, k8s_namesp
     assert not gone(kube, "-n", k8s_namespace, "service/chat")
 
 
-def test_a_users_service_of_the_same_name_is_never_taken_over(
-    kube: Kube, k8s_namespace: str
+@pytest.mark.parametrize(
+    ("theirs", "create", "reason"),
+    [
+        ("service/chat", ["service", "clusterip", "chat", "--tcp=80:8080"], "ServiceNotCreated"),
+        (
+            "deployment/chat-stable",
+            ["deployment", "chat-stable", "--image=theirs"],
+            "ChildConflict",
+        ),
+    ],
+)
+def test_someone_elses_object_with_a_childs_name_is_never_taken_over(
+    kube: Kube, k8s_namespace: str, theirs: str, create: list[str], reason: str
 ) -> None:
-    made = kube.kubectl(
-        "create", "service", "clusterip", "chat", "--tcp=80:8080", "-n", k8s_namespace
-    )
-    assert made.returncode == 0, made.stderr
-    theirs = kube.core.read_namespaced_service("chat", k8s_namespace)
-    kube.apply(isvc_manifest("chat"), k8s_namespace)
-    obj = kube.wait_condition(k8s_namespace, "chat", "Degraded", reason="ServiceNotCreated")
-    message = kube.condition(obj, "Ready")["message"]
-    assert "a Service of that name exists and is not ours" in message
-    assert "409 Conflict" in message
-    still = kube.core.read_namespaced_service("chat", k8s_namespace)
-    assert still.spec.selector == theirs.spec.selector == {"app": "chat"}
-    assert not still.metadata.owner_references
+    def get() -> dict[str, Any]:
+        got = kube.kubectl("get", "-n", k8s_namespace, theirs, "-o", "json")
+        assert got.returncode == 0, got.stderr
+        return dict(json.loads(got.stdout))
 
-    # Once its owner removes it, the operator's own Service takes the name.
-    kube.kubectl("delete", "-n", k8s_namespace, "service/chat")
+    made = kube.kubectl("create", *create, "-n", k8s_namespace)
+    assert made.returncode == 0, made.stderr
+    before = get()
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "chat", "Degraded", reason=reason)
+    ready = kube.condition(obj, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", reason)
+    kind, name = theirs.split("/")
+    assert f"{kind.capitalize()} {name} exists and is not ours: Apply failed" in ready["message"]
+    after = get()
+    assert after["spec"] == before["spec"]
+    assert "ownerReferences" not in after["metadata"]
+
+    # Once its owner removes it, the operator's own object takes the name.
+    kube.kubectl("delete", "-n", k8s_namespace, theirs)
     kube.wait_condition(k8s_namespace, "chat", "Ready", timeout=90)
-    ours = kube.core.read_namespaced_service("chat", k8s_namespace)
-    assert ours.metadata.owner_references[0].kind == "InferenceService"
+    assert get()["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
 
 
 def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_namespace: str) -> None:

@@ -32,6 +32,7 @@ def observe(
     quota_note: str | None = None,
     service_pending: str | None = None,
     service_error: str | None = None,
+    conflict: str | None = None,
 ) -> dict[str, Any]:
     variant = VariantObservation(
         name="stable",
@@ -53,6 +54,7 @@ def observe(
         now=NOW,
         service_pending=service_pending,
         service_error=service_error,
+        conflict=conflict,
     )
 
 
@@ -99,6 +101,14 @@ def test_a_service_that_cannot_be_created_is_degraded_with_the_api_servers_words
         assert conditions(status)["Ready"] == ("False", "ServiceNotCreated")
         assert conditions(status)["Degraded"] == ("True", "ServiceNotCreated")
         assert status["conditions"][0]["message"] == why
+
+
+def test_a_name_held_by_someone_elses_object_blocks_ready(make_isvc: Builder) -> None:
+    why = "Deployment chat-stable exists and is not ours: Apply failed with 1 conflict"
+    status = observe(parse_isvc(make_isvc()), None, conflict=why)
+    assert conditions(status)["Ready"] == ("False", "ChildConflict")
+    assert conditions(status)["Degraded"] == ("True", "ChildConflict")
+    assert status["conditions"][0]["message"] == why
 
 
 def test_rollout_in_progress_is_progressing_not_ready(
