@@ -517,11 +517,6 @@ class Controller:
         )
         service_key = ("Service", namespace, name)
         failure = self.create_failures.get(service_key)
-        pending = None
-        if service_key not in self.children:
-            pending = f"Service {name} " + (
-                f"could not be created: {failure.message}" if failure else "is being created"
-            )
         previous = self.written_status.get(isvc.meta.uid) or isvc.status
         status = derive_isvc_status(
             isvc,
@@ -531,8 +526,8 @@ class Controller:
             now=now_rfc3339(),
             previous=previous,
             pool_problem=pool_problem,
-            service_pending=pending,
-            service_error=pending if failure else None,
+            service_exists=service_key in self.children,
+            service_error=failure.message if failure else None,
             conflict=conflict.message if conflict else None,
         )
         if status != previous:

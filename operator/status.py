@@ -143,17 +143,21 @@ def derive_isvc_status(
     now: str,
     previous: Mapping[str, Any] | None = None,
     pool_problem: str | None = None,
-    service_pending: str | None = None,
+    service_exists: bool = True,
     service_error: str | None = None,
     conflict: str | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
 
-    ``service_pending`` says why the Service behind ``url`` does not exist yet (None once it
-    does), and ``service_error`` why creating it failed: Ready promises a working URL, so it
-    waits for the Service as well as for the replicas. ``conflict`` names a child that could
-    not be applied because someone else's object holds its name."""
+    Ready promises a working URL, so it also waits for the Service behind ``url``;
+    ``service_error`` is why its last create failed. ``conflict`` names a child that could not
+    be applied because someone else's object holds its name."""
+    service_pending = None
+    if not service_exists:
+        service_pending = f"Service {isvc.meta.name} " + (
+            f"could not be created: {service_error}" if service_error else "is being created"
+        )
     problems: list[tuple[str, str]] = []
     if pool_problem:
         problems.append(("GPUPoolNotFound", pool_problem))
@@ -169,8 +173,8 @@ def derive_isvc_status(
             )
         if v.rollout.failure:
             problems.append(("ReplicaFailure", f"{v.deployment_name}: {v.rollout.failure}"))
-    if service_error:
-        problems.append(("ServiceNotCreated", service_error))
+    if service_pending and service_error:
+        problems.append(("ServiceNotCreated", service_pending))
     blocking = problems[0] if problems else None
     for v in variants:
         if v.quota_note:

@@ -30,7 +30,7 @@ def observe(
     granted: int | None = None,
     unschedulable: tuple[UnschedulablePod, ...] = (),
     quota_note: str | None = None,
-    service_pending: str | None = None,
+    service_exists: bool = True,
     service_error: str | None = None,
     conflict: str | None = None,
 ) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def observe(
         url="http://chat.team-a.svc.cluster.local/v1",
         selector="s",
         now=NOW,
-        service_pending=service_pending,
+        service_exists=service_exists,
         service_error=service_error,
         conflict=conflict,
     )
@@ -81,7 +81,7 @@ def test_ready_waits_for_the_service_behind_the_url(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
     isvc = parse_isvc(make_isvc())
-    status = observe(isvc, make_deployment(1), service_pending="Service chat is being created")
+    status = observe(isvc, make_deployment(1), service_exists=False)
     assert conditions(status) == {
         "Ready": ("False", "ServiceNotCreated"),
         "Progressing": ("True", "CreatingService"),
@@ -97,7 +97,12 @@ def test_a_service_that_cannot_be_created_is_degraded_with_the_api_servers_words
     why = "Service chat could not be created: 403 Forbidden: exceeded quota: services=0"
     isvc = parse_isvc(make_isvc())
     for deployment in (make_deployment(1), make_deployment(1, available=0, ready=0)):
-        status = observe(isvc, deployment, service_pending=why, service_error=why)
+        status = observe(
+            isvc,
+            deployment,
+            service_exists=False,
+            service_error="403 Forbidden: exceeded quota: services=0",
+        )
         assert conditions(status)["Ready"] == ("False", "ServiceNotCreated")
         assert conditions(status)["Degraded"] == ("True", "ServiceNotCreated")
         assert status["conditions"][0]["message"] == why
