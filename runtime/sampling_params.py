@@ -154,6 +154,14 @@ class SamplingParams:
                 "seed",
                 f"must be an integer in [0, 2**63), got {self.seed!r}",
             )
+            # Sample i of n (or best_of) draws from seed + i.
+            last = self.seed + self.num_samples - 1
+            _require(
+                last < 2**63,
+                "seed",
+                f"seed + {self.num_samples - 1} (one seed per sample) must be < 2**63, "
+                f"got {self.seed!r}",
+            )
         _require(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
@@ -203,6 +211,11 @@ class SamplingParams:
     def num_samples(self) -> int:
         """How many sequences run: ``best_of`` if set, else ``n``."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_logprob(self) -> bool:
+        """Whether the sampled token's logprob is used: reported, or ranking best_of."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def has_penalties(self) -> bool:
