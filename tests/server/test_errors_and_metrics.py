@@ -41,6 +41,15 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"max_tokens": 3}, "prompt"),
         ({"prompt": "word " * 600}, "prompt"),
         ({"prompt": "x", "max_tokens": 600}, "max_tokens"),
+        # Limits, each with vLLM-like defaults (--max-n 128, --max-prompts 256, ...).
+        ({"prompt": "x", "n": 129}, "n"),
+        ({"prompt": ["x"] * 257}, "prompt"),
+        ({"prompt": "x", "stop": ["s"] * 65}, "stop"),
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "n": 2, "seed": 2**63 - 1}, "seed"),
+        ({"prompt": "x", "priority": 1}, "priority"),
+        ({"prompt": "x", "timeout": 0}, "timeout"),
     ],
 )
 def test_bad_completion_parameters_are_400(
@@ -114,6 +123,17 @@ def test_non_streaming_client_disconnect_frees_blocks(server: Server) -> None:
     server.wait_metric("ladle:num_requests_running", 0, timeout=30)
     assert server.metric("ladle:kv_cache_usage_perc") == 0
     assert server.metric("ladle:request_success_total", finished_reason="abort") == aborted + 1
+
+
+def test_request_timeout_aborts_and_frees_blocks(server: Server) -> None:
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "timeout": 1}
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200
+    result = response.json()
+    assert result["choices"][0]["finish_reason"] == "abort"
+    assert 0 < result["usage"]["completion_tokens"] < 400
+    server.wait_metric("ladle:num_requests_running", 0, timeout=30)
+    assert server.metric("ladle:kv_cache_usage_perc") == 0
 
 
 def test_metrics_count_what_was_sent(server: Server) -> None:
