@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import random
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ _HOP_BY_HOP = frozenset(
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
 _RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_FALLBACK_HOPS = 3
+_USAGE = re.compile(rb'"usage":\s*\{')
 # The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "deadline_exceeded", "upstream_unavailable"})
 
@@ -232,7 +234,11 @@ class Router:
         state = self.states[owner.key]
         visited: list[ServiceState] = []
         while True:
-            admission = state.breaker.allow(loop.time())
+            now = loop.time()
+            transition = state.breaker.tick(now)  # open → half-open happens as time passes
+            if transition is not None:
+                self._transitioned(state, transition)
+            admission = state.breaker.allow(now)
             if admission is not Admission.REJECT:
                 break
             fallback = state.service.fallback
@@ -519,6 +525,7 @@ class Router:
             ejection = state.outlier.record(pod.id, loop.time(), error, state.pod_count)
             if ejection is not None:
                 self.metrics.ejections.labels(ns, name, pod.id).inc()
+                self.metrics.ejected.labels(ns, name).set(len(state.outlier.ejected(loop.time())))
                 log.warning(
                     "pod ejected",
                     extra={
@@ -560,7 +567,7 @@ async def _relay_events(
         end = buffered.rfind(b"\n\n")
         if end >= 0:
             ready, buffered = buffered[: end + 2], buffered[end + 2 :]
-            if count_usage and b'"usage":{' in ready:
+            if count_usage and _USAGE.search(ready):
                 ready = _take_usage(ready, out, strip_usage)
             if ready:
                 await send({"type": "http.response.body", "body": ready, "more_body": True})
@@ -601,7 +608,7 @@ def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:
     for event in events.split(b"\n\n"):
         if not event:
             continue
-        if b'"usage":{' in event and event.startswith(b"data: "):
+        if event.startswith(b"data: ") and _USAGE.search(event):
             try:
                 doc = json.loads(event[6:])
             except ValueError:
