@@ -54,18 +54,19 @@ class Informer(Generic[T]):
         self.items: dict[tuple[str, str], T] = {}
         self.synced = asyncio.Event()
         self.relists = 0
+        # The last resourceVersion seen: a restarted run() resumes from it.
+        self.version: str | None = None
 
     async def run(self) -> None:
         failures = 0
-        version: str | None = None
         while True:
             try:
-                if version is None:
-                    version = await self._relist()
-                version = await self._watch(version)
+                if self.version is None:
+                    self.version = await self._relist()
+                await self._watch()
                 failures = 0
             except _Expired:
-                version = None
+                self.version = None
             except (ApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                 failures += 1
                 delay = min(_BACKOFF_MAX, 0.5 * 2 ** min(failures, 8)) * random.uniform(0.5, 1)
@@ -73,7 +74,7 @@ class Informer(Generic[T]):
                     "watch broke; listing again",
                     extra={"resource": self.name, "error": str(exc), "retry_s": round(delay, 2)},
                 )
-                version = None
+                self.version = None
                 await asyncio.sleep(delay)
 
     async def _relist(self) -> str:
@@ -90,15 +91,17 @@ class Informer(Generic[T]):
         log.info("listed", extra={"resource": self.name, "objects": len(fresh)})
         return version
 
-    async def _watch(self, version: str) -> str:
-        async for event in self.api.watch(self.path, self.params, version, WATCH_SECONDS):
+    async def _watch(self) -> None:
+        """Follow events until the server ends the watch, keeping ``version`` current."""
+        assert self.version is not None
+        async for event in self.api.watch(self.path, self.params, self.version, WATCH_SECONDS):
             kind = event.get("type")
             obj = event.get("object") or {}
             if kind == "ERROR":
                 if obj.get("code") == 410:
                     raise _Expired
                 raise ApiError(int(obj.get("code") or 500), str(obj.get("message") or obj))
-            version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+            self.version = str((obj.get("metadata") or {}).get("resourceVersion") or self.version)
             if kind == "BOOKMARK":
                 continue
             key = _key(obj)
@@ -109,7 +112,6 @@ class Informer(Generic[T]):
             else:
                 self.items[key] = parsed
             self.on_change()
-        return version
 
     def _parse(self, obj: JSON) -> T | None:
         try:

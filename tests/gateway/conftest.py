@@ -11,12 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httptools
+import httpx
 import pytest
 import uvicorn
 import yaml
@@ -208,3 +215,96 @@ async def run_gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
+
+
+# ---- cluster fixtures: the chart's RBAC for the gateway, real processes ------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ladle"
+SYSTEM_NAMESPACE = "ladle-system"
+GATEWAY_ACCOUNT = "ladle-gateway"  # the chart's gateway ServiceAccount for release "ladle"
+
+
+@pytest.fixture(scope="session")
+def gateway_chart(k8s_cluster: Any) -> str:
+    """The chart installed with no operator or gateway replicas (the operator tests install it
+    the same way): CRDs, and the gateway's ServiceAccount and RBAC for processes run as it."""
+    result = subprocess.run(
+        [
+            str(k8s_cluster.helm), "upgrade", "--install", "ladle", str(CHART),
+            "--namespace", SYSTEM_NAMESPACE, "--create-namespace",
+            "--set", "replicas=0", "--set", "gateway.replicas=0", "--wait", "--timeout", "120s",
+        ],
+        env=k8s_cluster.env(), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    waited = k8s_cluster.run_kubectl(
+        "wait", "--for=condition=Established", "crd/inferenceservices.ladle.dev", "--timeout=60s"
+    )
+    assert waited.returncode == 0, waited.stderr
+    return SYSTEM_NAMESPACE
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_ladle(log: Path, *argv: str, port: int, env: dict[str, str] | None = None) -> Process:
+    """``ladle <argv>`` on 127.0.0.1:port, waited on until /health/ready answers 200."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ladle.cli", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    started = Process(proc, port, log)
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"ladle {argv[0]} exited {proc.returncode}:\n{started.log_text()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(started.url + "/health/ready", timeout=5).status_code == 200:
+                return started
+        if time.monotonic() > deadline:
+            started.stop()
+            raise AssertionError(f"ladle {argv[0]} not ready:\n{started.log_text()}")
+        time.sleep(0.2)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# Small enough to start fast; enough KV for a few concurrent short requests.
+SERVE_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
+
+
+def start_runtime(log_dir: Path, model: str) -> Process:
+    port = free_port()
+    return start_ladle(
+        log_dir / f"serve-{port}.log",
+        "serve", "--port", str(port), "--served-model-name", model, *SERVE_FLAGS,
+        port=port,
+    )  # fmt: skip
