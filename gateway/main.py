@@ -20,7 +20,7 @@ from ladle.gateway.app import GatewayApp, Lifecycle
 from ladle.gateway.kube import KubeApi
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import Hooks, Router
-from ladle.gateway.routes import Pod, Service, build_table, parse_pod, parse_service
+from ladle.gateway.routes import Pod, Service, build_table, parse_pod, parse_routable
 from ladle.gateway.scrape import Scraper
 from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
@@ -169,7 +169,7 @@ class Gateway:
                 Informer(
                     api,
                     f"/apis/{API_VERSION}{scope}/{ISVC_PLURAL}",
-                    parse_service,
+                    parse_routable,
                     self._changed,
                     name=f"inferenceservices{scope}",
                 )

@@ -16,7 +16,7 @@ from typing import Any
 
 from ladle.gateway.breaker import BreakerConfig
 from ladle.gateway.outlier import OutlierConfig
-from ladle.operator.api import LABEL_ISVC, LABEL_VARIANT, STABLE
+from ladle.operator.api import LABEL_ISVC, LABEL_VARIANT, STABLE, claim_order
 
 ServiceKey = tuple[str, str]  # (namespace, name)
 DEFAULT_POD_PORT = 8000
@@ -161,6 +161,14 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
     )
 
 
+def parse_routable(obj: Mapping[str, Any]) -> Service | None:
+    """An InferenceService the gateway routes to: any that is not being deleted (the operator
+    counts model-name claims the same way)."""
+    if (obj.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    return parse_service(obj)
+
+
 def _container_port(spec: Mapping[str, Any]) -> int:
     for container in spec.get("containers") or ():
         for port in container.get("ports") or ():
@@ -202,7 +210,7 @@ def model_claims(services: Iterable[Service]) -> tuple[dict[str, Service], dict[
     owners: dict[str, Service] = {}
     conflicts: dict[str, Conflict] = {}
     for model, group in claimants.items():
-        group.sort(key=lambda s: (s.created, s.namespace, s.name))
+        group.sort(key=lambda s: claim_order(s.created, s.namespace, s.name))
         owners[model] = group[0]
         if len(group) > 1:
             conflicts[model] = Conflict(model, group[0].key, tuple(s.key for s in group[1:]))

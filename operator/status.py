@@ -18,6 +18,23 @@ from ladle.operator.quota import PoolPlan
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+# status.gateway belongs to the gateway (its own field manager); the operator never writes it
+# and compares its own status without it.
+GATEWAY_STATUS = "gateway"
+
+
+def operator_status(status: Mapping[str, Any]) -> JSON:
+    """The part of a stored status that the operator writes."""
+    return {k: v for k, v in status.items() if k != GATEWAY_STATUS}
+
+
+@dataclass(frozen=True)
+class ModelConflict:
+    """Other InferenceServices claim this one's model name; ``owner`` says who keeps it."""
+
+    owner: str  # namespace/name
+    others: tuple[str, ...]
+    owns: bool
 
 
 @dataclass(frozen=True)
@@ -146,6 +163,7 @@ def derive_isvc_status(
     service_exists: bool = True,
     service_error: str | None = None,
     conflict: str | None = None,
+    model_conflict: ModelConflict | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
@@ -163,6 +181,19 @@ def derive_isvc_status(
         problems.append(("GPUPoolNotFound", pool_problem))
     if conflict:
         problems.append(("ChildConflict", conflict))
+    if model_conflict is not None:
+        claimants = ", ".join(model_conflict.others)
+        problems.append(
+            (
+                "ModelNameConflict",
+                f"model {isvc.spec.served_model_name!r} is also claimed by {claimants}; "
+                + (
+                    "this service, the oldest claim, keeps it"
+                    if model_conflict.owns
+                    else f"the gateway routes it to {model_conflict.owner} (the oldest claim)"
+                ),
+            )
+        )
     for v in variants:
         sched = _scheduling_problem(v)
         if sched:
@@ -232,6 +263,10 @@ def derive_isvc_status(
         if problems
         else Condition(DEGRADED, False, "AsExpected")
     )
+    if model_conflict is not None and not model_conflict.owns:
+        # Its pods may be fine, but the URL in status does not reach them.
+        message = next(m for r, m in problems if r == "ModelNameConflict")
+        ready = Condition(READY, False, "ModelNameConflict", message)
 
     generation = isvc.meta.generation
     return {
