@@ -170,8 +170,7 @@ class GatewayApp:
     def _authenticate(self, auth: bytes | None, now: float) -> ApiKey | None:
         if self.keys is None:
             return None
-        scheme, _, presented = (auth or b"").decode("latin-1").partition(" ")
-        key = self.keys.lookup(presented.strip(), now) if scheme.lower() == "bearer" else None
+        key = self._key(auth, now)
         if key is None:
             raise GatewayError(
                 401,
@@ -283,6 +282,11 @@ class GatewayApp:
             reason = self.lifecycle.ready()
             status = 200 if reason is None else 503
             await _send_json(send, status, json.dumps({"status": reason or "ok"}).encode(), [])
+        elif path.startswith(b"/v1/models") and method == "GET" and not self._may_list(scope):
+            err = GatewayError(
+                401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_api_key"
+            )
+            await _send_json(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
         elif path == b"/v1/models" and method == "GET":
             await _send_json(send, 200, json.dumps(self._models()).encode(), [])
         elif path.startswith(b"/v1/models/") and method == "GET":
@@ -301,6 +305,19 @@ class GatewayApp:
                 404, f"no such endpoint: {path.decode(errors='replace')}", "not_found"
             )
             await _send_json(send, 404, err.body(), [])
+
+    def _may_list(self, scope: Scope) -> bool:
+        """Listing models needs a key too, when keys are configured (no limits are charged)."""
+        if self.keys is None:
+            return True
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        return self._key(auth, asyncio.get_running_loop().time()) is not None
+
+    def _key(self, auth: bytes | None, now: float) -> ApiKey | None:
+        """The key presented as ``Authorization: Bearer <key>``, if it is one of ours."""
+        assert self.keys is not None
+        scheme, _, presented = (auth or b"").decode("latin-1").partition(" ")
+        return self.keys.lookup(presented.strip(), now) if scheme.lower() == "bearer" else None
 
     def _models(self) -> dict[str, Any]:
         data = [

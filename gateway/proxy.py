@@ -57,7 +57,9 @@ _RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_FALLBACK_HOPS = 3
 _USAGE = re.compile(rb'"usage":\s*\{')
 # The gateway's own answers that mean the service failed (a missing pod is the hold's business).
-_BREAKER_FAILURES = frozenset({"first_token_timeout", "deadline_exceeded", "upstream_unavailable"})
+_BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
+# Outcomes of an attempt that say nothing against the pod.
+_POD_FINE = frozenset({"ok", "http_4xx", "client_deadline"})
 
 
 @dataclass
@@ -88,6 +90,9 @@ class Outcome:
     held_seconds: float = 0.0
     tokens: int = 0
     error: str | None = None
+    # The service failed this request (a stream cut short, a deadline of its own): a breaker
+    # failure even though the status sent was 200.
+    failed: bool = False
     started: bool = False
     ttfb: float | None = None
     overhead: float | None = None
@@ -334,7 +339,7 @@ class Router:
             )
             if result is None:
                 rate_limited = out.status == 429 and service.count_rate_limited
-                return out.status < 500 and out.error is None and not rate_limited
+                return out.status < 500 and not out.failed and not rate_limited
             last_error = result
             if last_attempt or loop.time() >= deadline:
                 break
@@ -458,8 +463,15 @@ class Router:
                     return f"{pod.name} answered {response.status}"
                 first = await response.read(first_deadline)
             except UpstreamTimeout:
-                outcome = "timeout"
                 waited = loop.time() - sent_at
+                if req.deadline <= first_deadline:
+                    outcome = "client_deadline"
+                    raise GatewayError(
+                        504,
+                        f"the request's own deadline passed after {waited:.1f} s",
+                        "deadline_exceeded",
+                    ) from None
+                outcome = "timeout"
                 raise GatewayError(
                     504,
                     f"{pod.name} sent no first token within {waited:.0f} s",
@@ -481,10 +493,11 @@ class Router:
                 try:
                     rest = await response.read_all(deadline)
                 except UpstreamTimeout:
-                    outcome = "timeout"
-                    raise GatewayError(
-                        504, "the request deadline passed", "deadline_exceeded"
-                    ) from None
+                    expired = _expired(req, deadline)
+                    outcome = (
+                        "client_deadline" if expired.code == "deadline_exceeded" else "timeout"
+                    )
+                    raise expired from None
                 except UpstreamError as exc:
                     outcome = exc.kind
                     return f"{pod.name}: {exc}"
@@ -507,11 +520,13 @@ class Router:
                     deadline,
                     send,
                     out,
+                    expired=_expired(req, deadline),
                     strip_usage=add_usage,
                     count_usage=count_usage,
                 )
                 if failure is not None:
                     outcome = failure
+                    out.failed = failure != "client_deadline"
             return None
         finally:
             if response is not None:
@@ -521,7 +536,7 @@ class Router:
                 del self.outstanding[pod.id]
             in_flight.dec()
             self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
-            error = outcome not in ("ok", "http_4xx")
+            error = outcome not in _POD_FINE
             ejection = state.outlier.record(pod.id, loop.time(), error, state.pod_count)
             if ejection is not None:
                 self.metrics.ejections.labels(ns, name, pod.id).inc()
@@ -538,6 +553,14 @@ class Router:
                 )
 
 
+def _expired(req: ClientRequest, deadline: float) -> GatewayError:
+    """The answer when ``deadline`` passes: the client's own (not the service's fault) or the
+    service's ``timeouts.requestSeconds`` (a breaker failure)."""
+    if req.deadline <= deadline:
+        return GatewayError(504, "the request's own deadline passed", "deadline_exceeded")
+    return GatewayError(504, "the service's request timeout passed", "request_timeout")
+
+
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:
     headers = [(b"x-request-id", req.request_id.encode()), (b"x-ladle-variant", variant.encode())]
     if out.fallback_from is not None and out.service is not None:
@@ -552,6 +575,7 @@ async def _relay_events(
     send: Send,
     out: Outcome,
     *,
+    expired: GatewayError,
     strip_usage: bool,
     count_usage: bool,
 ) -> str | None:
@@ -574,17 +598,10 @@ async def _relay_events(
         try:
             piece = await response.read(deadline)
         except UpstreamTimeout:
-            failure = "timeout"
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error(
-                        504, "the request deadline passed mid-stream", "deadline_exceeded"
-                    ),
-                    "more_body": True,
-                }
-            )
-            out.error = "deadline passed mid-stream"
+            failure = "client_deadline" if expired.code == "deadline_exceeded" else "timeout"
+            body = sse_error(504, f"{expired.message} mid-stream", expired.code)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            out.error = f"{expired.message} mid-stream"
             break
         except UpstreamError as exc:
             failure = exc.kind

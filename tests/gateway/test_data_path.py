@@ -145,14 +145,27 @@ async def test_first_token_timeout_is_a_504_and_a_breaker_failure(
     assert int(again.headers["retry-after"]) >= 1
 
 
-async def test_client_timeout_header(fake_pods: Any, run_gateway: Any) -> None:
+async def test_a_clients_own_deadline_is_a_504_that_does_not_count_against_the_service(
+    fake_pods: Any, run_gateway: Any
+) -> None:
     pod = await fake_pods(delay=5)
-    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [pod.url]}])
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "endpoints": [pod.url],
+                "circuitBreaker": {"minimumCalls": 1},
+            }
+        ]
+    )
     async with httpx.AsyncClient(timeout=10) as client:
-        r = await post(
-            client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "0.5"}
-        )
-        assert r.status_code == 504
+        for _ in range(2):
+            r = await post(
+                client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "0.3"}
+            )
+            assert r.status_code == 504
+            assert r.json()["error"]["code"] == "deadline_exceeded"  # never circuit_open
         bad = await post(
             client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "soon"}
         )
@@ -376,6 +389,11 @@ async def test_api_keys_limits_and_logs_name_the_key_never_the_key(
     body = {"model": "m", "prompt": "x"}
     async with httpx.AsyncClient() as client:
         assert (await post(client, gw.url, body)).status_code == 401
+        assert (await client.get(gw.url + "/v1/models")).status_code == 401
+        listed = await client.get(
+            gw.url + "/v1/models", headers={"authorization": "Bearer sk-batch-secret-22"}
+        )
+        assert [m["id"] for m in listed.json()["data"]] == ["m"]
         wrong = await post(client, gw.url, body, headers={"authorization": "Bearer sk-nope-000000"})
         assert wrong.status_code == 401
         assert wrong.json()["error"]["type"] == "authentication_error"
