@@ -49,6 +49,20 @@ def node(k8s_api: Any) -> str:
     return NODE
 
 
+@pytest.fixture
+def namespace(k8s_namespace: str, k8s_api: Any) -> Iterator[str]:
+    """A test namespace emptied at once afterwards: its InferenceServices, so that the next
+    test's claim on the same model name is the only one, and its pods, since no kubelet here
+    confirms a pod's deletion and the namespace cannot go while they remain."""
+    yield k8s_namespace
+    client.CustomObjectsApi(k8s_api).delete_collection_namespaced_custom_object(
+        "ladle.dev", "v1alpha1", k8s_namespace, "inferenceservices"
+    )
+    core = client.CoreV1Api(k8s_api)
+    for pod in core.list_namespaced_pod(k8s_namespace).items:
+        core.delete_namespaced_pod(pod.metadata.name, k8s_namespace, grace_period_seconds=0)
+
+
 @pytest.fixture(scope="module")
 def gateway(
     k8s_cluster: KubeCluster, gateway_chart: str, tmp_path_factory: pytest.TempPathFactory
@@ -132,11 +146,11 @@ def models(gateway: Process) -> set[str]:
 
 
 def test_routes_to_pods_it_watches_and_follows_their_readiness(
-    k8s_api: Any, k8s_namespace: str, node: str, gateway: Process, runtime: Process
+    k8s_api: Any, namespace: str, node: str, gateway: Process, runtime: Process
 ) -> None:
-    create_isvc(k8s_api, k8s_namespace, isvc("chat", MODEL, timeouts={"scaleFromZeroSeconds": 1}))
+    create_isvc(k8s_api, namespace, isvc("chat", MODEL, timeouts={"scaleFromZeroSeconds": 1}))
     wait_for(lambda: MODEL in models(gateway), "the gateway to list the model")
-    create_ready_pod(k8s_api, k8s_namespace, "chat-stable-0", "chat", runtime.port)
+    create_ready_pod(k8s_api, namespace, "chat-stable-0", "chat", runtime.port)
 
     oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
@@ -157,7 +171,7 @@ def test_routes_to_pods_it_watches_and_follows_their_readiness(
     stream = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, stream=True)
     assert len(list(stream)) >= 1
 
-    set_pod_ready(k8s_api, k8s_namespace, "chat-stable-0", False)
+    set_pod_ready(k8s_api, namespace, "chat-stable-0", False)
 
     def refused() -> bool:
         r = httpx.post(
@@ -169,19 +183,19 @@ def test_routes_to_pods_it_watches_and_follows_their_readiness(
 
 
 def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_manager(
-    k8s_api: Any, k8s_namespace: str, node: str, gateway: Process, runtime: Process
+    k8s_api: Any, namespace: str, node: str, gateway: Process, runtime: Process
 ) -> None:
-    create_isvc(k8s_api, k8s_namespace, isvc("chat", MODEL))
-    create_ready_pod(k8s_api, k8s_namespace, "chat-stable-0", "chat", runtime.port)
-    breaker = {"minimumCalls": 2, "openSeconds": 2, "halfOpenProbes": 1}
-    flaky_model = f"flaky-{k8s_namespace}"
+    create_isvc(k8s_api, namespace, isvc("chat", MODEL))
+    create_ready_pod(k8s_api, namespace, "chat-stable-0", "chat", runtime.port)
+    breaker = {"minimumCalls": 2, "openSeconds": 5, "halfOpenProbes": 1}
+    flaky_model = f"flaky-{namespace}"
     create_isvc(
         k8s_api,
-        k8s_namespace,
+        namespace,
         isvc("flaky", flaky_model, fallback="chat", circuitBreaker=breaker, routing={"retries": 0}),
     )
     dead_port = free_port()  # nothing listens: connection refused
-    create_ready_pod(k8s_api, k8s_namespace, "flaky-stable-0", "flaky", dead_port)
+    create_ready_pod(k8s_api, namespace, "flaky-stable-0", "flaky", dead_port)
     wait_for(lambda: {MODEL, flaky_model} <= models(gateway), "both models routable")
 
     body = {"model": flaky_model, "prompt": "The sky is", "max_tokens": 2}
@@ -190,22 +204,22 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
         for _ in range(2)
     ]
     assert codes == [502, 502]
+
+    def status_says(state: str) -> dict[str, Any] | None:
+        st = (read_isvc(k8s_api, namespace, "flaky").get("status") or {}).get("gateway") or {}
+        return st if (st.get("breaker") or {}).get("state") == state else None
+
+    opened = wait_for(lambda: status_says("Open"), "status.gateway.breaker Open", timeout=5)
+    assert opened["fallback"] == "chat"
+    assert opened["breaker"]["reportedBy"] == "gw-test"
+    assert "failure rate 100%" in opened["breaker"]["reason"]
     moved = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
     assert moved.status_code == 200
     assert moved.headers["x-ladle-fallback"] == "chat"
     assert moved.json()["model"] == MODEL  # the model was rewritten for the fallback
-
-    def status_says(state: str) -> dict[str, Any] | None:
-        st = (read_isvc(k8s_api, k8s_namespace, "flaky").get("status") or {}).get("gateway") or {}
-        return st if (st.get("breaker") or {}).get("state") == state else None
-
-    opened = wait_for(lambda: status_says("Open"), "status.gateway.breaker Open")
-    assert opened["fallback"] == "chat"
-    assert opened["breaker"]["reportedBy"] == "gw-test"
-    assert "failure rate 100%" in opened["breaker"]["reason"]
     managers = {
         m["manager"]: json.dumps(m.get("fieldsV1"))
-        for m in read_isvc(k8s_api, k8s_namespace, "flaky")["metadata"]["managedFields"]
+        for m in read_isvc(k8s_api, namespace, "flaky")["metadata"]["managedFields"]
         if m.get("subresource") == "status"
     }
     assert '"f:gateway"' in managers["ladle-gateway"]
@@ -213,9 +227,9 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
 
     # The service recovers: its pod is replaced by one that answers; one probe closes it.
     client.CoreV1Api(k8s_api).delete_namespaced_pod(
-        "flaky-stable-0", k8s_namespace, grace_period_seconds=0
+        "flaky-stable-0", namespace, grace_period_seconds=0
     )
-    create_ready_pod(k8s_api, k8s_namespace, "flaky-stable-1", "flaky", runtime.port)
+    create_ready_pod(k8s_api, namespace, "flaky-stable-1", "flaky", runtime.port)
 
     def half_open_then_closed() -> bool:
         # While open, requests for flaky_model are served by chat; after openSeconds one probe
@@ -230,16 +244,16 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
     metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
     for state in ("Open", "HalfOpen", "Closed"):
         line = (
-            f'ladle_gateway_breaker_transitions_total{{namespace="{k8s_namespace}",'
+            f'ladle_gateway_breaker_transitions_total{{namespace="{namespace}",'
             f'service="flaky",state="{state}"}}'
         )
         assert line in metrics
 
 
 def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
-    k8s_api: Any, k8s_namespace: str, node: str, gateway: Process, runtime: Process
+    k8s_api: Any, namespace: str, node: str, gateway: Process, runtime: Process
 ) -> None:
-    create_isvc(k8s_api, k8s_namespace, isvc("chat", MODEL, replicas=0, minReplicas=0))
+    create_isvc(k8s_api, namespace, isvc("chat", MODEL, replicas=0, minReplicas=0))
     wait_for(lambda: MODEL in models(gateway), "the gateway to list the model")
 
     async def held_then_served() -> httpx.Response:
@@ -253,14 +267,13 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
             await asyncio.to_thread(
                 wait_for,
                 lambda: (
-                    (read_isvc(k8s_api, k8s_namespace, "chat").get("status") or {}).get("gateway")
-                    or {}
+                    (read_isvc(k8s_api, namespace, "chat").get("status") or {}).get("gateway") or {}
                 ).get("heldSince"),
                 "status.gateway.heldSince",
             )
             assert not request.done()
             await asyncio.to_thread(
-                create_ready_pod, k8s_api, k8s_namespace, "chat-stable-0", "chat", runtime.port
+                create_ready_pod, k8s_api, namespace, "chat-stable-0", "chat", runtime.port
             )
             return await request
 
@@ -270,7 +283,7 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
         lambda: (
             "heldSince"
             not in (
-                (read_isvc(k8s_api, k8s_namespace, "chat").get("status") or {}).get("gateway")
+                (read_isvc(k8s_api, namespace, "chat").get("status") or {}).get("gateway")
                 or {"heldSince": 1}
             )
         ),
@@ -281,14 +294,15 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
 def test_the_watch_cache_lists_again_after_a_gap(
     k8s_cluster: KubeCluster,
     k8s_api: Any,
-    k8s_namespace: str,
+    namespace: str,
     node: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Resume from the last version after a clean end; after a gap too long to resume (410),
-    list again and replace everything, so that a pod deleted during the gap disappears."""
+    """Resume from the last version after a gap; when the watch cannot resume (an expired or
+    refused version, a broken connection), list again and replace everything, so that a pod
+    deleted during the gap disappears too."""
     monkeypatch.setenv("KUBECONFIG", str(k8s_cluster.kubeconfig))
-    create_ready_pod(k8s_api, k8s_namespace, "a", "chat", 8000)
+    create_ready_pod(k8s_api, namespace, "a", "chat", 8000)
 
     async def scenario() -> None:
         api = KubeApi("test")
@@ -299,28 +313,32 @@ def test_the_watch_cache_lists_again_after_a_gap(
             changes += 1
 
         informer = Informer(
-            api, f"/api/v1/namespaces/{k8s_namespace}/pods", parse_pod, changed,
+            api, f"/api/v1/namespaces/{namespace}/pods", parse_pod, changed,
             params={"labelSelector": "ladle.dev/inferenceservice"},
         )  # fmt: skip
         task = asyncio.ensure_future(informer.run())
         await asyncio.wait_for(informer.synced.wait(), 30)
-        assert set(informer.items) == {(k8s_namespace, "a")}
-        await asyncio.to_thread(create_ready_pod, k8s_api, k8s_namespace, "b", "chat", 8000)
-        await _until(lambda: (k8s_namespace, "b") in informer.items)
-        assert informer.items[(k8s_namespace, "b")].ready
-        await asyncio.to_thread(set_pod_ready, k8s_api, k8s_namespace, "b", False)
-        await _until(lambda: not informer.items[(k8s_namespace, "b")].ready)
+        assert set(informer.items) == {(namespace, "a")}
+        await asyncio.to_thread(create_ready_pod, k8s_api, namespace, "b", "chat", 8000)
+        await _until(lambda: (namespace, "b") in informer.items)
+        assert informer.items[(namespace, "b")].ready
+        await asyncio.to_thread(set_pod_ready, k8s_api, namespace, "b", False)
+        await _until(lambda: not informer.items[(namespace, "b")].ready)
         assert informer.relists == 1
 
-        task.cancel()  # the gap: the cache hears nothing
+        task.cancel()  # a gap: the cache hears nothing until it runs again
         core = client.CoreV1Api(k8s_api)
-        await asyncio.to_thread(
-            core.delete_namespaced_pod, "a", k8s_namespace, grace_period_seconds=0
-        )
-        await asyncio.to_thread(create_ready_pod, k8s_api, k8s_namespace, "c", "chat", 8000)
-        informer.version = "1"  # long compacted away: the watch answers 410 Gone
+        await asyncio.to_thread(core.delete_namespaced_pod, "a", namespace, grace_period_seconds=0)
+        await asyncio.to_thread(create_ready_pod, k8s_api, namespace, "c", "chat", 8000)
+        task = asyncio.ensure_future(informer.run())  # resumes from its last version
+        await _until(lambda: set(informer.items) == {(namespace, "b"), (namespace, "c")})
+        assert informer.relists == 1
+
+        task.cancel()  # another gap, after which the watch cannot resume from where it was
+        await asyncio.to_thread(core.delete_namespaced_pod, "b", namespace, grace_period_seconds=0)
+        informer.version = "not-a-resource-version"
         task = asyncio.ensure_future(informer.run())
-        await _until(lambda: set(informer.items) == {(k8s_namespace, "b"), (k8s_namespace, "c")})
+        await _until(lambda: set(informer.items) == {(namespace, "c")}, timeout=60)
         assert informer.relists == 2
         task.cancel()
         await api.close()
