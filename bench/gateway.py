@@ -84,7 +84,7 @@ class _Backend(asyncio.Protocol):
         stream = b'"stream": true' in self.body or b'"stream":true' in self.body
         self.body = b""
         if stream:
-            asyncio.ensure_future(self._stream())
+            self.streaming = asyncio.ensure_future(self._stream())
         else:
             head = (
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
@@ -94,7 +94,8 @@ class _Backend(asyncio.Protocol):
     async def _stream(self) -> None:
         write = self.transport.write
         write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
         )
         piece = b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
         for _ in range(self.chunks):
@@ -242,7 +243,8 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
         f"pinned to core {gateway_core}" if gateway_core is not None else "not pinned (one core)"
     )
     print(
-        f"\nproxy benchmark: gateway {pinned}, {args.concurrency} connections, {args.seconds:g} s x {args.repeats}"
+        f"\nproxy benchmark: gateway {pinned}, {args.concurrency} connections, "
+        f"{args.seconds:g} s x {args.repeats}"
     )
     print(f"  {'':38} {'median':>10}  (min - max)")
     print(f"  {'direct to the backend, requests/s':38} {spread(rows['direct_rps'])}")
@@ -293,7 +295,8 @@ def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
                     subprocess.run(
                         [*LADLE, "bench", "serve", "--base-url", url, "--model", "bench",
                          "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
-                         "--output-len", str(args.output_len), "--max-concurrency", str(args.max_concurrency),
+                         "--output-len", str(args.output_len),
+                         "--max-concurrency", str(args.max_concurrency),
                          "--seed", "0", "--percentiles", "50,99", "--result-file", str(out)],
                         check=True, stdout=subprocess.DEVNULL,
                     )  # fmt: skip
@@ -335,10 +338,12 @@ def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
         print(f"  {label:28} {med(key, 'direct'):10.2f} {med(key, 'gw'):10.2f}")
     ratio, add50, add99 = statistics.median(ratios), statistics.median(p50), statistics.median(p99)
     print(
-        f"  throughput ratio {ratio:.3f} (runs {min(ratios):.3f} - {max(ratios):.3f}); target >= {TARGET_THROUGHPUT_RATIO}"
+        f"  throughput ratio {ratio:.3f} (runs {min(ratios):.3f} - {max(ratios):.3f}); "
+        f"target >= {TARGET_THROUGHPUT_RATIO}"
     )
     print(
-        f"  added TTFT p50 {add50:+.2f} ms (target <= {TARGET_ADDED_TTFT_P50_MS}), p99 {add99:+.2f} ms (target <= {TARGET_ADDED_TTFT_P99_MS})"
+        f"  added TTFT p50 {add50:+.2f} ms (target <= {TARGET_ADDED_TTFT_P50_MS}), "
+        f"p99 {add99:+.2f} ms (target <= {TARGET_ADDED_TTFT_P99_MS})"
     )
     return (
         ratio >= TARGET_THROUGHPUT_RATIO

@@ -81,7 +81,7 @@ async def test_killing_a_pod_mid_load_loses_nothing_unstarted_and_hangs_no_strea
         body = {
             "model": MODEL,
             "prompt": f"Count slowly {i}:",
-            "max_tokens": 24,
+            "max_tokens": 16,
             "stream": True,
             "ignore_eos": True,
         }
@@ -91,7 +91,7 @@ async def test_killing_a_pod_mid_load_loses_nothing_unstarted_and_hangs_no_strea
             async for piece in r.aiter_text():
                 if not text:
                     first_chunks += 1
-                    if first_chunks == 8:
+                    if first_chunks == 6:
                         started.set()
                 text += piece
         return text
@@ -101,7 +101,7 @@ async def test_killing_a_pod_mid_load_loses_nothing_unstarted_and_hangs_no_strea
         return (await client.post(gw.url + "/v1/completions", json=body)).status_code
 
     async with httpx.AsyncClient(timeout=120) as client:
-        streams = [asyncio.ensure_future(stream(client, i)) for i in range(8)]
+        streams = [asyncio.ensure_future(stream(client, i)) for i in range(6)]
         await asyncio.wait_for(started.wait(), 120)
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait()
