@@ -161,7 +161,9 @@ class Gateway:
         api = self.api = KubeApi(FIELD_MANAGER)
         if self.settings.write_status:
             writer = StatusWriter(api, self.settings.identity)
-            self.router.hooks = Hooks(writer.on_transition, writer.on_hold, writer.on_new)
+            self.router.hooks = Hooks(
+                writer.on_transition, writer.on_hold, writer.on_new, writer.on_table
+            )
             self._spawn(writer.run())
         scopes = [f"/namespaces/{ns}" for ns in self.settings.namespaces] or [""]
         for scope in scopes:

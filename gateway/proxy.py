@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +148,7 @@ class Hooks:
     on_transition: Callable[[ServiceState, Transition], None] = lambda st, t: None
     on_hold: Callable[[ServiceState], None] = lambda st: None
     on_new: Callable[[ServiceState], None] = lambda st: None
+    on_table: Callable[[RouteTable, Mapping[ServiceKey, ServiceState]], None] = lambda t, s: None
 
 
 @dataclass
@@ -182,12 +183,14 @@ class Router:
                 state.configure(service, now)
             all_pods = {p.id for ps in table.pods.get(key, {}).values() for p in ps}
             state.set_pods(table.ready_pods(key), all_pods)
+        self.hooks.on_table(table, self.states)
         new_pods = {p for variants in table.pods.values() for ps in variants.values() for p in ps}
         addresses = {(p.host, p.port) for p in new_pods}
+        ids = {p.id for p in new_pods}
         for gone in old_pods - new_pods:
             if (gone.host, gone.port) not in addresses:
                 self.pool.drop(gone.host, gone.port)
-            if not any(p.id == gone.id for p in new_pods):
+            if gone.id not in ids:
                 self.metrics.forget_pod(gone.id)
         self.tick(now)
 

@@ -3,8 +3,9 @@ on which pods. Pure: the watch cache hands in plain API objects and gets a new t
 
 A model name belongs to one service. When several claim it, the oldest (by creation time, then
 namespace/name) keeps it, as Gateway API resolves conflicting routes; the others are not
-routed, and the operator marks every claimant's status with the conflict, so nothing is
-picked silently.
+routed, and the gateway marks every claimant's status with a ModelNameConflict condition, so
+nothing is picked silently. It is the gateway's to report: a conflict exists only among the
+namespaces one gateway routes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from ladle.gateway.breaker import BreakerConfig
 from ladle.gateway.outlier import OutlierConfig
-from ladle.operator.api import LABEL_ISVC, LABEL_VARIANT, STABLE, claim_order
+from ladle.operator.api import LABEL_ISVC, LABEL_VARIANT, STABLE
 
 ServiceKey = tuple[str, str]  # (namespace, name)
 DEFAULT_POD_PORT = 8000
@@ -93,6 +94,16 @@ class RouteTable:
     conflicts: Mapping[str, Conflict] = field(default_factory=dict)
     # Every pod of a service, ready or not, by variant; sorted by name.
     pods: Mapping[ServiceKey, Mapping[str, tuple[Pod, ...]]] = field(default_factory=dict)
+
+    def conflict_of(self, key: ServiceKey) -> Conflict | None:
+        """The conflict this service is part of, if any."""
+        service = self.services.get(key)
+        conflict = self.conflicts.get(service.model) if service is not None else None
+        return (
+            conflict
+            if conflict is not None and (conflict.owner == key or key in conflict.others)
+            else None
+        )
 
     def ready_pods(self, key: ServiceKey) -> dict[str, list[Pod]]:
         return {
@@ -210,7 +221,7 @@ def model_claims(services: Iterable[Service]) -> tuple[dict[str, Service], dict[
     owners: dict[str, Service] = {}
     conflicts: dict[str, Conflict] = {}
     for model, group in claimants.items():
-        group.sort(key=lambda s: claim_order(s.created, s.namespace, s.name))
+        group.sort(key=lambda s: (s.created, s.namespace, s.name))
         owners[model] = group[0]
         if len(group) > 1:
             conflicts[model] = Conflict(model, group[0].key, tuple(s.key for s in group[1:]))

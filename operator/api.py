@@ -136,13 +136,6 @@ class GPUPool:
     status: JSON
 
 
-def claim_order(created: str, namespace: str, name: str) -> tuple[str, str, str]:
-    """Who keeps a model name that several InferenceServices claim: the oldest, then by
-    namespace and name, as Gateway API resolves conflicting routes. The gateway routes by it;
-    the operator reports it in both services' status."""
-    return (created, namespace, name)
-
-
 def _meta(obj: Mapping[str, Any]) -> ObjectMeta:
     meta = obj.get("metadata") or {}
     return ObjectMeta(

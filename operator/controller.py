@@ -33,7 +33,6 @@ from ladle.operator.api import (
     VERSION,
     GPUPool,
     InferenceService,
-    claim_order,
     parse_isvc,
     parse_pool,
 )
@@ -53,7 +52,6 @@ from ladle.operator.status import (
     DEGRADED,
     PROGRESSING,
     READY,
-    ModelConflict,
     NodeInfo,
     UnschedulablePod,
     VariantObservation,
@@ -244,18 +242,12 @@ class Controller:
             if spec_changed:
                 self.plans.pop(pool, None)
                 self.queue.add(WorkKey("pool", "", pool))
-        if spec_changed:
-            # A model name claimed, released or moved: every claimant's conflict may change.
-            names = {i.spec.served_model_name for i in (old, new) if i is not None}
-            for other in self.isvcs.values():
-                if other.key != key and other.spec.served_model_name in names:
-                    self.queue.add(WorkKey("isvc", *other.key), urgent=True)
         if (
             not spec_changed
             and new is not None
             and operator_status(new.status) == self.written_status.get(new.meta.uid)
         ):
-            return  # the echo of our own status write, or the gateway's (status.gateway)
+            return  # the echo of our own status write, or a gateway's (its fields only)
         self.queue.add(WorkKey("isvc", *key), urgent=spec_changed)
 
     def observe_pool(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
@@ -538,29 +530,11 @@ class Controller:
             service_exists=service_key in self.children,
             service_error=failure.message if failure else None,
             conflict=conflict.message if conflict else None,
-            model_conflict=self._model_conflict(isvc),
         )
         if status != previous:
             await self._write_status(isvc, status, previous)
         if conflict is not None:
             raise conflict  # the work queue retries with backoff until the name is free
-
-    def _model_conflict(self, isvc: InferenceService) -> ModelConflict | None:
-        """Other live InferenceServices that claim this one's model name (O(services))."""
-        model = isvc.spec.served_model_name
-        claimants = [
-            i
-            for i in self.isvcs.values()
-            if i.spec.served_model_name == model and not i.meta.deleting
-        ]
-        if len(claimants) < 2:
-            return None
-        owner = min(claimants, key=lambda i: claim_order(i.meta.created, *i.key))
-        return ModelConflict(
-            owner="/".join(owner.key),
-            others=tuple(sorted("/".join(i.key) for i in claimants if i.key != isvc.key)),
-            owns=owner.key == isvc.key,
-        )
 
     async def _apply_children(self, isvc: InferenceService, children: Children) -> None:
         if children.config_map is not None:  # before the pods that mount it

@@ -18,23 +18,19 @@ from ladle.operator.quota import PoolPlan
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-# status.gateway belongs to the gateway (its own field manager); the operator never writes it
-# and compares its own status without it.
+OPERATOR_CONDITIONS = frozenset({READY, PROGRESSING, DEGRADED})
+# status.gateway, and any condition of another type (the gateway's ModelNameConflict), belong
+# to the gateway's field manager: the operator never writes them and compares its own status
+# without them, so a gateway's write never makes the operator write.
 GATEWAY_STATUS = "gateway"
 
 
 def operator_status(status: Mapping[str, Any]) -> JSON:
     """The part of a stored status that the operator writes."""
-    return {k: v for k, v in status.items() if k != GATEWAY_STATUS}
-
-
-@dataclass(frozen=True)
-class ModelConflict:
-    """Other InferenceServices claim this one's model name; ``owner`` says who keeps it."""
-
-    owner: str  # namespace/name
-    others: tuple[str, ...]
-    owns: bool
+    own = {k: v for k, v in status.items() if k != GATEWAY_STATUS}
+    if "conditions" in own:
+        own["conditions"] = [c for c in own["conditions"] if c.get("type") in OPERATOR_CONDITIONS]
+    return own
 
 
 @dataclass(frozen=True)
@@ -163,7 +159,6 @@ def derive_isvc_status(
     service_exists: bool = True,
     service_error: str | None = None,
     conflict: str | None = None,
-    model_conflict: ModelConflict | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
@@ -181,19 +176,6 @@ def derive_isvc_status(
         problems.append(("GPUPoolNotFound", pool_problem))
     if conflict:
         problems.append(("ChildConflict", conflict))
-    if model_conflict is not None:
-        claimants = ", ".join(model_conflict.others)
-        problems.append(
-            (
-                "ModelNameConflict",
-                f"model {isvc.spec.served_model_name!r} is also claimed by {claimants}; "
-                + (
-                    "this service, the oldest claim, keeps it"
-                    if model_conflict.owns
-                    else f"the gateway routes it to {model_conflict.owner} (the oldest claim)"
-                ),
-            )
-        )
     for v in variants:
         sched = _scheduling_problem(v)
         if sched:
@@ -263,11 +245,6 @@ def derive_isvc_status(
         if problems
         else Condition(DEGRADED, False, "AsExpected")
     )
-    if model_conflict is not None and not model_conflict.owns:
-        # Its pods may be fine, but the URL in status does not reach them.
-        message = next(m for r, m in problems if r == "ModelNameConflict")
-        ready = Condition(READY, False, "ModelNameConflict", message)
-
     generation = isvc.meta.generation
     return {
         "observedGeneration": generation,

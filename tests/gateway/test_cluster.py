@@ -250,6 +250,45 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
         assert line in metrics
 
 
+def test_a_model_name_conflict_shows_in_both_services_and_clears(
+    k8s_api: Any, namespace: str, node: str, gateway: Process
+) -> None:
+    model = f"conflict-{namespace}"
+    create_isvc(k8s_api, namespace, isvc("a-older", model))
+    wait_for(lambda: model in models(gateway), "the model to be routable")
+    # Created within one second they tie on creationTimestamp; namespace/name then decides,
+    # and these names sort in creation order either way.
+    create_isvc(k8s_api, namespace, isvc("b-newer", model))
+
+    def condition(name: str) -> dict[str, Any] | None:
+        for cond in (read_isvc(k8s_api, namespace, name).get("status") or {}).get(
+            "conditions"
+        ) or ():
+            if cond["type"] == "ModelNameConflict":
+                return dict(cond)
+        return None
+
+    kept = wait_for(lambda: condition("a-older"), "the conflict in the older service's status")
+    lost = wait_for(lambda: condition("b-newer"), "the conflict in the newer service's status")
+    assert (kept["status"], kept["reason"]) == ("True", "KeptByThisService")
+    assert f"also claimed by {namespace}/b-newer" in kept["message"]
+    assert (lost["status"], lost["reason"]) == ("True", "RoutedElsewhere")
+    assert f"{namespace}/a-older" in lost["message"]
+    owned = [
+        m["manager"] for m in read_isvc(k8s_api, namespace, "b-newer")["metadata"]["managedFields"]
+    ]
+    assert "ladle-gateway" in owned
+    listing = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["owned_by"] for m in listing if m["id"] == model] == [f"{namespace}/a-older"]
+
+    client.CustomObjectsApi(k8s_api).delete_namespaced_custom_object(
+        "ladle.dev", "v1alpha1", namespace, "inferenceservices", "a-older"
+    )
+    wait_for(lambda: condition("b-newer") is None, "the conflict to clear once one claim goes")
+    listing = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
+    assert [m["owned_by"] for m in listing if m["id"] == model] == [f"{namespace}/b-newer"]
+
+
 def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
     k8s_api: Any, namespace: str, node: str, gateway: Process, runtime: Process
 ) -> None:
