@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import Router
 from ladle.gateway.routes import Pod, build_table, parse_pod, parse_service
+from ladle.gateway.status import conflict_condition
 from ladle.gateway.upstream import Pool
 
 
@@ -111,6 +112,13 @@ def test_the_oldest_claim_on_a_model_wins_and_the_conflict_is_reported() -> None
     assert table.by_model["llama"].name == "b"
     conflict = table.conflicts["llama"]
     assert conflict.owner == ("ns", "b")
+    assert table.conflict_of(("ns", "a")) is conflict
+    assert table.conflict_of(("ns", "c")) is None
+    kept = conflict_condition(("ns", "b"), conflict, 0.0)
+    lost = conflict_condition(("ns", "a"), conflict, 0.0)
+    assert (kept["reason"], lost["reason"]) == ("KeptByThisService", "RoutedElsewhere")
+    assert "also claimed by ns/a" in kept["message"]
+    assert "claimed by ns/b, the oldest claim" in lost["message"]
     assert conflict.others == (("ns", "a"),)
     assert "qwen" not in table.conflicts
 
