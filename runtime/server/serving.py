@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
@@ -242,9 +243,11 @@ class OpenAIServing:
             raise RequestError("chat_template_kwargs: the template must render text", "messages")
         return rendered, list(tokenizer.encode(rendered, add_special_tokens=False))
 
-    def _deadline(self, request: _GenerationRequest, arrival: float) -> float | None:
-        """The request's ``timeout`` (seconds from arrival), or the server's default."""
-        timeout = request.timeout or self.state.settings.request_timeout
+    def _deadline(self, request: _GenerationRequest, raw: Request, arrival: float) -> float | None:
+        """Seconds from arrival: the body's ``timeout`` or the gateway's ``x-ladle-timeout``
+        header (the shorter, when both are sent), else the server's --request-timeout."""
+        given = [t for t in (request.timeout, _header_timeout(raw)) if t is not None]
+        timeout = min(given) if given else self.state.settings.request_timeout
         return None if timeout is None else arrival + timeout
 
     async def _run(
@@ -311,7 +314,7 @@ class OpenAIServing:
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         request_id: str = raw.state.request_id
         public = _public_params(params)
-        deadline = self._deadline(request, arrival)
+        deadline = self._deadline(request, raw, arrival)
         if deadline is not None:
             public["timeout"] = round(deadline - arrival, 3)
         width = _width(params)
@@ -686,6 +689,22 @@ def _completion_prompts(
             "prompt",
         )
     return list(prompt)
+
+
+def _header_timeout(raw: Request) -> float | None:
+    header = raw.headers.get("x-ladle-timeout")
+    if header is None:
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < math.inf:
+        raise RequestError(
+            f"x-ladle-timeout: must be a positive number of seconds, got {header!r}",
+            "x-ladle-timeout",
+        )
+    return seconds
 
 
 def _request_failed(request_id: str) -> APIError:

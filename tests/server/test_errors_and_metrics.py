@@ -125,15 +125,24 @@ def test_non_streaming_client_disconnect_frees_blocks(server: Server) -> None:
     assert server.metric("ladle:request_success_total", finished_reason="abort") == aborted + 1
 
 
-def test_request_timeout_aborts_and_frees_blocks(server: Server) -> None:
-    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True, "timeout": 1}
-    response = post(server, "/v1/completions", body)
+@pytest.mark.parametrize("how", ["body", "header"])
+def test_request_timeout_aborts_and_frees_blocks(server: Server, how: str) -> None:
+    """The body's timeout, or the gateway's x-ladle-timeout header, in seconds."""
+    body: dict[str, Any] = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True}
+    headers = {}
+    if how == "body":
+        body["timeout"] = 1
+    else:
+        headers["x-ladle-timeout"] = "1"
+    response = post(server, "/v1/completions", body, headers=headers)
     assert response.status_code == 200
     result = response.json()
     assert result["choices"][0]["finish_reason"] == "abort"
     assert 0 < result["usage"]["completion_tokens"] < 400
     server.wait_metric("ladle:num_requests_running", 0, timeout=30)
     assert server.metric("ladle:kv_cache_usage_perc") == 0
+    bad = post(server, "/v1/completions", {"prompt": "x"}, headers={"x-ladle-timeout": "soon"})
+    assert_error(bad, 400, "x-ladle-timeout")
 
 
 def test_metrics_count_what_was_sent(server: Server) -> None:
