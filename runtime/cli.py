@@ -94,6 +94,12 @@ def add_parsers(sub: SubParsers) -> None:
     throughput.add_argument("--kv-cache-memory", default="8GiB")
     throughput.add_argument("--seed", type=int, default=0)
     throughput.add_argument("--skip-transformers", action="store_true")
+    throughput.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of interleaved runs; the report gives the median and spread over them",
+    )
     throughput.add_argument("--json", help="also write the results to this file")
     throughput.add_argument(
         "--profile", action="store_true", help="then break a decode step down by where time goes"
