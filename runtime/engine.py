@@ -1,4 +1,11 @@
-"""The synchronous engine: requests in, one scheduling step at a time, outputs out."""
+"""The synchronous engine: construction, and the step that ties its parts together.
+
+A request goes through the input processor (tokenize, validate, check the limits), the
+scheduler (which sequences run, and how many tokens each), the model runner (forward pass and
+sampling), the scheduler again (``update_from_output``: the one place scheduling state changes
+after a step) and the output processor (detokenization, stop strings, ``RequestOutput``s), as
+in vLLM v1.
+"""
 
 from __future__ import annotations
 

@@ -184,20 +184,20 @@ class Scheduler:
 
     @property
     def num_waiting_seqs(self) -> int:
-        """Sequences waiting to be scheduled, counting those the waiting requests will fork."""
-        return sum(
-            1 if self.groups[s.request_id].forked else self.groups[s.request_id].width
-            for s in self.waiting
-        )
+        """Sequences waiting to be scheduled, counting those the waiting requests will fork.
+        Read by the server's admission and metrics from their own thread, so it works on a
+        snapshot and tolerates a request that ends meanwhile."""
+        total = 0
+        for seq in list(self.waiting):
+            group = self.groups.get(seq.request_id)
+            total += 1 if group is None or group.forked else group.width
+        return total
 
     def _seats_in_use(self) -> int:
         """Sequences admitted, counting those their requests have yet to fork."""
         unforked = {s.request_id for s in self.running if not self.groups[s.request_id].forked}
         reserved = sum(self.groups[rid].num_unforked for rid in unforked)
         return len(self.running) + len(self.parked) + reserved
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
 
     def _rank(self, seq: Sequence) -> tuple[int, float, int]:
         """Lower ranks are served first; the highest-ranked running sequence is preempted."""
