@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ladle.runtime.beam_search import BeamSearch
-from ladle.runtime.errors import RequestError
+from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.limits import RequestLimits
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 
@@ -102,7 +102,7 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(require_text(prompt, "prompt")))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text = prompt.get("prompt")
@@ -110,7 +110,8 @@ class InputProcessor:
                     raise RequestError("prompt: must be a string", "prompt")
                 return text, _token_ids(prompt["prompt_token_ids"])
             if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
+                text = require_text(prompt["prompt"], "prompt")
+                return text, list(self.tokenizer.encode(text))
             raise RequestError(
                 "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'", "prompt"
             )

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ladle.runtime.errors import RequestError
+from ladle.runtime.errors import RequestError, require_text
 
 _GREEDY_EPS = 1e-5
 # OpenAI's documented ranges.
@@ -167,6 +167,10 @@ class SamplingParams:
             "stop",
             "must be non-empty strings",
         )
+        for name in ("stop", "bad_words"):
+            for text in getattr(self, name):
+                if isinstance(text, str):
+                    require_text(text, name)
         _check_token_ids(self.stop_token_ids, "stop_token_ids")
         _require(
             all(isinstance(w, str) and w.strip() for w in self.bad_words),

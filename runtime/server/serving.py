@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ladle.runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
-from ladle.runtime.errors import RequestError
+from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.outputs import PromptLogprobs, RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from ladle.runtime.server import rendering
@@ -241,6 +241,7 @@ class OpenAIServing:
             ) from None
         if not isinstance(rendered, str):
             raise RequestError("chat_template_kwargs: the template must render text", "messages")
+        require_text(rendered, "messages")
         return rendered, list(tokenizer.encode(rendered, add_special_tokens=False))
 
     def _deadline(self, request: _GenerationRequest, raw: Request, arrival: float) -> float | None:

@@ -14,7 +14,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def post(server: Server, path: str, body: Any, **kwargs: Any) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=120, **kwargs)
+    """JSON with non-ASCII escaped, so that lone surrogates can be sent as clients send them."""
+    headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
+    content = json.dumps(body)
+    return httpx.post(
+        f"{server.url}{path}", content=content, headers=headers, timeout=120, **kwargs
+    )
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -50,6 +55,9 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"prompt": "x", "n": 2, "seed": 2**63 - 1}, "seed"),
         ({"prompt": "x", "priority": 1}, "priority"),
         ({"prompt": "x", "timeout": 0}, "timeout"),
+        # JSON may carry lone surrogates; no tokenizer can encode them.
+        ({"prompt": "a \ud800 b"}, "prompt"),
+        ({"prompt": "x", "bad_words": ["\udfff"]}, "bad_words"),
     ],
 )
 def test_bad_completion_parameters_are_400(
@@ -61,6 +69,9 @@ def test_bad_completion_parameters_are_400(
 
 def test_chat_errors_are_400(server: Server) -> None:
     assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    lone = {"messages": [{"role": "user", "content": "\ud83d"}]}
+    assert_error(post(server, "/v1/chat/completions", lone), 400, "messages")
+    assert_error(post(server, "/tokenize", {"prompt": "\ud83d"}), 400, "prompt")
     bad_role = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert_error(post(server, "/v1/chat/completions", bad_role), 400)
     only_top = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}

@@ -82,9 +82,9 @@ JSON = st.recursive(
 )
 _INTS = st.integers(-2, 40) | st.sampled_from([0, 1, 300, 2**31, 2**63 - 1, 2**63, -(2**63)])
 _FLOATS = st.floats(-3, 3) | st.sampled_from([0.0, 1e-9, 1.0, 2.0, 1e30, -1e30])
-_TEXT = st.sampled_from(["", " ", "a", "\n", "日本", "</s>", "<|im_end|>", "x" * 300]) | st.text(
-    max_size=8
-)
+_TEXT = st.sampled_from(
+    ["", " ", "a", "\n", "日本", "</s>", "<|im_end|>", "x" * 300, "lone \ud800 surrogate"]
+) | st.text(max_size=8)
 _IDS = st.lists(st.integers(-1, 49_200) | st.sampled_from([0, 2, 49_151]), max_size=6)
 # What each field accepts, and values just past it: random JSON alone is refused at once by
 # type checks, so most fuzzing would never reach the engine.
