@@ -245,7 +245,15 @@ class Scheduler:
             live = group.live
             for seq in live:
                 seq.finish_reason = reason
-            self.finish(live)
+            # A request that failed midway may have queued sequences its group does not list
+            # yet (a fork interrupted): sweep the queues too, so nothing of it stays behind.
+            listed = {s.seq_id for s in live}
+            strays = [
+                s
+                for s in (*self.running, *self.parked, *self.waiting)
+                if s.request_id == rid and s.seq_id not in listed
+            ]
+            self.finish([*live, *strays])
             update = RequestUpdate(rid, finished=True, error=error)
             if group.beam is not None:
                 update.hypotheses = self._beam_results(group, reason)
@@ -545,6 +553,7 @@ class Scheduler:
             child.num_cached_tokens = parent.num_cached_tokens
             child.computed_high = parent.computed_high
             self.kv.fork(parent, child)
+            group.seqs.append(child)  # listed at once: an abort from here on frees it too
             survivors.append(child)
         for seq, c in zip(survivors, continuations, strict=True):
             seq.append_token(c.token_id)
