@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "ladle.runtime.cli",
     "ladle.operator.cli",
     "ladle.cluster.cli",
+    "ladle.cluster.up_cli",
 )
 
 
