@@ -143,7 +143,8 @@ class System:
                 raise UpError("converting the default model failed (see the output above)")
         progress.done(str(model.host_path))
 
-        progress.step(f"the cluster, with {options.local_nodes} local nodes")
+        nodes = options.local_nodes
+        progress.step(f"the cluster, with {nodes} local node{'' if nodes == 1 else 's'}")
         if self._running():
             progress.done(f"already running in {self.cluster.state_dir}")
         else:
