@@ -65,7 +65,7 @@ def test_ladle_up_serves_and_ladle_down_leaves_nothing_running(tmp_path: Path) -
         assert up.returncode == 0, up.stdout + up.stderr
         for step in range(1, 7):
             assert f"[{step}/6]" in up.stdout
-        match = re.search(r"OpenAI base URL: (http://127\.(\d+)\.\d+\.\d+:8000/v1)", up.stdout)
+        match = re.search(r"OpenAI base URL: (http://127\.(\d+)\.\d+\.\d+:\d+/v1)", up.stdout)
         assert match, up.stdout
         subnet = int(match.group(2))
         curl = next(line for line in up.stdout.splitlines() if line.startswith("curl "))

@@ -48,6 +48,12 @@ class Endpoint:
     pod: str
     base_url: str
     model: str
+    # The gateway's URL for the same model, when the chart runs a gateway that routes it.
+    gateway_url: str | None = None
+
+    @property
+    def front_door(self) -> str:
+        return self.gateway_url or self.base_url
 
     def curl(self) -> str:
         body = json.dumps(
@@ -58,7 +64,7 @@ class Endpoint:
             }
         )
         return (
-            f"curl -s {self.base_url}/chat/completions -H 'Content-Type: application/json' "
+            f"curl -s {self.front_door}/chat/completions -H 'Content-Type: application/json' "
             f"-d '{body}'"
         )
 
@@ -159,7 +165,7 @@ class System:
             "--wait", "--timeout", f"{int(timeout)}s",
         )  # fmt: skip
         pods = self.kubectl_json(
-            "get", "pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/component=operator"
+            "get", "pods", "-n", SYSTEM_NAMESPACE, "-l", f"app.kubernetes.io/instance={RELEASE}"
         )["items"]
         progress.done(
             ", ".join(f"{p['metadata']['name']} on {p['spec'].get('nodeName')}" for p in pods)
@@ -173,7 +179,7 @@ class System:
 
         progress.step("a Ready runtime pod that answers")
         endpoint = self._wait_ready(service, progress, timeout)
-        progress.done(f"{endpoint.pod} serves {endpoint.base_url}")
+        progress.done(f"{endpoint.pod} serves {endpoint.front_door}")
         return endpoint
 
     def _running(self) -> bool:
@@ -200,11 +206,28 @@ class System:
             return None
 
         pod = wait_for(ready_pod, f"a Ready pod of inferenceservice/{name}", timeout)
-        endpoint = Endpoint(
-            pod["metadata"]["name"], f"http://{pod['status']['podIP']}:{HTTP_PORT}/v1", model
-        )
-        wait_for(lambda: answers(endpoint), f"{endpoint.base_url} to answer", 60)
-        return endpoint
+        base_url = f"http://{pod['status']['podIP']}:{HTTP_PORT}/v1"
+        wait_for(lambda: answers(base_url, model), f"{base_url} to answer", 60)
+        gateway = self._gateway_url()
+        if gateway is not None:
+            progress.note(f"the gateway at {gateway} learns the route")
+            wait_for(lambda: answers(gateway, model), f"the gateway {gateway} to route", 60)
+        return Endpoint(pod["metadata"]["name"], base_url, model, gateway)
+
+    def _gateway_url(self) -> str | None:
+        """A Ready gateway pod's base URL, if the chart runs the gateway."""
+        pods = self.kubectl_json(
+            "get", "pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/component=gateway"
+        )["items"]
+        for pod in pods:
+            ready = any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in pod["status"].get("conditions", [])
+            )
+            ports = pod["spec"]["containers"][0].get("ports") or []
+            if ready and ports and pod["status"].get("podIP"):
+                return f"http://{pod['status']['podIP']}:{ports[0]['containerPort']}/v1"
+        return None
 
     def down(self) -> list[str]:
         return self.cluster.down()
@@ -219,14 +242,16 @@ def describe(pod: dict[str, Any]) -> str:
             return str(state["waiting"].get("reason", "Waiting"))
         if "running" in state and not container.get("ready"):
             return "Running, not ready yet (loading the model)"
+        if container.get("ready"):
+            return "Ready"
     return str(status.get("phase", "Pending"))
 
 
-def answers(endpoint: Endpoint) -> bool:
+def answers(base_url: str, model: str) -> bool:
     """One real completion of a token: proof that the printed curl works."""
-    body = json.dumps({"model": endpoint.model, "prompt": "Hi", "max_tokens": 1}).encode()
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 1}).encode()
     request = urllib.request.Request(
-        f"{endpoint.base_url}/completions", data=body, headers={"Content-Type": "application/json"}
+        f"{base_url}/completions", data=body, headers={"Content-Type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as rsp:
@@ -245,8 +270,11 @@ def main_up(state_dir: Path, options: Options, timeout: float) -> int:
         return 1
     kubeconfig = system.cluster.kubeconfig
     print()
-    print(f"OpenAI base URL: {endpoint.base_url}   (the pod's own address; model {endpoint.model})")
+    where = "the gateway" if endpoint.gateway_url else "the runtime pod's own address"
+    print(f"OpenAI base URL: {endpoint.front_door}   ({where}; model {endpoint.model})")
     print(endpoint.curl())
+    if endpoint.gateway_url:
+        print(f"the runtime pod {endpoint.pod} itself: {endpoint.base_url}")
     print()
     print(f"export KUBECONFIG={kubeconfig}")
     print("kubectl get lisvc,pods -A -o wide     # then: ladle down")
