@@ -527,6 +527,52 @@ def test_restart_policy_never_ends_in_a_terminal_phase(k8s_api: ApiClient, names
     assert container_status(bad)["restartCount"] == 0
 
 
+def test_init_containers_run_in_order_before_the_app_and_a_sidecar_keeps_running(
+    k8s_cluster: KubeCluster, k8s_api: ApiClient, namespace: str
+) -> None:
+    work = {"name": "work", "mountPath": "/work"}
+    manifest = pod_manifest(
+        "initialized",
+        ["sh", "-c", "cat /work/steps; exec sleep 3600"],
+        volumes=[{"name": "work", "emptyDir": {}}],
+        container={"volumeMounts": [work]},
+    )
+    manifest["spec"]["initContainers"] = [
+        {"name": "first", "image": IMAGE, "command": ["sh", "-c", "echo first >> /work/steps"],
+         "volumeMounts": [work]},
+        {"name": "sidecar", "image": IMAGE, "restartPolicy": "Always",
+         "command": ["sh", "-c", "echo sidecar >> /work/steps; exec sleep 3600"],
+         "volumeMounts": [work]},
+        {"name": "second", "image": IMAGE, "command": ["sh", "-c", "echo second >> /work/steps"],
+         "volumeMounts": [work]},
+    ]  # fmt: skip
+    failing = pod_manifest("uninitialized", ["true"], restartPolicy="Never")
+    failing["spec"]["initContainers"] = [{"name": "setup", "image": IMAGE, "command": ["false"]}]
+    core = _core(k8s_api)
+    core.create_namespaced_pod(namespace, manifest)
+    core.create_namespaced_pod(namespace, failing)
+    pod = wait_pod(
+        k8s_api, namespace, "initialized", lambda p: condition(p, "Ready") == "True", "Ready"
+    )
+    logs = k8s_cluster.run_kubectl("logs", "-n", namespace, "initialized")
+    assert logs.stdout.split() == ["first", "sidecar", "second"], logs.stderr
+    inits = {s["name"]: s for s in pod["status"]["initContainerStatuses"]}
+    assert inits["first"]["state"]["terminated"]["reason"] == "Completed"
+    assert inits["second"]["state"]["terminated"]["exitCode"] == 0
+    assert "running" in inits["sidecar"]["state"]
+    assert condition(pod, "Initialized") == "True"
+    failed = wait_pod(
+        k8s_api,
+        namespace,
+        "uninitialized",
+        lambda p: p["status"].get("phase") == "Failed",
+        "Failed",
+    )
+    assert condition(failed, "Initialized") == "False"
+    assert failed["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 1
+    assert "running" not in container_status(failed).get("state", {})  # the app never started
+
+
 def test_unknown_image_waits_with_a_clear_reason(k8s_api: ApiClient, namespace: str) -> None:
     manifest = pod_manifest("foreign", ["true"])
     manifest["spec"]["containers"][0]["image"] = "registry.example.com/someone-else:1.0"

@@ -14,6 +14,7 @@ import base64
 import contextlib
 import functools
 import json
+import os
 import random
 import shutil
 import socket
@@ -33,6 +34,7 @@ import psutil
 import yaml
 
 from ladle.cluster import build, nodes, pki
+from ladle.cluster.agent import podnet
 from ladle.cluster.agent.config import KUBELET_PORT, AgentConfig, NodeConfig
 from ladle.cluster.agent.containers import stop_all
 
@@ -338,6 +340,8 @@ class Cluster:
         bins = build.bin_dir()
         if missing := build.missing():
             raise ClusterError(f"not built: {', '.join(missing)}; run `ladle cluster build`")
+        if opts.local_nodes:
+            self._check_local_nodes()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         server = f"https://{HOST}:{ports['kube-apiserver']}"
@@ -390,6 +394,19 @@ class Cluster:
         state["ready_seconds"] = round(elapsed, 2)
         self._save(state)
         return elapsed
+
+    @staticmethod
+    def _check_local_nodes() -> None:
+        """What the node agent needs, said before anything starts."""
+        if os.geteuid() != 0:
+            raise ClusterError(
+                "local nodes need root: the node agent gives every container a private mount "
+                "namespace; run as root, or pass --local-nodes 0 for kwok's nodes only"
+            )
+        try:
+            podnet.build()
+        except podnet.ShimError as err:
+            raise ClusterError(f"{err}; or pass --local-nodes 0 for kwok's nodes only") from err
 
     def _nodes_ready(self, opts: Options) -> bool:
         ready = {"kwok": 0, "local": 0}
