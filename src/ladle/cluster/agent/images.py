@@ -11,9 +11,10 @@ default model at ``/opt/ladle/models/SmolLM2-135M-Instruct`` (``LADLE_DEFAULT_MO
 points there), so a pod never converts the GGUF again: here that path is the host's converted
 cache, produced once by the image's ``prepare`` step, which the agent runs as its "pull".
 
-Adding an image (the gateway, say) is one more ``Image`` in ``IMAGES`` with the Dockerfile's
+The gateway runs from the operator image (the chart gives it ``command: [ladle, gateway]``),
+so it needs no entry. Adding an image is one more ``Image`` in ``IMAGES`` with its Dockerfile's
 name in ``dockerfile``; ``tests/cluster/test_node_agent_units.py`` then checks the entry against
-the Dockerfile.
+that Dockerfile.
 """
 
 from __future__ import annotations

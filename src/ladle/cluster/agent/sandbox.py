@@ -340,12 +340,19 @@ def run(spec: dict[str, Any]) -> None:
         mounts = sorted(spec["mounts"], key=lambda m: len(Path(m["target"]).parts))
         for item in mounts:
             builder.ensure(item["target"], Path(item["source"]).is_dir())
+        # A missing working directory is created, as runc does: before the root turns
+        # read-only, unless a volume holds it (then in the volume, once it is bound).
+        workdir = Path(spec.get("workdir") or "/")
+        targets = [Path(m["target"]) for m in mounts]
+        if not any(t == workdir or t in workdir.parents for t in targets):
+            builder.ensure(str(workdir), True)
         if spec.get("read_only_root"):
             set_readonly(str(root), True)
             for writable in ("/dev", "/proc"):
                 set_readonly(str(builder.resolve(writable)), False)
         for item in mounts:
             builder.bind(item["source"], item["target"], bool(item.get("read_only")))
+        builder.ensure(str(workdir), True)
     except OSError as err:
         raise SandboxError("CreateContainerError", f"preparing the container: {err}") from err
     os.chroot(root)
