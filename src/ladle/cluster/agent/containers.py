@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -239,4 +240,7 @@ def stop_all(cluster_id: str, state_dir: Path, grace: float = 10.0) -> int:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(alive, timeout=grace)
+    # Memory-backed emptyDirs live outside the state folder.
+    for folder in Path("/dev/shm").glob(f"ladle-{cluster_id}-*"):
+        shutil.rmtree(folder, ignore_errors=True)
     return len(procs)

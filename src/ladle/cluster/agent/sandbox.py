@@ -356,7 +356,6 @@ def run(spec: dict[str, Any]) -> None:
     except OSError as err:
         raise SandboxError("CreateContainerError", f"preparing the container: {err}") from err
     os.chroot(root)
-    workdir = spec.get("workdir") or "/"
     try:
         os.chdir(workdir)
     except OSError as err:
