@@ -177,6 +177,14 @@ SETTINGS = (
         "the cluster's DNS suffix, for status.url",
     ),
     Setting(
+        "gateway-url",
+        _text,
+        lambda: "",
+        "each service's own URL",
+        "the gateway's OpenAI base URL, written to every InferenceService's status.url",
+        "URL",
+    ),
+    Setting(
         "default-gpu-resource",
         _text,
         lambda: "nvidia.com/gpu",
@@ -301,6 +309,7 @@ def _run(args: argparse.Namespace) -> int:
             config=OperatorConfig(
                 runtime_image=values["runtime_image"],
                 cluster_domain=values["cluster_domain"],
+                gateway_url=values["gateway_url"] or None,
                 default_gpu_resource=values["default_gpu_resource"],
                 config_map_threshold_bytes=values["config_map_threshold_bytes"],
             ),

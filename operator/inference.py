@@ -153,7 +153,7 @@ class InferenceServiceReconciler:
         status = derive_isvc_status(
             isvc,
             variants,
-            url=service_url(isvc, self.config.cluster_domain),
+            url=self.config.gateway_url or service_url(isvc, self.config.cluster_domain),
             selector=label_selector(isvc.meta.name),
             now=now_rfc3339(),
             previous=previous,
