@@ -67,47 +67,49 @@ def test_killing_the_active_operator_fails_over_without_rewriting_anything(
     first = operator_factory("ha-first")
     first.wait_leading()
     second = operator_factory("ha-second")
-    wait_for(lambda: second.get("/readyz")[0] == 200, "the standby to be ready")
-    # The standby stays passive: no leadership, no reconciles.
-    for _ in range(5):
-        assert second.metric("ladle_operator_leader") == 0.0
-        time.sleep(0.2)
-    assert not second.metric("ladle_operator_reconcile_total")
-    assert lease(k8s_api, ladle_chart)[0] == "ha-first"
-
-    # One healthy service, and one that is Degraded because of its pods: the new leader must
-    # know those pods before it speaks, or it would call the service recovered.
     pool = f"{k8s_namespace}-none"
-    kube.apply(pool_manifest(pool, nodeSelector={}, resourceName="example.com/missing-gpu"))
-    kube.apply(isvc("before"), k8s_namespace)
-    kube.apply(isvc_manifest("stuck", gpuPool=pool), k8s_namespace)
-    kube.wait_condition(k8s_namespace, "before", "Ready")
-    kube.wait_condition(k8s_namespace, "stuck", "Degraded", reason="InsufficientGPUs")
-    time.sleep(1)  # the pool's status settles too
-    settled = {
-        name: kube.isvc(k8s_namespace, name)["metadata"]["resourceVersion"]
-        for name in ("before", "stuck")
-    }
-    events = len(kube.events(k8s_namespace, "stuck"))
+    try:
+        wait_for(lambda: second.get("/readyz")[0] == 200, "the standby to be ready")
+        # The standby stays passive: no leadership, no reconciles.
+        for _ in range(5):
+            assert second.metric("ladle_operator_leader") == 0.0
+            time.sleep(0.2)
+        assert not second.metric("ladle_operator_reconcile_total")
+        assert lease(k8s_api, ladle_chart)[0] == "ha-first"
 
-    first.stop(signal.SIGKILL)  # no chance to release the Lease
-    killed = time.monotonic()
-    second.wait_leading(timeout=FAILOVER_TARGET_SECONDS)
-    failover = time.monotonic() - killed
-    print(f"\nfailover after SIGKILL took {failover:.1f}s")
-    assert failover < FAILOVER_TARGET_SECONDS
-    assert lease(k8s_api, ladle_chart)[0] == "ha-second"
+        # One healthy service, and one that is Degraded because of its pods: the new leader must
+        # know those pods before it speaks, or it would call the service recovered.
+        kube.apply(pool_manifest(pool, nodeSelector={}, resourceName="example.com/missing-gpu"))
+        kube.apply(isvc("before"), k8s_namespace)
+        kube.apply(isvc_manifest("stuck", gpuPool=pool), k8s_namespace)
+        kube.wait_condition(k8s_namespace, "before", "Ready")
+        kube.wait_condition(k8s_namespace, "stuck", "Degraded", reason="InsufficientGPUs")
+        time.sleep(1)  # the pool's status settles too
+        settled = {
+            name: kube.isvc(k8s_namespace, name)["metadata"]["resourceVersion"]
+            for name in ("before", "stuck")
+        }
+        events = len(kube.events(k8s_namespace, "stuck"))
 
-    kube.apply(isvc("after"), k8s_namespace)
-    kube.wait_condition(k8s_namespace, "after", "Ready")
-    assert second.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
-    # The new leader found both exactly as they should be: not even their status rewritten.
-    for name, version in settled.items():
-        assert kube.isvc(k8s_namespace, name)["metadata"]["resourceVersion"] == version, name
-    assert len(kube.events(k8s_namespace, "stuck")) == events
-    assert second.stop() == 0  # and hands the Lease back for the next test
-    kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
-    kube.kubectl("delete", "gpupool", pool, "--wait=false")
+        first.stop(signal.SIGKILL)  # no chance to release the Lease
+        killed = time.monotonic()
+        second.wait_leading(timeout=FAILOVER_TARGET_SECONDS)
+        failover = time.monotonic() - killed
+        print(f"\nfailover after SIGKILL took {failover:.1f}s")
+        assert failover < FAILOVER_TARGET_SECONDS
+        assert lease(k8s_api, ladle_chart)[0] == "ha-second"
+
+        kube.apply(isvc("after"), k8s_namespace)
+        kube.wait_condition(k8s_namespace, "after", "Ready")
+        assert second.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
+        # The new leader found both exactly as they should be: not even their status rewritten.
+        for name, version in settled.items():
+            assert kube.isvc(k8s_namespace, name)["metadata"]["resourceVersion"] == version, name
+        assert len(kube.events(k8s_namespace, "stuck")) == events
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+        assert second.stop() == 0  # and hands the Lease back for the next test
 
 
 def test_a_stopping_leader_hands_over_at_once(
@@ -243,39 +245,45 @@ def gap_scenario(
             "the deleted Service to be recreated",
             timeout=60,
         )
-        status = wait_for(
+        wait_for(
             lambda: (
                 (s := kube.pool(pool).get("status") or {}).get("inferenceServices") == 1
                 and s.get("claimed") == 1
-                and s
             ),
             "the deleted service's quota to be released",
             timeout=60,
         )
-        assert status["held"] == 1
         kube.wait_condition(namespace, "keep", "Ready")
 
     return during, after
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("deleted", ["before-the-restart", "after-the-restart"])
 def test_a_watch_gap_across_an_api_server_restart_loses_nothing(
+    deleted: str,
     operator_factory: OperatorFactory,
     kube: Kube,
     k8s_cluster: KubeCluster,
     k8s_namespace: str,
 ) -> None:
     """The operator is frozen; the API server restarts; a child Service and a whole
-    InferenceService are deleted; etcd is compacted. After the thaw nothing is stale."""
-    op = operator_factory("gap")
+    InferenceService are deleted; etcd is compacted. After the thaw nothing is stale.
+
+    Deleted before the restart, the watch events reach the frozen process anyway (they wait in
+    its sockets) and the old code coped; deleted after it, only a re-list can tell."""
+    op = operator_factory(f"gap-{deleted}")
     op.wait_leading()
     pool = f"{k8s_namespace}-gap"
     during, after = gap_scenario(kube, k8s_namespace, pool)
     os.kill(op.pid, signal.SIGSTOP)
     try:
+        if deleted == "before-the-restart":
+            during()
         down = k8s_cluster.cluster.restart_apiserver()
         print(f"\nkube-apiserver was back after {down:.1f}s")
-        during()
+        if deleted == "after-the-restart":
+            during()
         compact_etcd(k8s_cluster.cluster.state()["ports"]["etcd"])
     finally:
         os.kill(op.pid, signal.SIGCONT)

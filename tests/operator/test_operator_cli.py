@@ -11,7 +11,9 @@ import sys
 from typing import Any
 
 import pytest
+from kube_harness import free_port
 
+from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator import cli
 
 
@@ -106,3 +108,20 @@ def test_an_operator_variable_never_breaks_other_subcommands() -> None:
         result = run(*command, **bad)
         assert result.returncode == 0, (command, result.stderr)
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.cluster
+def test_a_lease_namespace_that_does_not_exist_is_one_line_and_exit_2(
+    k8s_cluster: KubeCluster,
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ladle.cli", "operator", "--lease-namespace", "no-such-ns",
+         "--metrics-bind-address", f"127.0.0.1:{free_port()}", "--log-level", "error"],
+        env={**os.environ, "KUBECONFIG": str(k8s_cluster.kubeconfig)},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "the Lease namespace no-such-ns does not exist" in lines[0]
+    assert "--lease-namespace" in lines[0]
