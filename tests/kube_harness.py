@@ -466,6 +466,8 @@ def manual_node(name: str, gpus: int) -> dict[str, Any]:
             "name": name,
             "labels": {MANUAL_NODE_LABEL: name, "kubernetes.io/hostname": name},
         },
+        # Only the pools made for it (they tolerate every taint) send pods here.
+        "spec": {"taints": [{"key": MANUAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}]},
         "status": {
             "capacity": resources,
             "allocatable": dict(resources),

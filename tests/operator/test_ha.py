@@ -275,37 +275,40 @@ def test_a_watch_gap_across_an_api_server_restart_loses_nothing(
     op = operator_factory(f"gap-{deleted}")
     op.wait_leading()
     pool = f"{k8s_namespace}-gap"
-    during, after = gap_scenario(kube, k8s_namespace, pool)
-    os.kill(op.pid, signal.SIGSTOP)
     try:
-        if deleted == "before-the-restart":
-            during()
-        down = k8s_cluster.cluster.restart_apiserver()
-        print(f"\nkube-apiserver was back after {down:.1f}s")
-        if deleted == "after-the-restart":
-            during()
-        compact_etcd(k8s_cluster.cluster.state()["ports"]["etcd"])
-    finally:
-        os.kill(op.pid, signal.SIGCONT)
-    after()
+        during, after = gap_scenario(kube, k8s_namespace, pool)
+        os.kill(op.pid, signal.SIGSTOP)
+        try:
+            if deleted == "before-the-restart":
+                during()
+            down = k8s_cluster.cluster.restart_apiserver()
+            print(f"\nkube-apiserver was back after {down:.1f}s")
+            if deleted == "after-the-restart":
+                during()
+            compact_etcd(k8s_cluster.cluster.state()["ports"]["etcd"])
+        finally:
+            os.kill(op.pid, signal.SIGCONT)
+        after()
 
-    # The same process (it never exits) leads again, its watches resumed: a new object and an
-    # edit of an old one are both reconciled.
-    op.wait_leading(timeout=60)
-    kube.apply(isvc("after"), k8s_namespace)
-    kube.wait_condition(k8s_namespace, "after", "Ready", timeout=90)
-    scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/keep", "--replicas=2")
-    assert scaled.returncode == 0, scaled.stderr
-    wait_for(
-        lambda: (
-            kube.apps.read_namespaced_deployment("keep-stable", k8s_namespace).spec.replicas == 2
-        ),
-        "the edit after the restart to reach the Deployment",
-        timeout=60,
-    )
-    assert op.proc.poll() is None
-    kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
-    kube.kubectl("delete", "gpupool", pool, "--wait=false")
+        # The same process (it never exits) leads again, its watches resumed: a new object and an
+        # edit of an old one are both reconciled.
+        op.wait_leading(timeout=60)
+        kube.apply(isvc("after"), k8s_namespace)
+        kube.wait_condition(k8s_namespace, "after", "Ready", timeout=90)
+        scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/keep", "--replicas=2")
+        assert scaled.returncode == 0, scaled.stderr
+        wait_for(
+            lambda: (
+                kube.apps.read_namespaced_deployment("keep-stable", k8s_namespace).spec.replicas
+                == 2
+            ),
+            "the edit after the restart to reach the Deployment",
+            timeout=60,
+        )
+        assert op.proc.poll() is None
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
     assert op.stop() == 0
 
 
@@ -325,15 +328,17 @@ def test_a_relist_after_410_gone_evicts_what_vanished(
     op = operator_factory("relist", kubeconfig=via_relay, extra_args=["--no-leader-elect"])
     op.wait_leading()
     pool = f"{k8s_namespace}-relist"
-    during, after = gap_scenario(kube, k8s_namespace, pool)
-    relay.stall(everything, streams=True)
     try:
-        during()
+        during, after = gap_scenario(kube, k8s_namespace, pool)
+        relay.stall(everything, streams=True)
+        try:
+            during()
+        finally:
+            relay.expire_watches()
+            relay.heal()
+        after()
+        assert "evicted objects a re-list no longer holds" in op.log.read_text()
     finally:
-        relay.expire_watches()
-        relay.heal()
-    after()
-    assert "evicted objects a re-list no longer holds" in op.log.read_text()
-    kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
-    kube.kubectl("delete", "gpupool", pool, "--wait=false")
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
     assert op.stop() == 0
