@@ -10,8 +10,10 @@ are (one variant's Deployment today; canary Deployments and per-variant Services
   (``ChildConflict``). The watch sees only the operator's own children, so before the first
   apply of a child it has not seen the applier reads it: an object that is not owned by this
   owner is left alone. (Server-side apply alone would not do: it merges into another
-  manager's object whenever their fields do not collide.) Once seen, applies are forced: the
-  operator owns those fields.
+  manager's object whenever their fields do not collide.) Deployments skip that read, which
+  would sit on the path from a new InferenceService to its pods: their selector is immutable,
+  so an unforced apply onto someone else's Deployment is refused (a conflict, or an immutable
+  selector) and never merged. Once seen, applies are forced: the operator owns those fields.
 - **Slow creates in the background.** The API server allocates ClusterIPs one at a time, so a
   Service create can take seconds under load; it runs beside the reconcile, which sees it as
   pending, and failures back off exponentially.
@@ -45,6 +47,8 @@ ChildKey = tuple[str, str, str]  # (kind, namespace, name)
 FIRST_KINDS = ("ConfigMap",)
 # Kinds whose creates run in the background.
 BACKGROUND_CREATE_KINDS = frozenset({"Service"})
+# Kinds an unforced apply can never merge into someone else's object: an immutable selector.
+REFUSE_FOREIGN_KINDS = frozenset({"Deployment"})
 BACKGROUND_CREATES = 8
 API_VERSIONS = {
     "Deployment": "apps/v1",
@@ -249,10 +253,19 @@ class ChildApplier:
             return
         if live is None and record is not None and not await self._still_owned(owner):
             return  # the owner is being deleted: recreating its children would leak them
-        if live is None and record is None:
+        unseen = live is None and record is None
+        if unseen and key[0] not in REFUSE_FOREIGN_KINDS:
             await self._check_unseen(owner, key)
         touched = self.store.touched(key[0], key[1:])
-        result = await self.client.apply(obj, force=True)
+        try:
+            result = await self.client.apply(obj, force=not unseen)
+        except ApiError as err:
+            refused = err.status == 409 or (err.status == 422 and "immutable" in err.message)
+            if unseen and refused:
+                raise ChildConflict(
+                    409, f"{key[0]} {key[2]} exists and is not ours: {err.message}", err.reason
+                ) from err
+            raise
         self.metrics.applies.labels(key[0]).inc()
         uid = str(result["metadata"].get("uid", ""))
         meta = obj["metadata"]

@@ -426,8 +426,8 @@ def test_someone_elses_object_with_a_childs_name_is_never_taken_over(
     ready = kube.condition(obj, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", reason)
     kind, name = theirs.split("/")
-    assert f"{kind.capitalize()} {name} exists and is not ours (managed by " in ready["message"]
-    assert "kubectl-create" in ready["message"]
+    assert f"{kind.capitalize()} {name} exists and is not ours" in ready["message"]
+    assert "kubectl-create" in ready["message"]  # whose it is
     after = get()
     assert after["spec"] == before["spec"]
     assert "ownerReferences" not in after["metadata"]
