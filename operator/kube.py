@@ -191,12 +191,21 @@ class KubeClient:
         raise AssertionError("unreachable")
 
     async def apply(
-        self, obj: Mapping[str, Any], *, subresource: str | None = None, force: bool = True
+        self,
+        obj: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+        force: bool = True,
+        field_manager: str | None = None,
     ) -> JSON:
-        """Server-side apply under the operator's single field manager; ``force`` takes over
-        fields that other managers own, otherwise such a conflict is a 409."""
+        """Server-side apply under the operator's field manager (or another of its own, for
+        fields a separate loop owns); ``force`` takes over fields that other managers own,
+        otherwise such a conflict is a 409."""
         path = object_path(obj) + (f"/{subresource}" if subresource else "")
-        params = {"fieldManager": self.field_manager, "force": str(force).lower()}
+        params = {
+            "fieldManager": field_manager or self.field_manager,
+            "force": str(force).lower(),
+        }
         return await self.request("PATCH", path, params=params, body=obj, content_type=APPLY_PATCH)
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> JSON:

@@ -162,6 +162,10 @@ class Operator:
                 settings=build_settings(self.options.workers),
                 clusterwide=True,
                 standalone=True,
+                # Our own identity: kopf would otherwise derive one from $POD_ID or the
+                # process's user name, which uid 10001 lacks in the image (getpwuid fails).
+                # kopf types it as a NewType of str that it does not export.
+                identity=self.options.identity,  # type: ignore[arg-type]
                 stop_flag=self.kopf_stop,
                 ready_flag=started,
             ),

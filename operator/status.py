@@ -35,6 +35,9 @@ RECONCILING = "Reconciling"
 STALLED = "Stalled"
 DEGRADED = "Degraded"
 ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED)
+# Written by the autoscaler under its own field manager, as an HPA reports them.
+SCALING_ACTIVE = "ScalingActive"
+SCALING_LIMITED = "ScalingLimited"
 POOL_CONDITIONS = (READY, DEGRADED)
 # The status fields the operator writes; other field managers (the gateway) own the rest.
 ISVC_STATUS_FIELDS = (
@@ -74,6 +77,16 @@ class Condition:
     status: bool
     reason: str
     message: str = ""
+
+
+def _scaled_to_zero(isvc: InferenceService) -> str:
+    """How a service at zero will serve its next request, in so many words."""
+    if isvc.spec.autoscaling is not None:
+        return (
+            "scaled to zero for lack of requests; the gateway holds the next one while the "
+            "autoscaler starts a replica"
+        )
+    return "scaled to zero by spec.replicas; requests fail until it is raised"
 
 
 def merge_conditions(
@@ -292,7 +305,7 @@ def derive_isvc_status(
     elif service_pending:
         ready = Condition(READY, False, "ServiceNotCreated", service_pending)
     elif requested == 0:
-        ready = Condition(READY, True, "ScaledToZero", "scaled to zero replicas")
+        ready = Condition(READY, True, "ScaledToZero", _scaled_to_zero(isvc))
     elif available >= granted:
         serving = f"{available}/{granted} replicas available"
         if not complete:

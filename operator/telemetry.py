@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,42 @@ class Metrics:
             "1 while this instance holds the leader Lease and reconciles.",
             registry=self.registry,
         )
+        service = ["namespace", "inferenceservice"]
+
+        def autoscaler_gauge(name: str, help_: str) -> Gauge:
+            return Gauge(
+                f"ladle_operator_autoscaler_{name}", help_, service, registry=self.registry
+            )
+
+        self.autoscaler_desired = autoscaler_gauge(
+            "desired_replicas", "The autoscaler's decision, before the GPUPool's quota."
+        )
+        self.autoscaler_max = autoscaler_gauge("max_replicas", "The service's maxReplicas.")
+        self.autoscaler_ready = autoscaler_gauge(
+            "ready_replicas", "Ready pods the autoscaler read metrics from."
+        )
+        self.autoscaler_panic = autoscaler_gauge(
+            "panic", "1 while in panic mode (scaling on the panic window, never down)."
+        )
+        self.autoscaler_frozen = autoscaler_gauge(
+            "metrics_frozen", "1 while some load metrics are unknown and the count holds."
+        )
+        self.autoscaler_demand = autoscaler_gauge(
+            "demand", "Requests wanting a replica, averaged over the stable window."
+        )
+
+    def forget_autoscaler(self, namespace: str, name: str) -> None:
+        """Drop a service's autoscaler series once it is gone or no longer autoscaled."""
+        for gauge in (
+            self.autoscaler_desired,
+            self.autoscaler_max,
+            self.autoscaler_ready,
+            self.autoscaler_panic,
+            self.autoscaler_frozen,
+            self.autoscaler_demand,
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, name)
 
 
 @dataclass

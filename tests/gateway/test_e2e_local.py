@@ -12,6 +12,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -276,22 +277,23 @@ def test_killing_a_pod_mid_load_loses_no_unstarted_request(
 def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     kube: Kube, services: str, gateway: Process
 ) -> None:
-    # Every request to beta answers 429 (a queue of zero), which this breaker counts.
+    # Beta runs one sequence with one waiting, so a burst is answered 429 by its runtime,
+    # which this breaker counts.
     kube.kubectl(
-        "patch",
-        "lisvc",
-        "beta",
-        "-n",
-        services,
-        "--type=merge",
-        "-p",
-        '{"spec": {"engine": {"maxWaitingRequests": 0}}}',
-    )
+        "patch", "lisvc", "beta", "-n", services, "--type=merge",
+        "-p", '{"spec": {"engine": {"maxNumSeqs": 1, "maxWaitingRequests": 1}}}',
+    )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
 
     def moved() -> httpx.Response | None:
-        r = complete(gateway, "model-b")
-        return r if r.headers.get("x-ladle-fallback") == "alpha" else None
+        with ThreadPoolExecutor(6) as pool:
+            burst = list(
+                pool.map(
+                    lambda _: complete(gateway, "model-b", max_tokens=32, ignore_eos=True),
+                    range(6),
+                )
+            )
+        return next((r for r in burst if r.headers.get("x-ladle-fallback") == "alpha"), None)
 
     r = wait_for(moved, "beta's breaker to open and send traffic to alpha", timeout=120)
     assert r.status_code == 200
@@ -300,15 +302,10 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     assert gw_status["breaker"]["state"] == "Open"
     assert gw_status["fallback"] == "alpha"
     kube.kubectl(
-        "patch",
-        "lisvc",
-        "beta",
-        "-n",
-        services,
-        "--type=json",
-        "-p",
-        '[{"op": "remove", "path": "/spec/engine/maxWaitingRequests"}]',
-    )
+        "patch", "lisvc", "beta", "-n", services, "--type=json", "-p",
+        '[{"op": "remove", "path": "/spec/engine/maxNumSeqs"},'
+        ' {"op": "remove", "path": "/spec/engine/maxWaitingRequests"}]',
+    )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
 
     def closed() -> bool:
