@@ -9,7 +9,9 @@ short breaker windows set through the spec.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +21,8 @@ import httpx
 import pytest
 import yaml
 from kube_harness import Kube, OperatorProcess, wait_for
+from kubernetes import watch
+from urllib3.exceptions import ProtocolError
 
 from ladle.cluster.pytest_plugin import KubeCluster
 
@@ -284,6 +288,28 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
         "-p", '{"spec": {"engine": {"maxNumSeqs": 1, "maxWaitingRequests": 1}}}',
     )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
+    # Until the old pod is gone, the gateway would retry a 429 there.
+    rolled = kube.kubectl(
+        "rollout", "status", "deployment/beta-stable", "-n", services, "--timeout=300s"
+    )
+    assert rolled.returncode == 0, rolled.stderr
+
+    # The breaker may open, half-open and close between two reads (openSeconds is 5), so
+    # every status the gateway writes is watched.
+    seen: list[dict[str, Any]] = []
+    stream = watch.Watch()
+
+    def follow() -> None:
+        # Stopped, it lingers until its next event; the cluster's teardown may end it first.
+        with contextlib.suppress(ProtocolError):
+            for event in stream.stream(
+                kube.custom.list_namespaced_custom_object, "ladle.dev", "v1alpha1", services,
+                "inferenceservices", field_selector="metadata.name=beta", timeout_seconds=300,
+            ):  # fmt: skip
+                seen.append((event["object"].get("status") or {}).get("gateway") or {})
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
 
     def moved() -> httpx.Response | None:
         with ThreadPoolExecutor(6) as pool:
@@ -298,9 +324,14 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     r = wait_for(moved, "beta's breaker to open and send traffic to alpha", timeout=120)
     assert r.status_code == 200
     assert r.json()["model"] == "model-a"
-    gw_status = kube.isvc(services, "beta")["status"]["gateway"]
-    assert gw_status["breaker"]["state"] == "Open"
-    assert gw_status["fallback"] == "alpha"
+    wait_for(
+        lambda: any(
+            g.get("breaker", {}).get("state") == "Open" and g.get("fallback") == "alpha"
+            for g in seen
+        ),
+        "the gateway to write beta's open breaker and its fallback into status",
+    )
+    stream.stop()
     kube.kubectl(
         "patch", "lisvc", "beta", "-n", services, "--type=json", "-p",
         '[{"op": "remove", "path": "/spec/engine/maxNumSeqs"},'
