@@ -505,7 +505,7 @@ class Controller:
         image = isvc.spec.runtime_image or self.config.runtime_image
         variant = VariantObservation(
             name=STABLE,
-            quantization=isvc.spec.quantization,
+            quantization=isvc.spec.quantization.label(),
             image=image,
             deployment_name=deployment_key[2],
             deployment=deployment,

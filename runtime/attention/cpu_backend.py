@@ -4,6 +4,9 @@ Decode attention on a CPU is bound by memory traffic. The torch path gathers eve
 sequence's blocks into a workspace and then reads that copy in SDPA, so it moves the context
 three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks keep the
 torch path: they are GEMM-bound, and SDPA handles them well.
+
+With an int8 cache (per-(token, head) scales, the Triton backend's format) the C kernels
+quantize on store and read int8 in decode: a quarter of fp32's memory and traffic.
 """
 
 from __future__ import annotations
@@ -18,8 +21,13 @@ from ladle.runtime.config import ConfigError
 from ladle.runtime.kernels import cpu_kernels
 
 
-def cpu_kernel_supports(spec_dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and spec_dtype == torch.float32
+def cpu_kernel_supports(
+    kv_dtype: torch.dtype, device: torch.device, dtype: torch.dtype = torch.float32
+) -> bool:
+    """The C kernels take fp32 activations and an fp32 or int8 cache."""
+    return (
+        device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.int8)
+    )
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -28,7 +36,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
         if not cpu_kernel_supports(spec.dtype, device):
             raise ConfigError(
-                f"attention backend 'cpu' needs an fp32 KV cache on the CPU, not "
+                f"attention backend 'cpu' needs an fp32 or int8 KV cache on the CPU, not "
                 f"{spec.dtype} on {device.type}"
             )
         lib = cpu_kernels.load()
@@ -40,7 +48,19 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _store(
         self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> None:
-        cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
+        if cache.key_scale is None or cache.value_scale is None:
+            cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
+            return
+        cpu_kernels.store_kv_int8(
+            self._lib,
+            k,
+            v,
+            cache.key,
+            cache.value,
+            cache.key_scale,
+            cache.value_scale,
+            meta.slot_mapping,
+        )
 
     def _begin_decodes(self, meta: AttentionMetadata) -> None:
         """Nothing to gather: the kernel follows the block tables itself."""
@@ -54,6 +74,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
     ) -> None:
         nd = meta.num_decodes
+        if cache.key_scale is not None and cache.value_scale is not None:
+            cpu_kernels.paged_decode_attention_int8(
+                self._lib,
+                q[:nd],
+                cache.key,
+                cache.value,
+                cache.key_scale,
+                cache.value_scale,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                out[:nd],
+            )
+            return
         cpu_kernels.paged_decode_attention(
             self._lib,
             q[:nd],
