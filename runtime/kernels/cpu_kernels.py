@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ladle.runtime.models.loader import cache_dir
-from ladle.runtime.quantization.formats import check_group_size
+from ladle.runtime.quantization.formats import PANEL, Int4Weight, Int8Weight, check_group_size
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,13 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ladle_store_kv_f32": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32]),
     "ladle_silu_and_mul_f32": (None, [_P, _P, _I64, _I32, _I32]),
     "ladle_quant_isa": (ctypes.c_int, []),
-    "ladle_linear_i8": (ctypes.c_int, [_P, _I64, _P, _P, _P, _P, _I64, _I32, _I32, _I32]),
+    "ladle_linear_i8": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32],
+    ),
     "ladle_linear_i4": (
         ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32, _I32],
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32],
     ),
     "ladle_store_kv_i8": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32]),
     "ladle_paged_decode_attention_i8": (
@@ -272,82 +275,53 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def linear_int8(
+def linear(
     lib: ctypes.CDLL,
     x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
+    weight: Int8Weight | Int4Weight,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``x @ (qweight * scale[:, None]).T + bias``: x fp32 [..., K], qweight int8 [N, K]."""
+    """``x @ W.T + bias`` for x fp32 [..., K] and a weight in the formats of
+    ``ladle.runtime.quantization.formats``."""
     rows = _rows(x)
-    n, k = qweight.shape
-    assert x.dtype == scale.dtype == torch.float32
-    assert qweight.dtype == torch.int8
+    n, k = weight.shape
+    panels = weight.qweight.shape[0]
+    assert x.dtype == torch.float32
     assert rows.shape[1] == k
-    assert qweight.is_contiguous()
-    assert scale.is_contiguous()
-    assert bias is None or bias.is_contiguous()
-    out = x.new_empty((*x.shape[:-1], n))
-    failed = lib.ladle_linear_i8(
-        rows.data_ptr(),
-        rows.stride(0),
-        qweight.data_ptr(),
-        scale.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        rows.shape[0],
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    if failed:
-        raise MemoryError("the int8 GEMM could not allocate its buffers")
-    return out
-
-
-def linear_int4(
-    lib: ctypes.CDLL,
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor,
-    bias: torch.Tensor | None,
-    in_features: int,
-    group_size: int,
-) -> torch.Tensor:
-    """``x @ W.T + bias`` for the packed int4 format of ``ladle.runtime.quantization``:
-    qweight uint8 [N, ceil(K / 32) * 16], scale and offset fp32 [N, ceil(K / group_size)]."""
-    check_group_size(group_size)
-    rows = _rows(x)
-    n = qweight.shape[0]
-    k = in_features
-    assert x.dtype == scale.dtype == offset.dtype == torch.float32
-    assert qweight.dtype == torch.uint8
-    assert rows.shape[1] == k
-    assert qweight.shape[1] == -(-k // 32) * 16
-    assert scale.shape == offset.shape == (n, -(-k // group_size))
-    for t in (qweight, scale, offset):
+    for t in weight.tensors():
         assert t.is_contiguous()
-    assert bias is None or bias.is_contiguous()
-    out = x.new_empty((*x.shape[:-1], n))
-    failed = lib.ladle_linear_i4(
-        rows.data_ptr(),
-        rows.stride(0),
-        qweight.data_ptr(),
-        scale.data_ptr(),
-        offset.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        rows.shape[0],
-        n,
-        k,
-        group_size,
-        torch.get_num_threads(),
-    )
+    if bias is not None:
+        assert bias.dtype == torch.float32
+        # The kernels write whole panels; a partial last one needs a padded bias.
+        bias = torch.nn.functional.pad(bias, (0, panels * PANEL - n)).contiguous()
+    out = x.new_empty((rows.shape[0], panels * PANEL))
+    common = (rows.data_ptr(), rows.stride(0))
+    tail = (out.data_ptr(), out.stride(0), rows.shape[0], panels, k)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(weight, Int8Weight):
+        failed = lib.ladle_linear_i8(
+            *common,
+            weight.qweight.data_ptr(),
+            weight.scale.data_ptr(),
+            bias_ptr,
+            *tail,
+            torch.get_num_threads(),
+        )
+    else:
+        check_group_size(weight.group_size)
+        failed = lib.ladle_linear_i4(
+            *common,
+            weight.qweight.data_ptr(),
+            weight.scale.data_ptr(),
+            weight.offset.data_ptr(),
+            bias_ptr,
+            *tail,
+            weight.group_size,
+            torch.get_num_threads(),
+        )
     if failed:
-        raise MemoryError("the int4 GEMM could not allocate its buffers")
-    return out
+        raise MemoryError("the quantized GEMM could not allocate its buffers")
+    return out[:, :n].reshape(*x.shape[:-1], n)
 
 
 def store_kv_int8(

@@ -1,8 +1,9 @@
 """W8A16 and W4A16 GEMMs in Triton: ``y = x W^T (+ bias)`` with int8 or int4 weights.
 
 The weight formats are ``ladle.runtime.quantization.formats``': int8 per output channel, and
-int4 with a scale and offset per group of ``group_size`` inputs, packed two to a byte in blocks
-of 32 (byte j of a block: weight j in the low nibble, weight j + 16 in the high one).
+int4 with a scale and offset per group of ``group_size`` inputs; both store output channels in
+panels of 16, input by input (int4: two consecutive inputs per byte, the even one in the low
+nibble), so the ``BLOCK_K x 16`` weights of a tile's panel are one contiguous run.
 
 The integer codes enter ``tl.dot`` *as integers* in the activations' dtype (exact: bf16 and
 fp16 hold every integer up to 256), and scales are applied to the fp32 products: after the
@@ -10,9 +11,9 @@ K loop for int8 (one scale per output channel), per K tile for int4, where a til
 one group and ``sum_k x_k (q_k s + o) = s * (x . q) + o * sum_k x_k``. So no dequantized weight
 is rounded to 16 bits, and the inner loop is a plain MMA over unpacked codes.
 
-Each int4 K tile of ``BLOCK_K`` weights is ``BLOCK_K / 32`` packed blocks: its low nibbles are
-the weights at ``32 b + j`` and its high nibbles those at ``32 b + 16 + j``, so the kernel
-gathers the two matching halves of x and runs two dots of ``BLOCK_K / 2``.
+An int4 K tile of ``BLOCK_K`` inputs is ``BLOCK_K / 2`` byte rows: low nibbles are the even
+inputs, high nibbles the odd ones, so the kernel loads x's even and odd columns and runs two
+dots of ``BLOCK_K / 2``.
 
 Under the Triton interpreter (CPU tests) dots run in fp32 (its bf16 dot is wrong, triton
 #11584); fp32 activations use IEEE fp32 dots everywhere.
@@ -61,7 +62,10 @@ def _w8a16_kernel(
             other=0.0,
         )
         q = tl.load(
-            w_ptr + rn[None, :].to(tl.int64) * K + (k0 + rk)[:, None],
+            w_ptr
+            + (rn // 16)[None, :].to(tl.int64) * K * 16
+            + (k0 + rk)[:, None] * 16
+            + rn[None, :] % 16,
             mask=kmask[:, None] & nmask[None, :],
             other=0,
         )
@@ -88,7 +92,7 @@ def _w4a16_kernel(
     N: int,
     K: int,
     stride_xm: int,
-    row_bytes: int,
+    pair_rows: int,
     num_groups: int,
     GROUP_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -102,30 +106,31 @@ def _w4a16_kernel(
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ri = tl.arange(0, HALF)
-    # Byte i of the tile holds the weights at these offsets (low nibble) and 16 further on.
-    k_low = (ri // 16) * 32 + ri % 16
     mmask, nmask = rm < M, rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    w_rows = w_ptr + rn[None, :].to(tl.int64) * row_bytes
+    # Panel p of channel n starts at p * pair_rows * 16; its byte row i holds inputs 2i, 2i + 1.
+    w_cols = w_ptr + (rn // 16)[None, :].to(tl.int64) * pair_rows * 16 + rn[None, :] % 16
+    g_cols = (rn // 16).to(tl.int64) * num_groups * 16 + rn % 16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        lo_mask = k0 + k_low < K
-        hi_mask = k0 + k_low + 16 < K
-        x_lo = tl.load(
-            x_rows + (k0 + k_low)[None, :], mask=mmask[:, None] & lo_mask[None, :], other=0.0
+        k_even = k0 + 2 * ri
+        even_mask = k_even < K
+        odd_mask = k_even + 1 < K
+        x_even = tl.load(
+            x_rows + k_even[None, :], mask=mmask[:, None] & even_mask[None, :], other=0.0
         )
-        x_hi = tl.load(
-            x_rows + (k0 + k_low + 16)[None, :], mask=mmask[:, None] & hi_mask[None, :], other=0.0
+        x_odd = tl.load(
+            x_rows + (k_even + 1)[None, :], mask=mmask[:, None] & odd_mask[None, :], other=0.0
         )
         packed = tl.load(
-            w_rows + (k0 // 2 + ri)[:, None], mask=lo_mask[:, None] & nmask[None, :], other=0
+            w_cols + (k0 // 2 + ri)[:, None] * 16, mask=even_mask[:, None] & nmask[None, :], other=0
         ).to(tl.int32)
-        q_lo = (packed & 0xF).to(DTYPE)
-        q_hi = (packed >> 4).to(DTYPE)
-        dots = tl.dot(x_lo.to(DTYPE), q_lo, input_precision=PRECISION)
-        dots = tl.dot(x_hi.to(DTYPE), q_hi, dots, input_precision=PRECISION)
-        x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-        group = rn.to(tl.int64) * num_groups + k0 // GROUP_SIZE
+        q_even = (packed & 0xF).to(DTYPE)
+        q_odd = (packed >> 4).to(DTYPE)
+        dots = tl.dot(x_even.to(DTYPE), q_even, input_precision=PRECISION)
+        dots = tl.dot(x_odd.to(DTYPE), q_odd, dots, input_precision=PRECISION)
+        x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(x_odd.to(tl.float32), axis=1)
+        group = g_cols + (k0 // GROUP_SIZE) * 16
         s = tl.load(scale_ptr + group, mask=nmask, other=0.0)
         o = tl.load(offset_ptr + group, mask=nmask, other=0.0)
         acc += dots * s[None, :] + x_sum[:, None] * o[None, :]

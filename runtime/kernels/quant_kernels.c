@@ -5,402 +5,385 @@
  * weights whatever the instruction set (the torch reference in ladle.runtime.quantization
  * computes the same thing).
  *
- * Formats (see runtime/quantization/formats.py):
- * - int8: w[n, k] = q[n, k] * scale[n], q int8 [N, K], one scale per output channel;
- * - int4: w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k / group_size, q in 0..15 packed
- *   two to a byte in blocks of 32 along K: byte j of a block holds weight j in its low nibble
- *   and weight j + 16 in its high one (llama.cpp's layout), so one 16-byte load unpacks into
- *   two runs of 16 consecutive weights. Rows hold ceil(K / 32) blocks; group_size is a
- *   multiple of 32, so a block never straddles two groups.
+ * Formats (see runtime/quantization/formats.py): output channels in panels of 16, stored
+ * input by input, so one input's weights for a panel are one 16-byte row:
+ * - int8: codes [P, K, 16], w = q * scale[n], one scale per output channel;
+ * - int4: codes [P, ceil(K / 2), 16], byte j of row i holding inputs 2i (low nibble) and 2i + 1
+ *   (high) of channel 16 p + j; w = q * scale[p, g, j] + offset[p, g, j] with g = k / group.
  *
- * Two shapes of work:
- * - GEMV (a few rows of x, decode at small batch) is bound by reading W once: each weight is
- *   converted in registers and used at once, several weight rows per pass over x;
- * - GEMM (more rows) is bound by arithmetic: each thread dequantizes a panel of weight rows
- *   into an fp32 buffer once and runs a register-blocked kernel over every row of x, so the
- *   conversion is paid once per panel instead of once per row of x.
+ * Every product is an outer product: a panel row of weights (one vector of 16) times a
+ * broadcast input, accumulated per output, so nothing is ever summed horizontally.
+ * - GEMV (up to 4 rows of x: decode at small batch) is bound by reading W once: each panel is
+ *   read front to back, its codes converted in registers and used at once;
+ * - GEMM (more rows) is bound by arithmetic: each thread dequantizes a tile of panels into an
+ *   fp32 buffer once (L2-sized chunks of K) and runs a register-blocked kernel over every row
+ *   of x, so the conversion is paid once per tile instead of once per row.
  *
- * Instruction sets are chosen at build time from the compiler's predefined macros (the library
- * is built with -march=native): AVX-512 (F, BW, VL) with 16 lanes and masked tails, else AVX2 +
- * FMA with 8 lanes, else portable C that any compiler vectorizes as it can. VNNI and the bf16
- * dot products are not used: they multiply int8 or bf16 *activations*, and quantizing the
- * activations would change the numerics from those of a weight-only format.
+ * Instruction sets are chosen at build time (the library is built with -march=native): the
+ * code is written on 16-float vectors (GCC/Clang vector extensions), which the compiler maps
+ * onto one zmm register with AVX-512, two ymm with AVX2, or whatever the target has; the
+ * predefined macros pick the register tiles to match (__AVX512F__: 8 rows x 32 outputs,
+ * __AVX2__: 6 x 16, otherwise 2 x 16). VNNI and the bf16 dot products are not used: they
+ * multiply int8 or bf16 *activations*, and quantizing activations would change the numerics
+ * from those of the weight-only format the quality table measures.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define LADLE_AVX512 1
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
-#define LADLE_AVX2 1
-#include <immintrin.h>
-#endif
+/* The 16-float vectors below never cross a non-inlined call, so their ABI does not matter. */
+#pragma GCC diagnostic ignored "-Wpsabi"
 
-#define INT4_BLOCK 32
-/* GEMM: weight rows per panel, and K per dequantized chunk (a multiple of INT4_BLOCK). */
 #define PANEL 16
+/* From this many rows of x on, each thread dequantizes a tile of panels into an fp32 buffer
+ * once and reuses it for every row; below, weights are converted in registers as they are
+ * read (GEMV: a decode step at small batch, bound by reading W). */
+#define GEMV_MAX_ROWS 4
+/* K per dequantized chunk: the buffer (KC x 32 floats, 128 KiB) stays in L2. */
 #define KC 1024
-/* From this many rows of x on, the GEMM path pays for its panel dequantization. */
-#define GEMM_MIN_ROWS 4
+
+/* Register tiles: MR rows of x times TILE_PANELS panels of 16 outputs, one accumulator vector
+ * per (row, panel): 16 of the 32 zmm registers with AVX-512, 12 of the 16 ymm with AVX2 (a
+ * 16-float vector is two of them). */
+#if defined(__AVX512F__)
+#define LADLE_ISA 2
+#define TILE_PANELS 2
+#define MR 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LADLE_ISA 1
+#define TILE_PANELS 1
+#define MR 6
+#else
+#define LADLE_ISA 0
+#define TILE_PANELS 1
+#define MR 2
+#endif
+#define TILE (TILE_PANELS * PANEL)
 
 /* Which path this build compiled: 2 AVX-512, 1 AVX2, 0 portable C. */
-int ladle_quant_isa(void) {
-#if LADLE_AVX512
-    return 2;
-#elif LADLE_AVX2
-    return 1;
-#else
-    return 0;
-#endif
-}
+int ladle_quant_isa(void) { return LADLE_ISA; }
 
-#if LADLE_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-#endif
-
-/* ---------------------------------------------------------------------------------------- */
-/* GEMV: R weight rows (ldw bytes apart) against one row of x; out[r] = dot (unscaled for int8) */
-
-#define GEMV_ROWS 4
-
-static inline __attribute__((always_inline)) void dot_rows_i8(const float *x, const int8_t *w,
-                                                              int64_t ldw, int32_t K, int R,
-                                                              float *out) {
-    int k = 0;
-#if LADLE_AVX512
-    __m512 acc[GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + k);
-        for (int r = 0; r < R; r++) {
-            const __m128i q = _mm_loadu_si128((const __m128i *)(w + r * ldw + k));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), xv, acc[r]);
-        }
-    }
-    if (k < K) {
-        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        const __m512 xv = _mm512_maskz_loadu_ps(m, x + k);
-        for (int r = 0; r < R; r++) {
-            const __m128i q = _mm_maskz_loadu_epi8(m, w + r * ldw + k);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), xv, acc[r]);
-        }
-        k = K;
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
-#elif LADLE_AVX2
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + k);
-        for (int r = 0; r < R; r++) {
-            const __m128i q = _mm_loadl_epi64((const __m128i *)(w + r * ldw + k));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), xv, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);
-#else
-    for (int r = 0; r < R; r++) out[r] = 0.0f;
-#endif
-    for (; k < K; k++)
-        for (int r = 0; r < R; r++) out[r] += x[k] * (float)w[r * ldw + k];
-}
-
-static inline __attribute__((always_inline)) void dot_rows_i4(
-    const float *x, const uint8_t *w, int64_t ldw, const float *scale, const float *offset,
-    int64_t ldg, int32_t K, int32_t group_size, int R, float *out) {
-    const int blocks_per_group = group_size / INT4_BLOCK;
-    int k = 0;
-#if LADLE_AVX512
-    __m512 acc[GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(0xF);
-    for (int b = 0; k < K; b++, k += INT4_BLOCK) {
-        const int g = b / blocks_per_group;
-        const int left = K - k;
-        /* x beyond K reads as zero, so a partial last block needs no scalar tail. */
-        const __mmask16 m0 = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-        const __mmask16 m1 = left >= 32   ? (__mmask16)0xFFFF
-                             : left <= 16 ? (__mmask16)0
-                                          : (__mmask16)((1u << (left - 16)) - 1);
-        const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k);
-        const __m512 x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
-        for (int r = 0; r < R; r++) {
-            const __m512i v = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(w + r * ldw + (int64_t)b * 16)));
-            const __m512 s = _mm512_set1_ps(scale[r * ldg + g]);
-            const __m512 o = _mm512_set1_ps(offset[r * ldg + g]);
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s, o);
-            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, o);
-            acc[r] = _mm512_fmadd_ps(w0, x0, acc[r]);
-            acc[r] = _mm512_fmadd_ps(w1, x1, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
-#else
-#if LADLE_AVX2
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi32(0xF);
-    for (int b = 0; k + INT4_BLOCK <= K; b++, k += INT4_BLOCK) {
-        const int g = b / blocks_per_group;
-        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        const __m256 x2 = _mm256_loadu_ps(x + k + 16), x3 = _mm256_loadu_ps(x + k + 24);
-        for (int r = 0; r < R; r++) {
-            const uint8_t *p = w + r * ldw + (int64_t)b * 16;
-            const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-            const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-            const __m256 s = _mm256_set1_ps(scale[r * ldg + g]);
-            const __m256 o = _mm256_set1_ps(offset[r * ldg + g]);
-#define LADLE_I4(v, shift) \
-    _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, shift), low)), s, o)
-            acc[r] = _mm256_fmadd_ps(LADLE_I4(v0, 0), x0, acc[r]);
-            acc[r] = _mm256_fmadd_ps(LADLE_I4(v1, 0), x1, acc[r]);
-            acc[r] = _mm256_fmadd_ps(LADLE_I4(v0, 4), x2, acc[r]);
-            acc[r] = _mm256_fmadd_ps(LADLE_I4(v1, 4), x3, acc[r]);
-#undef LADLE_I4
-        }
-    }
-    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]);
-#else
-    for (int r = 0; r < R; r++) out[r] = 0.0f;
-#endif
-    /* Portable path, and the partial last block of AVX2. */
-    for (; k < K; k++) {
-        const int b = k / INT4_BLOCK, j = k % INT4_BLOCK, g = b / blocks_per_group;
-        for (int r = 0; r < R; r++) {
-            const uint8_t byte = w[r * ldw + (int64_t)b * 16 + (j & 15)];
-            const float q = (float)(j < 16 ? byte & 0xF : byte >> 4);
-            out[r] += x[k] * (q * scale[r * ldg + g] + offset[r * ldg + g]);
-        }
-    }
-#endif
-}
-
-/* ---------------------------------------------------------------------------------------- */
-/* GEMM: dequantize a panel, then a register-blocked kernel over every row of x.             */
-
-#if LADLE_AVX512
+/* Native float vectors of VW lanes (GCC/Clang vector extensions); a panel row of 16 outputs
+ * is VPP of them. */
+#if LADLE_ISA == 2
+#include <immintrin.h>
 #define VW 16
-#define MR 4
-#define NR 4
-typedef __m512 vf;
-#define vzero() _mm512_setzero_ps()
-#define vload(p) _mm512_loadu_ps(p)
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vsum(v) _mm512_reduce_add_ps(v)
-#elif LADLE_AVX2
+#elif LADLE_ISA == 1
+#include <immintrin.h>
 #define VW 8
-#define MR 4
-#define NR 2
-typedef __m256 vf;
-#define vzero() _mm256_setzero_ps()
-#define vload(p) _mm256_loadu_ps(p)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vsum(v) hsum256(v)
 #else
-#define VW 1
-#define MR 4
-#define NR 2
+#define VW 4
 #endif
+#define VPP (PANEL / VW)
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4)));
 
-/* y[m, n] += rs[n] * dot(x row m, w row n) over kc (a multiple of VW; both zero-padded) for
- * R_M rows of x (ldx apart) and NR rows of the panel (ldw apart). */
-static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx,
-                                                        const float *w, int64_t ldw, int kc,
-                                                        int R_M, const float *rs, float *y,
-                                                        int64_t ldy, int n_valid) {
-#if VW > 1
-    vf acc[MR][NR];
-    for (int i = 0; i < R_M; i++)
-        for (int j = 0; j < NR; j++) acc[i][j] = vzero();
-    for (int k = 0; k < kc; k += VW) {
-        vf wv[NR];
-        for (int j = 0; j < NR; j++) wv[j] = vload(w + j * ldw + k);
-        for (int i = 0; i < R_M; i++) {
-            const vf xv = vload(x + i * ldx + k);
-            for (int j = 0; j < NR; j++) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
-        }
-    }
-    for (int i = 0; i < R_M; i++)
-        for (int j = 0; j < n_valid; j++) y[i * ldy + j] += rs[j] * vsum(acc[i][j]);
+static inline vf vload(const float *p) { return *(const vf_unaligned *)p; }
+static inline void vstore(float *p, vf v) { *(vf_unaligned *)p = v; }
+static inline vf splat(float x) { return (vf){0} + x; }
+
+/* A panel row of codes to floats, written per instruction set (compilers convert a whole
+ * int8 vector to floats lane by lane): one extension and one conversion per 8 or 16 codes. */
+#if LADLE_ISA >= 1
+static inline void widen(__m128i b, int is_signed, vf out[VPP]) {
+#if LADLE_ISA == 2
+    out[0] = (vf)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #else
-    for (int i = 0; i < R_M; i++)
-        for (int j = 0; j < n_valid; j++) {
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int k = 0; k < kc; k++) acc += x[i * ldx + k] * w[j * ldw + k];
-            y[i * ldy + j] += rs[j] * acc;
-        }
+    const __m128i high = _mm_unpackhi_epi64(b, b);
+    out[0] = (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    out[1] = (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(high)
+                                              : _mm256_cvtepu8_epi32(high));
 #endif
 }
 
-/* The whole panel (n_valid of PANEL rows) against every row of x. */
-static void panel_product(const float *xbuf, int64_t ldx, int64_t M, const float *wbuf,
-                          int64_t ldw, int kc, const float *rs, float *y, int64_t ldy,
-                          int n_valid) {
-    for (int n = 0; n < n_valid; n += NR) {
-        const int nv = n_valid - n < NR ? n_valid - n : NR;
-        int64_t m = 0;
-        for (; m + MR <= M; m += MR)
-            micro(xbuf + m * ldx, ldx, wbuf + n * ldw, ldw, kc, MR, rs + n, y + m * ldy + n, ldy,
-                  nv);
-        for (; m < M; m++)
-            micro(xbuf + m * ldx, ldx, wbuf + n * ldw, ldw, kc, 1, rs + n, y + m * ldy + n, ldy,
-                  nv);
-    }
+static inline void from_i8(const int8_t *p, vf out[VPP]) {
+    widen(_mm_loadu_si128((const __m128i *)p), 1, out);
 }
 
-static inline int round_up(int v, int to) { return (v + to - 1) / to * to; }
+/* One byte row of an int4 panel: the codes of input 2i (low nibbles) and 2i + 1 (high). */
+static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0xF);
+    widen(_mm_and_si128(b, mask), 0, even);
+    widen(_mm_and_si128(_mm_srli_epi16(b, 4), mask), 0, odd);
+}
+#else
+static inline void from_i8(const int8_t *p, vf out[VPP]) {
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
+    for (int h = 0; h < VPP; h++) out[h] = vload(f + h * VW);
+}
+
+static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
+    float lo[PANEL], hi[PANEL];
+    for (int j = 0; j < PANEL; j++) {
+        lo[j] = (float)(p[j] & 0xF);
+        hi[j] = (float)(p[j] >> 4);
+    }
+    for (int h = 0; h < VPP; h++) {
+        even[h] = vload(lo + h * VW);
+        odd[h] = vload(hi + h * VW);
+    }
+}
+#endif
 
 typedef struct {
-    const void *w; /* int8 [N, K] or packed int4 [N, ldw] */
-    int64_t ldw;   /* bytes per weight row */
-    const float *scale, *offset;
-    int32_t groups; /* int4: scale/offset columns */
-    int32_t group_size;
-    int int4;
+    const void *w;                  /* int8 [P, K, 16] or int4 [P, ceil(K / 2), 16] */
+    const float *scale, *offset;    /* int8: scale [P * 16]; int4: [P, groups, 16] each */
+    int32_t groups, group_size, int4;
 } qweight;
 
-/* Rows [n0, n0 + rows) of W, columns [k0, k0 + kc), as fp32 rows of ldb floats; int8 weights
- * stay unscaled (their per-row scale is applied to the finished dot product). */
-static void dequant_panel(const qweight *q, int32_t n0, int rows, int k0, int kc, float *buf,
-                          int64_t ldb) {
-    for (int r = 0; r < rows; r++) {
-        float *dst = buf + r * ldb;
+static inline const int8_t *panel_i8(const qweight *q, int64_t p, int32_t K) {
+    return (const int8_t *)q->w + p * K * PANEL;
+}
+
+static inline const uint8_t *panel_i4(const qweight *q, int64_t p, int32_t K) {
+    return (const uint8_t *)q->w + p * ((K + 1) / 2) * PANEL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* GEMV: R (<= GEMV_MAX_ROWS) rows of x against one panel, converting weights in registers.  */
+
+/* Four accumulators per (row, vector), cycled over inputs, so that four multiply-adds of one
+ * chain are in flight. */
+#define UNROLL 4
+
+static inline __attribute__((always_inline)) void gemv_panel(const float *x, int64_t ldx,
+                                                             const qweight *q, int64_t p,
+                                                             int32_t K, int R,
+                                                             vf out[GEMV_MAX_ROWS][VPP]) {
+    vf acc[GEMV_MAX_ROWS][UNROLL][VPP];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < UNROLL; u++)
+            for (int h = 0; h < VPP; h++) acc[r][u][h] = (vf){0};
+    if (!q->int4) {
+        const int8_t *w = panel_i8(q, p, K);
+        int k = 0;
+        for (; k + UNROLL <= K; k += UNROLL)
+            for (int u = 0; u < UNROLL; u++) {
+                vf wv[VPP];
+                from_i8(w + (int64_t)(k + u) * PANEL, wv);
+                for (int r = 0; r < R; r++) {
+                    const vf xv = splat(x[r * ldx + k + u]);
+                    for (int h = 0; h < VPP; h++) acc[r][u][h] += xv * wv[h];
+                }
+            }
+        for (; k < K; k++) {
+            vf wv[VPP];
+            from_i8(w + (int64_t)k * PANEL, wv);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < VPP; h++) acc[r][0][h] += splat(x[r * ldx + k]) * wv[h];
+        }
+        for (int h = 0; h < VPP; h++) {
+            const vf s = vload(q->scale + p * PANEL + h * VW);
+            for (int r = 0; r < R; r++)
+                out[r][h] = (acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h]) * s;
+        }
+        return;
+    }
+    const uint8_t *w = panel_i4(q, p, K);
+    const float *sc = q->scale + p * q->groups * PANEL, *of = q->offset + p * q->groups * PANEL;
+    for (int g = 0; g < q->groups; g++) {
+        vf s[VPP], o[VPP];
+        for (int h = 0; h < VPP; h++) {
+            s[h] = vload(sc + g * PANEL + h * VW);
+            o[h] = vload(of + g * PANEL + h * VW);
+        }
+        const int k0 = g * q->group_size;
+        const int k1 = k0 + q->group_size < K ? k0 + q->group_size : K;
+        int k = k0;
+        for (; k + UNROLL <= k1; k += UNROLL)
+            for (int u = 0; u < UNROLL; u += 2) {
+                vf wv[2][VPP];
+                from_u4(w + (int64_t)((k + u) / 2) * PANEL, wv[0], wv[1]);
+                for (int e = 0; e < 2; e++)
+                    for (int h = 0; h < VPP; h++) wv[e][h] = wv[e][h] * s[h] + o[h];
+                for (int r = 0; r < R; r++)
+                    for (int e = 0; e < 2; e++) {
+                        const vf xv = splat(x[r * ldx + k + u + e]);
+                        for (int h = 0; h < VPP; h++) acc[r][u + e][h] += xv * wv[e][h];
+                    }
+            }
+        for (; k < k1; k++) {
+            vf wv[2][VPP];
+            from_u4(w + (int64_t)(k / 2) * PANEL, wv[0], wv[1]);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < VPP; h++)
+                    acc[r][0][h] += splat(x[r * ldx + k]) * (wv[k % 2][h] * s[h] + o[h]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < VPP; h++)
+            out[r][h] = acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h];
+}
+
+static void gemv(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
+                 int64_t ldy, int R, int32_t P, int32_t K, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)P * K >= 4096)
+    for (int32_t p = 0; p < P; p++) {
+        vf out[GEMV_MAX_ROWS][VPP];
+        switch (R) { /* constant row counts, so the accumulators stay in registers */
+        case 1: gemv_panel(x, ldx, q, p, K, 1, out); break;
+        case 2: gemv_panel(x, ldx, q, p, K, 2, out); break;
+        case 3: gemv_panel(x, ldx, q, p, K, 3, out); break;
+        default: gemv_panel(x, ldx, q, p, K, 4, out); break;
+        }
+        for (int h = 0; h < VPP; h++) {
+            const vf b = bias ? vload(bias + p * PANEL + h * VW) : (vf){0};
+            for (int r = 0; r < R; r++) vstore(y + r * ldy + p * PANEL + h * VW, out[r][h] + b);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* GEMM: dequantize a tile of panels once, then register tiles over every row of x.          */
+
+/* Inputs [k0, k0 + kc) of panels [p, p + np) as fp32 rows of TILE floats: buf[k * TILE + 16 t
+ * + j] is weight (16 (p + t) + j, k0 + k); int8 codes stay unscaled (the per-output scale
+ * multiplies the finished sums). k0 is even. */
+static void dequant_tile(const qweight *q, int64_t p, int np, int32_t K, int k0, int kc,
+                         float *buf) {
+    for (int t = 0; t < np; t++) {
+        float *dst = buf + t * PANEL;
         if (!q->int4) {
-            const int8_t *src = (const int8_t *)q->w + (int64_t)(n0 + r) * q->ldw + k0;
-#pragma omp simd
-            for (int k = 0; k < kc; k++) dst[k] = (float)src[k];
+            const int8_t *w = panel_i8(q, p + t, K) + (int64_t)k0 * PANEL;
+            for (int k = 0; k < kc; k++) {
+                vf wv[VPP];
+                from_i8(w + k * PANEL, wv);
+                for (int h = 0; h < VPP; h++) vstore(dst + k * TILE + h * VW, wv[h]);
+            }
             continue;
         }
-        const uint8_t *src = (const uint8_t *)q->w + (int64_t)(n0 + r) * q->ldw + k0 / 2;
-        const float *sc = q->scale + (int64_t)(n0 + r) * q->groups;
-        const float *of = q->offset + (int64_t)(n0 + r) * q->groups;
-        for (int b = 0; b * INT4_BLOCK < kc; b++) {
-            const int g = (k0 + b * INT4_BLOCK) / q->group_size;
-            const float s = sc[g], o = of[g];
-            const uint8_t *p = src + b * 16;
-            float *d = dst + b * INT4_BLOCK;
-#pragma omp simd
-            for (int j = 0; j < 16; j++) {
-                d[j] = (float)(p[j] & 0xF) * s + o;
-                d[j + 16] = (float)(p[j] >> 4) * s + o;
-            }
+        const uint8_t *w = panel_i4(q, p + t, K);
+        const float *sc = q->scale + (p + t) * q->groups * PANEL;
+        const float *of = q->offset + (p + t) * q->groups * PANEL;
+        for (int k = 0; k < kc; k += 2) {
+            const int g = (k0 + k) / q->group_size; /* even k0 and group size: one group */
+            vf wv[2][VPP];
+            from_u4(w + (int64_t)((k0 + k) / 2) * PANEL, wv[0], wv[1]);
+            for (int e = 0; e < 2 && k + e < kc; e++)
+                for (int h = 0; h < VPP; h++) {
+                    const vf s = vload(sc + g * PANEL + h * VW), o = vload(of + g * PANEL + h * VW);
+                    vstore(dst + (k + e) * TILE + h * VW, wv[e][h] * s + o);
+                }
         }
+    }
+}
+
+#define NV (TILE_PANELS * VPP) /* vectors per buffer row */
+
+/* y[r, tile] += mul * sum over the chunk of x[r, k] * buf[k]: R rows, nv vectors of outputs. */
+static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx,
+                                                        const float *buf, int kc, int R, int nv,
+                                                        float *y, int64_t ldy, const vf *mul) {
+    vf acc[MR][NV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = (vf){0};
+    for (int k = 0; k < kc; k++) {
+        vf wv[NV];
+        for (int v = 0; v < nv; v++) wv[v] = vload(buf + k * TILE + v * VW);
+        for (int r = 0; r < R; r++) {
+            const vf xv = splat(x[r * ldx + k]);
+            for (int v = 0; v < nv; v++) acc[r][v] += xv * wv[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < nv; v++) {
+            float *dst = y + r * ldy + v * VW;
+            vstore(dst, vload(dst) + acc[r][v] * mul[v]);
+        }
+}
+
+#define MICRO_CASE(n) \
+    case n: micro(x, ldx, buf, kc, n, nv, y, ldy, mul); break;
+
+static inline __attribute__((always_inline)) void micro_rows(const float *x, int64_t ldx,
+                                                             const float *buf, int kc, int R,
+                                                             int nv, float *y, int64_t ldy,
+                                                             const vf *mul) {
+    switch (R) { /* constant row counts, so the accumulators stay in registers */
+        MICRO_CASE(1)
+        MICRO_CASE(2)
+#if MR >= 6
+        MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6)
+#endif
+#if MR >= 8
+        MICRO_CASE(7) MICRO_CASE(8)
+#endif
+    default: break;
+    }
+}
+
+static void tile_product(const float *x, int64_t ldx, int64_t M, const float *buf, int kc, int np,
+                         float *y, int64_t ldy, const vf *mul) {
+    for (int64_t m = 0; m < M; m += MR) {
+        const int R = M - m < MR ? (int)(M - m) : MR;
+        if (np == TILE_PANELS)
+            micro_rows(x + m * ldx, ldx, buf, kc, R, NV, y + m * ldy, ldy, mul);
+        else
+            micro_rows(x + m * ldx, ldx, buf, kc, R, VPP, y + m * ldy, ldy, mul);
     }
 }
 
 static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
-                int64_t M, int32_t N, int32_t K, int32_t num_threads) {
-    const int kc_max = K < KC ? round_up(K, INT4_BLOCK) : KC;
-    const int64_t ldb = round_up(kc_max, VW > INT4_BLOCK ? VW : INT4_BLOCK);
-    float *xbuf = malloc(sizeof(float) * (size_t)(M * ldb));
-    if (xbuf == NULL) return 1;
-    for (int64_t m = 0; m < M; m++)
-        for (int32_t n = 0; n < N; n++) y[m * N + n] = bias ? bias[n] : 0.0f;
-    const int num_panels = (N + PANEL - 1) / PANEL;
+                int64_t ldy, int64_t M, int32_t P, int32_t K, int32_t num_threads) {
+    const int tiles = (P + TILE_PANELS - 1) / TILE_PANELS;
+    const int kc_max = K < KC ? K + 1 : KC; /* room for an int4 chunk's odd last input */
     int failed = 0;
-    for (int k0 = 0; k0 < K; k0 += KC) {
-        const int valid = K - k0 < KC ? K - k0 : KC;
-        const int kc = round_up(valid, VW > INT4_BLOCK ? VW : INT4_BLOCK);
-        /* x's chunk, zero beyond K, so kernels need no tails. */
-        for (int64_t m = 0; m < M; m++) {
-            memcpy(xbuf + m * ldb, x + m * ldx + k0, sizeof(float) * (size_t)valid);
-            memset(xbuf + m * ldb + valid, 0, sizeof(float) * (size_t)(ldb - valid));
-        }
 #pragma omp parallel num_threads(num_threads)
-        {
-            float *wbuf = malloc(sizeof(float) * (size_t)(PANEL * ldb));
-            float ones[PANEL];
-            for (int i = 0; i < PANEL; i++) ones[i] = 1.0f;
-            if (wbuf == NULL) {
+    {
+        float *buf = malloc(sizeof(float) * (size_t)kc_max * TILE);
+        if (buf == NULL) {
 #pragma omp atomic write
-                failed = 1;
-            } else {
-                memset(wbuf, 0, sizeof(float) * (size_t)(PANEL * ldb));
+            failed = 1;
+        }
 #pragma omp for schedule(static)
-                for (int p = 0; p < num_panels; p++) {
-                    const int32_t n0 = p * PANEL;
-                    const int rows = N - n0 < PANEL ? N - n0 : PANEL;
-                    /* int4 rows decode whole blocks; anything past K meets x's zeros. */
-                    dequant_panel(q, n0, rows, k0, q->int4 ? round_up(valid, INT4_BLOCK) : valid,
-                                  wbuf, ldb);
-                    panel_product(xbuf, ldb, M, wbuf, ldb, kc, q->int4 ? ones : q->scale + n0,
-                                  y + n0, N, rows);
-                }
-                free(wbuf);
+        for (int tile = 0; tile < tiles; tile++) {
+            if (buf == NULL) continue;
+            const int64_t p = (int64_t)tile * TILE_PANELS;
+            const int np = P - p < TILE_PANELS ? (int)(P - p) : TILE_PANELS;
+            vf mul[NV];
+            for (int v = 0; v < NV; v++) {
+                const int64_t col = p * PANEL + v * VW;
+                const int valid = v < np * VPP;
+                mul[v] = q->int4 || !valid ? splat(1.0f) : vload(q->scale + col);
+                const vf b = bias && valid ? vload(bias + col) : (vf){0};
+                if (valid)
+                    for (int64_t m = 0; m < M; m++) vstore(y + m * ldy + col, b);
+            }
+            for (int k0 = 0; k0 < K; k0 += KC) {
+                const int kc = K - k0 < KC ? K - k0 : KC;
+                dequant_tile(q, p, np, K, k0, kc, buf);
+                tile_product(x + k0, ldx, M, buf, kc, np, y + p * PANEL, ldy, mul);
             }
         }
+        free(buf);
     }
-    free(xbuf);
     return failed;
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* Entry points. x rows are ldx floats apart; y is [M, N] contiguous; bias may be NULL; the
- * int4 group size is a positive multiple of 32 (the caller checks). Nonzero: out of memory. */
+/* Entry points. x rows are ldx floats apart; y is [M, ldy] with ldy >= 16 P (the padded
+ * outputs are written too); bias, padded to 16 P, may be NULL; the int4 group size is a
+ * positive multiple of 32 (the caller checks). Nonzero: out of memory. */
 
 int ladle_linear_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale,
-                    const float *bias, float *y, int64_t M, int32_t N, int32_t K,
+                    const float *bias, float *y, int64_t ldy, int64_t M, int32_t P, int32_t K,
                     int32_t num_threads) {
-    if (M >= GEMM_MIN_ROWS) {
-        const qweight q = {w, K, scale, NULL, 0, 0, 0};
-        return gemm(x, ldx, &q, bias, y, M, N, K, num_threads);
-    }
-    const int blocks = (N + GEMV_ROWS - 1) / GEMV_ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)N * K >= 65536)
-    for (int blk = 0; blk < blocks; blk++) {
-        const int32_t n0 = blk * GEMV_ROWS;
-        const int rows = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
-        for (int64_t m = 0; m < M; m++) {
-            float dots[GEMV_ROWS];
-            if (rows == GEMV_ROWS)
-                dot_rows_i8(x + m * ldx, w + (int64_t)n0 * K, K, K, GEMV_ROWS, dots);
-            else
-                for (int r = 0; r < rows; r++)
-                    dot_rows_i8(x + m * ldx, w + (int64_t)(n0 + r) * K, K, K, 1, dots + r);
-            for (int r = 0; r < rows; r++)
-                y[m * N + n0 + r] = dots[r] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
-        }
-    }
+    const qweight q = {w, scale, NULL, 0, 0, 0};
+    if (M == 0) return 0;
+    if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
+    gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);
     return 0;
 }
 
 int ladle_linear_i4(const float *x, int64_t ldx, const uint8_t *w, const float *scale,
-                    const float *offset, const float *bias, float *y, int64_t M, int32_t N,
-                    int32_t K, int32_t group_size, int32_t num_threads) {
-    const int64_t ldw = (int64_t)(K + INT4_BLOCK - 1) / INT4_BLOCK * 16;
-    const int32_t groups = (K + group_size - 1) / group_size;
-    if (M >= GEMM_MIN_ROWS) {
-        const qweight q = {w, ldw, scale, offset, groups, group_size, 1};
-        return gemm(x, ldx, &q, bias, y, M, N, K, num_threads);
-    }
-    const int blocks = (N + GEMV_ROWS - 1) / GEMV_ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)N * K >= 65536)
-    for (int blk = 0; blk < blocks; blk++) {
-        const int32_t n0 = blk * GEMV_ROWS;
-        const int rows = N - n0 < GEMV_ROWS ? N - n0 : GEMV_ROWS;
-        for (int64_t m = 0; m < M; m++) {
-            float dots[GEMV_ROWS];
-            const uint8_t *wr = w + (int64_t)n0 * ldw;
-            const float *sr = scale + (int64_t)n0 * groups, *orow = offset + (int64_t)n0 * groups;
-            if (rows == GEMV_ROWS)
-                dot_rows_i4(x + m * ldx, wr, ldw, sr, orow, groups, K, group_size, GEMV_ROWS, dots);
-            else
-                for (int r = 0; r < rows; r++)
-                    dot_rows_i4(x + m * ldx, wr + r * ldw, ldw, sr + r * groups, orow + r * groups,
-                                groups, K, group_size, 1, dots + r);
-            for (int r = 0; r < rows; r++) y[m * N + n0 + r] = dots[r] + (bias ? bias[n0 + r] : 0.0f);
-        }
-    }
+                    const float *offset, const float *bias, float *y, int64_t ldy, int64_t M,
+                    int32_t P, int32_t K, int32_t group_size, int32_t num_threads) {
+    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, 1};
+    if (M == 0) return 0;
+    if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
+    gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);
     return 0;
 }
 
@@ -447,7 +430,6 @@ int ladle_paged_decode_attention_i8(
     int32_t num_threads) {
     const int group = num_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t block_stride = token_stride * block_size;
     int failed = 0;
 
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)

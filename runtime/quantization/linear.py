@@ -63,20 +63,15 @@ class QuantizedLinear:
         return self.weight.tensors() + ([] if self.bias is None else [self.bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
         if self.kernels == "cpu":
             lib = cpu_kernels.load()
             assert lib is not None, "the cpu kernels exist once the cpu backend was chosen"
-            if isinstance(w, Int8Weight):
-                return cpu_kernels.linear_int8(lib, x, w.qweight, w.scale, self.bias)
-            return cpu_kernels.linear_int4(
-                lib, x, w.qweight, w.scale, w.offset, self.bias, w.in_features, w.group_size
-            )
+            return cpu_kernels.linear(lib, x, self.weight, self.bias)
         if self.kernels == "triton":
             from ladle.runtime.kernels import quant_gemm
 
-            return quant_gemm.quantized_linear(x, w, self.bias)
-        return F.linear(x, w.dequantize(x.dtype), self.bias)
+            return quant_gemm.quantized_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
 
 
 @dataclass
@@ -102,8 +97,7 @@ class Int8Embedding:
         return self.weight.tensors()
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight.qweight[ids].to(torch.float32) * self.weight.scale[ids, None]
-        return rows.to(self.dtype)
+        return self.weight.rows(ids).to(self.dtype)
 
 
 Embedding = DenseEmbedding | Int8Embedding

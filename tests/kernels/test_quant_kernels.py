@@ -8,6 +8,7 @@ portable C), so every path is checked on one machine.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -71,11 +72,10 @@ def test_cpu_linear_matches_float64(lib: ctypes.CDLL, m: int, n: int, k: int, gr
     x = torch.randn(2 * m, k + 3)[::2, :k]
     w = torch.randn(n, k)
     bias = torch.randn(n) if m % 2 else None
-    q8, q4 = quantize_int8(w), quantize_int4(w, group)
-    y8 = cpu_kernels.linear_int8(lib, x, q8.qweight, q8.scale, bias)
-    y4 = cpu_kernels.linear_int4(lib, x, q4.qweight, q4.scale, q4.offset, bias, k, group)
-    assert rel_err(y8, reference(x, q8, bias)) < 1e-5
-    assert rel_err(y4, reference(x, q4, bias)) < 1e-5
+    for q in (quantize_int8(w), quantize_int4(w, group)):
+        y = cpu_kernels.linear(lib, x, q, bias)
+        assert y.shape == (m, n)
+        assert rel_err(y, reference(x, q, bias)) < 1e-5
 
 
 def test_cpu_linear_keeps_leading_dimensions_and_rejects_bad_groups() -> None:
@@ -83,10 +83,12 @@ def test_cpu_linear_keeps_leading_dimensions_and_rejects_bad_groups() -> None:
     assert lib is not None
     x = torch.randn(2, 3, 64)
     q = quantize_int4(torch.randn(5, 64), 32)
-    y = cpu_kernels.linear_int4(lib, x, q.qweight, q.scale, q.offset, None, 64, 32)
+    y = cpu_kernels.linear(lib, x, q, None)
     assert y.shape == (2, 3, 5)
+    assert rel_err(y, reference(x, q, None)) < 1e-5
+    bad = dataclasses.replace(q, group_size=48)
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_kernels.linear_int4(lib, x, q.qweight, q.scale[:, :1], q.offset[:, :1], None, 64, 48)
+        cpu_kernels.linear(lib, x, bad, None)
 
 
 @pytest.mark.parametrize(

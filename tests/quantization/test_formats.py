@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ladle.runtime.quantization.formats import (
-    INT4_BLOCK,
+    PANEL,
     fake_quantize_int4,
     quantize_int4,
     quantize_int8,
@@ -22,13 +22,21 @@ def test_int8_round_trip_is_within_half_a_step_per_channel(n: int, k: int) -> No
     torch.manual_seed(n * k)
     w = torch.randn(n, k) * torch.logspace(-3, 1, n)[:, None]  # rows of very different ranges
     q = quantize_int8(w)
+    panels = -(-n // PANEL)
+    assert q.qweight.shape == (panels, k, PANEL)
     assert q.qweight.dtype == torch.int8
-    assert q.qweight.abs().max() <= 127
+    assert q.shape == (n, k)
+    codes = q.codes()
+    assert codes.abs().max() <= 127
     err = (q.dequantize() - w).abs()
-    step = q.scale[:, None]
+    step = q.scale[:n, None]
     assert (err <= step * (0.5 + SLACK)).all()
     # The row's largest magnitude is on the grid's end: nothing is clipped.
-    assert torch.equal(q.qweight.abs().amax(dim=1), torch.full((n,), 127, dtype=torch.int8))
+    assert torch.equal(codes.abs().amax(dim=1), torch.full((n,), 127, dtype=torch.int8))
+    # Padded channels are zero, and a row lookup (the embedding) reads the same values.
+    assert (q.scale[n:] == 0).all()
+    ids = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(q.rows(ids), q.dequantize()[ids])
 
 
 @pytest.mark.parametrize(
@@ -39,13 +47,13 @@ def test_int4_round_trip_is_within_half_a_step_per_group(n: int, k: int, group: 
     torch.manual_seed(k + group)
     w = torch.randn(n, k) + torch.randn(n, 1) * 3  # offsets away from zero: asymmetric ranges
     q = quantize_int4(w, group)
-    groups = -(-k // group)
-    assert q.qweight.shape == (n, -(-k // INT4_BLOCK) * INT4_BLOCK // 2)
-    assert q.scale.shape == q.offset.shape == (n, groups)
-    codes = q.unpack()
+    groups, panels = -(-k // group), -(-n // PANEL)
+    assert q.qweight.shape == (panels, -(-k // 2), PANEL)
+    assert q.scale.shape == q.offset.shape == (panels, groups, PANEL)
+    codes = q.codes()
     assert codes.shape == (n, k)
     assert codes.max() <= 15
-    step = q.scale.repeat_interleave(group, dim=1)[:, :k]
+    step = q.scale.transpose(1, 2).reshape(-1, groups)[:n].repeat_interleave(group, dim=1)[:, :k]
     err = (q.dequantize() - w).abs()
     assert (err <= step * (0.5 + SLACK)).all()
     # Each group's minimum is represented exactly (the float offset) and its maximum within
@@ -57,13 +65,22 @@ def test_int4_round_trip_is_within_half_a_step_per_group(n: int, k: int, group: 
     assert torch.equal(fake_quantize_int4(w, group), q.dequantize())
 
 
-def test_int4_nibble_layout_is_llama_cpp_block_order() -> None:
-    """Byte j of a block: weight j low, weight j + 16 high (what the kernels unpack)."""
-    w = torch.arange(64, dtype=torch.float32).remainder(16)[None, :].repeat(2, 1)
-    q = quantize_int4(w, 64)
-    first_block = q.qweight[0, :16]
-    assert torch.equal(first_block & 0xF, torch.arange(16, dtype=torch.uint8))
-    assert torch.equal(first_block >> 4, torch.arange(16, dtype=torch.uint8))
+def test_layouts_are_panels_of_16_channels_input_by_input() -> None:
+    """What the kernels read: int8 [P, K, 16]; int4 byte (p, i, j) = channel 16 p + j's inputs
+    2i (low nibble) and 2i + 1 (high)."""
+    n, k = 20, 6
+    # Channel c's input i holds code (c + i) % 16, on a 0..15 grid (scale 1, offset 0).
+    grid = (torch.arange(n)[:, None] + torch.arange(k)[None, :]).remainder(16).float()
+    grid[:, 0] = torch.where(torch.arange(n) % 2 == 0, 0.0, 15.0)  # every group spans 0..15
+    grid[:, 1] = torch.where(torch.arange(n) % 2 == 0, 15.0, 0.0)
+    q4 = quantize_int4(grid, 32)
+    assert torch.equal(q4.codes(), grid.to(torch.uint8))
+    byte = q4.qweight[1, 2, 3]  # panel 1, inputs 4 and 5, channel 19
+    assert int(byte) & 0xF == int(grid[19, 4])
+    assert int(byte) >> 4 == int(grid[19, 5])
+    q8 = quantize_int8(grid - 7.5)
+    assert torch.equal(q8.qweight[1, 4, :4], q8.codes()[16:20, 4])  # input 4, channels 16-19
+    assert (q8.qweight[1, :, 4:] == 0).all()  # the padded channels of the last panel
 
 
 def test_int4_constant_groups_and_clipping() -> None:
@@ -77,9 +94,8 @@ def test_int4_constant_groups_and_clipping() -> None:
     clipped = quantize_int4(outlier, 32, clip).dequantize()
     assert clipped[:, 0].max() <= 20.0 + 1e-4  # the clipped range ends at half the absmax
     # Clipping narrows the step of the outlier's group: the other values get finer.
-    assert (
-        quantize_int4(outlier, 32, clip).scale[:, 0] < quantize_int4(outlier, 32).scale[:, 0]
-    ).all()
+    narrowed = quantize_int4(outlier, 32, clip).scale[0, 0, :4]  # panel 0, group 0
+    assert (narrowed < quantize_int4(outlier, 32).scale[0, 0, :4]).all()
 
 
 def test_group_size_must_be_a_multiple_of_the_block() -> None:
