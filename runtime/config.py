@@ -12,9 +12,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_METHODS = ("rtn", "awq")
-# int4 group size when none is given: divides every hidden size we serve (576 = 9 x 64), and
-# the quality table (docs/quantization.md) was measured with it.
-DEFAULT_GROUP_SIZE = 64
+# int4 group size when none is given: llama.cpp's block size, and the best quality per byte in
+# the quality table (docs/quantization.md).
+DEFAULT_GROUP_SIZE = 32
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -46,7 +46,7 @@ class QuantizationConfig:
     """Weight-only quantization applied at load (``ladle.runtime.quantization``)."""
 
     weights: str = "none"
-    method: str = "rtn"
+    method: str = "awq"
     group_size: int = DEFAULT_GROUP_SIZE
 
     @property
@@ -58,7 +58,7 @@ class QuantizationConfig:
         if not self.enabled:
             return "none"
         if self.weights == "int8":
-            return "int8" if self.method == "rtn" else f"int8-{self.method}"
+            return f"int8-{self.method}"
         return f"int4-{self.method}-g{self.group_size}"
 
 
@@ -84,7 +84,7 @@ class EngineArgs:
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
     # vLLM's --quantization names a checkpoint's format; ours quantizes full-precision weights
-    # at load. The method defaults to awq for int4 and rtn for int8; the group size is int4's.
+    # at load. The method defaults to awq; the group size is int4's.
     quantization: str | None = None
     quantization_method: str | None = None
     quantization_group_size: int | None = None
@@ -139,7 +139,7 @@ class EngineArgs:
                 raise ConfigError(
                     "quantization_group_size applies to int4 only (int8 is per output channel)"
                 )
-            return QuantizationConfig("int8", method or "rtn")
+            return QuantizationConfig("int8", method or "awq")
         group = DEFAULT_GROUP_SIZE if group is None else group
         if group < 32 or group % 32:
             raise ConfigError(
@@ -187,8 +187,8 @@ class EngineArgs:
         group.add_argument(
             "--quantization-method",
             choices=QUANTIZATION_METHODS,
-            help="rtn: round to nearest; awq: activation-aware scales and clipping, calibrated "
-            "on text that ships with Python (default: awq for int4, rtn for int8)",
+            help="rtn: round to nearest; awq (default): activation-aware scales (and int4 "
+            "clipping) calibrated on text that ships with Python, cached after the first load",
         )
         group.add_argument(
             "--quantization-group-size",

@@ -124,9 +124,9 @@ def test_int8_kv_blocks_with_prefix_caching_preemption_and_forks(tiny_llama: Pat
 
 def test_quantization_flags_are_validated() -> None:
     assert EngineArgs(quantization="int4").quantization_config() == QuantizationConfig(
-        "int4", "awq", 64
+        "int4", "awq", 32
     )
-    assert EngineArgs(quantization="int8").quantization_config().method == "rtn"
+    assert EngineArgs(quantization="int8").quantization_config().describe() == "int8-awq"
     bad = [
         ({"quantization": "int3"}, "quantization must be one of none, int8, int4"),
         ({"quantization_method": "awq"}, "need quantization int8 or int4"),
