@@ -61,6 +61,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     parser.add_argument("--cluster-domain", default=_env("CLUSTER_DOMAIN", "cluster.local"))
     parser.add_argument(
+        "--gateway-url",
+        default=_env("GATEWAY_URL", ""),
+        help="the gateway's OpenAI base URL, written to every InferenceService's status.url "
+        "(default: each service's own URL)",
+    )
+    parser.add_argument(
         "--default-gpu-resource",
         default=_env("DEFAULT_GPU_RESOURCE", "nvidia.com/gpu"),
         help="GPU resource name for InferenceServices without a gpuPool",
@@ -92,6 +98,7 @@ def _run(args: argparse.Namespace) -> int:
 
     config = OperatorConfig(
         cluster_domain=args.cluster_domain,
+        gateway_url=args.gateway_url or None,
         default_gpu_resource=args.default_gpu_resource,
         config_map_threshold_bytes=args.config_map_threshold_bytes,
     )

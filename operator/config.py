@@ -15,6 +15,8 @@ class OperatorConfig:
     runtime_image: str = DEFAULT_RUNTIME_IMAGE
     # The in-cluster DNS suffix, for status.url.
     cluster_domain: str = "cluster.local"
+    # The gateway's OpenAI base URL: status.url when set (else each service's own URL).
+    gateway_url: str | None = None
     # The GPU resource for InferenceServices that name no GPUPool.
     default_gpu_resource: str = "nvidia.com/gpu"
     # The single server-side-apply field manager for everything the operator writes.

@@ -57,6 +57,7 @@ from ladle.operator.status import (
     VariantObservation,
     derive_isvc_status,
     derive_pool_status,
+    operator_status,
 )
 from ladle.operator.telemetry import Metrics
 from ladle.operator.workqueue import WorkQueue
@@ -244,9 +245,9 @@ class Controller:
         if (
             not spec_changed
             and new is not None
-            and new.status == self.written_status.get(new.meta.uid)
+            and operator_status(new.status) == self.written_status.get(new.meta.uid)
         ):
-            return  # the echo of our own status write
+            return  # the echo of our own status write, or a gateway's (its fields only)
         self.queue.add(WorkKey("isvc", *key), urgent=spec_changed)
 
     def observe_pool(self, event_type: str | None, obj: Mapping[str, Any]) -> None:
@@ -517,11 +518,11 @@ class Controller:
         )
         service_key = ("Service", namespace, name)
         failure = self.create_failures.get(service_key)
-        previous = self.written_status.get(isvc.meta.uid) or isvc.status
+        previous = self.written_status.get(isvc.meta.uid) or operator_status(isvc.status)
         status = derive_isvc_status(
             isvc,
             [variant],
-            url=service_url(isvc, self.config.cluster_domain),
+            url=self.config.gateway_url or service_url(isvc, self.config.cluster_domain),
             selector=label_selector(name),
             now=now_rfc3339(),
             previous=previous,

@@ -18,6 +18,19 @@ from ladle.operator.quota import PoolPlan
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+OPERATOR_CONDITIONS = frozenset({READY, PROGRESSING, DEGRADED})
+# status.gateway, and any condition of another type (the gateway's ModelNameConflict), belong
+# to the gateway's field manager: the operator never writes them and compares its own status
+# without them, so a gateway's write never makes the operator write.
+GATEWAY_STATUS = "gateway"
+
+
+def operator_status(status: Mapping[str, Any]) -> JSON:
+    """The part of a stored status that the operator writes."""
+    own = {k: v for k, v in status.items() if k != GATEWAY_STATUS}
+    if "conditions" in own:
+        own["conditions"] = [c for c in own["conditions"] if c.get("type") in OPERATOR_CONDITIONS]
+    return own
 
 
 @dataclass(frozen=True)
@@ -232,7 +245,6 @@ def derive_isvc_status(
         if problems
         else Condition(DEGRADED, False, "AsExpected")
     )
-
     generation = isvc.meta.generation
     return {
         "observedGeneration": generation,

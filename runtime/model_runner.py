@@ -83,9 +83,15 @@ class ModelRunner:
         )
         return torch.tensor(token_ids, dtype=torch.long, device=dev), pos.to(dev), meta
 
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget per-sequence state (seeded generators) of sequences that ended."""
+        for seq_id in seq_ids:
+            self.sampler.forget(seq_id)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; sample for each sequence that reached its end."""
+        self.release(out.finished_seq_ids)
         self.attention.copy_blocks(self.caches, out.block_copies)
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)

@@ -93,8 +93,8 @@ class Sampler:
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
 
-    def forget(self, seq: Sequence) -> None:
-        self._generators.pop(seq.seq_id, None)
+    def forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
 
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)

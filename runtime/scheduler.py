@@ -1,18 +1,35 @@
-"""Continuous batching: which sequences run this step, and how many tokens each.
+"""Continuous batching: which sequences run this step, and what a step's output changes.
 
 One token budget covers prefill chunks and decodes alike, so long prompts are chunked and
 share steps with running decodes. When blocks run out, the lowest-priority running sequence
 (the newest, under FCFS) is preempted and later recomputed.
+
+As in vLLM v1, the scheduler is the one place where scheduling state changes after a step:
+:meth:`Scheduler.update_from_output` advances computed tokens, appends sampled tokens, checks
+the token-level stop conditions, forks n>1 samples and beams, and frees what finished. Stop
+strings are found by the output processor, which asks for those sequences to be finished
+through :meth:`Scheduler.finish_seqs`, as it would abort a request.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from ladle.runtime.beam_search import BeamCandidates, BeamHypothesis, BeamSearch
 from ladle.runtime.kv_cache.manager import KVCacheManager
-from ladle.runtime.sequence import Sequence, SequenceStatus
+from ladle.runtime.sampler import TokenLogprobs
+from ladle.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from ladle.runtime.input_processor import Request
+    from ladle.runtime.model_runner import ModelRunnerOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -31,6 +48,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences freed since the previous schedule: the model runner drops their state.
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -41,6 +60,36 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class SequenceUpdate:
+    """What one sequence of a request gained in a step: its new token (with the sample's
+    logprobs), or its end. A sequence forked in the step appears with no tokens."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class RequestUpdate:
+    """The scheduler's report on one request after a step (vLLM's ``EngineCoreOutput``)."""
+
+    request_id: str
+    seqs: list[SequenceUpdate] = field(default_factory=list)
+    # Prompt logprobs of positions first, first + 1, ... that this step computed.
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    # Whether any of its sequences sampled a token in the step (beams included).
+    sampled: bool = False
+    finished: bool = False
+    # Beam search, once finished: the hypotheses, best first (an aborted search: its beams).
+    hypotheses: list[BeamHypothesis] | None = None
+
+
 class Scheduler:
     def __init__(
         self,
@@ -48,20 +97,43 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "fcfs",
+        max_model_len: int | None = None,
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.groups: dict[str, SequenceGroup] = {}
         self.num_preemptions = 0
+        self._freed: list[int] = []
 
-    def _rank(self, seq: Sequence) -> tuple[int, float, int]:
-        """Lower ranks are served first; the highest-ranked running sequence is preempted."""
-        if self.policy == "priority":
-            return (seq.priority, seq.arrival_time, seq.seq_id)
-        return (0, seq.arrival_time, seq.seq_id)
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.groups:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        seq = Sequence(
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.arrival_time,
+            request.priority,
+        )
+        group = SequenceGroup(request.request_id, request.params, [seq], request.params.num_samples)
+        if request.beam_params is not None:
+            bp = request.beam_params
+            room = bp.max_tokens
+            if self.max_model_len is not None:
+                room = min(room, self.max_model_len - len(request.prompt_token_ids))
+            group.beam = BeamSearch(bp, self.eos_token_ids, max(room, 1))
+            group.width = bp.beam_width
+        self.groups[request.request_id] = group
+        self.add(seq)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -72,14 +144,25 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def detach(self, seq: Sequence) -> None:
-        """Stop scheduling a running sequence but keep its blocks: a beam that has sampled
-        waits for its siblings, then comes back through ``add_running``."""
+    def _park(self, seq: Sequence) -> None:
+        """Stop scheduling a running beam but keep its blocks until its siblings sampled."""
         self.running.remove(seq)
+        seq.status = SequenceStatus.PARKED
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def _rank(self, seq: Sequence) -> tuple[int, float, int]:
+        """Lower ranks are served first; the highest-ranked running sequence is preempted."""
+        if self.policy == "priority":
+            return (seq.priority, seq.arrival_time, seq.seq_id)
+        return (0, seq.arrival_time, seq.seq_id)
+
+    # -- ending -------------------------------------------------------------------------
 
     def finish(self, seqs: Iterable[Sequence]) -> None:
         """Drop finished or aborted sequences and free their blocks at once."""
@@ -91,6 +174,54 @@ class Scheduler:
         if gone:
             self.running = [s for s in self.running if s.seq_id not in gone]
             self.waiting = [s for s in self.waiting if s.seq_id not in gone]
+            self._freed.extend(gone)
+
+    def finish_seqs(self, request_id: str, indexes: Iterable[int]) -> None:
+        """End sequences that the output processor stopped (a stop string matched)."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        wanted = set(indexes)
+        seqs = [s for s in group.live if s.index in wanted]
+        for seq in seqs:
+            seq.finish_reason = "stop"
+        self.finish(seqs)
+        self._drop_if_done(group)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: str) -> list[RequestUpdate]:
+        """End whole requests now (abort), freeing their blocks; returns their last reports."""
+        updates = []
+        for rid in request_ids:
+            group = self.groups.get(rid)
+            if group is None:
+                continue
+            live = group.live
+            for seq in live:
+                seq.finish_reason = reason
+            self.finish(live)
+            update = RequestUpdate(rid, finished=True)
+            if group.beam is not None:
+                update.hypotheses = self._beam_results(group, reason)
+            else:
+                update.seqs = [
+                    SequenceUpdate(
+                        s.index,
+                        finish_reason=reason,
+                        cumulative_logprob=s.cumulative_logprob,
+                    )
+                    for s in live
+                ]
+            del self.groups[rid]
+            updates.append(update)
+        return updates
+
+    def _drop_if_done(self, group: SequenceGroup) -> bool:
+        if group.finished and group.request_id in self.groups:
+            del self.groups[group.request_id]
+            return True
+        return False
+
+    # -- scheduling ---------------------------------------------------------------------
 
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
@@ -150,7 +281,17 @@ class Scheduler:
             budget -= num_new
 
         out.block_copies = self.kv.take_pending_copies()
+        self._stamp(out)
         return out
+
+    def _stamp(self, out: SchedulerOutput) -> None:
+        """Note when each request first ran, and hand over the sequences freed since."""
+        now = time.monotonic()
+        for item in out.scheduled:
+            group = self.groups[item.seq.request_id]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+        out.finished_seq_ids, self._freed = self._freed, []
 
     def _preempt_for(
         self, seq: Sequence, out: SchedulerOutput, scheduled: dict[int, ScheduledSequence]
@@ -170,8 +311,173 @@ class Scheduler:
         out.scheduled.remove(undone)
         return undone.num_new_tokens
 
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+    # -- after a step -------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Apply one step's results: the only place scheduling state changes after a step."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.commit_computed(item.seq)
+        updates: dict[str, RequestUpdate] = {}
+
+        def update_for(group: SequenceGroup) -> RequestUpdate:
+            update = updates.get(group.request_id)
+            if update is None:
+                update = updates[group.request_id] = RequestUpdate(
+                    group.request_id,
+                    num_cached_tokens=group.seqs[0].num_cached_tokens,
+                    first_scheduled_time=group.first_scheduled_time,
+                )
+            return update
+
+        by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
+        for seq_id, (first, lps) in result.prompt_logprobs.items():
+            update_for(self.groups[by_id[seq_id].request_id]).prompt_logprobs = (first, lps)
+        touched: dict[str, SequenceGroup] = {}
+        for item in out.scheduled:
+            seq = item.seq
+            sample = result.sampled.get(seq.seq_id)
+            if sample is None:
+                continue
+            group = self.groups[seq.request_id]
+            touched[group.request_id] = group
+            update = update_for(group)
+            update.sampled = True
+            if group.beam is not None:
+                group.pending[seq.seq_id] = sample
+                self._park(seq)
+                continue
+            self._append(group, seq, sample, update)
+        for group in touched.values():
+            update = updates[group.request_id]
+            if group.beam is not None:
+                self._advance_beams(group, update)
+            else:
+                ended = [s for s in group.seqs if s.finish_reason is not None and not s.is_finished]
+                self.finish(ended)
+            update.finished = self._drop_if_done(group)
+        return list(updates.values())
+
+    def _append(
+        self, group: SequenceGroup, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate
+    ) -> None:
+        """Take a sampled token: cumulative logprob, n>1 fork, token-level stop checks."""
+        seq.append_token(sample.token_id)
+        seq.cumulative_logprob += sample.logprob
+        if not group.forked and len(group.seqs) < group.width:
+            self._fork_samples(group, seq, update)
+        group.forked = True
+        self._check_stop(seq, sample.token_id)
+        update.seqs.append(
+            SequenceUpdate(
+                seq.index,
+                [sample.token_id],
+                [sample] if seq.params.logprobs is not None else [],
+                seq.finish_reason,
+                seq.stop_reason,
+                seq.cumulative_logprob,
+            )
+        )
+
+    def _fork_samples(self, group: SequenceGroup, parent: Sequence, update: RequestUpdate) -> None:
+        """n>1 / best_of: once the prompt is prefilled, fork the other samples off the first.
+
+        Children share every prompt block copy-on-write and recompute only the last prompt
+        token, to draw their own first token (seeded children use ``seed + index``, as vLLM)."""
+        params = parent.params
+        for index in range(1, group.width):
+            child_params = params if params.seed is None else params.clone(seed=params.seed + index)
+            child = Sequence(
+                parent.request_id,
+                parent.prompt_token_ids,
+                child_params,
+                parent.arrival_time,
+                parent.priority,
+                index=index,
+            )
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_prompt_tokens - 1
+            child.num_cached_tokens = parent.num_cached_tokens
+            group.seqs.append(child)
+            self.add_running(child)
+            update.seqs.append(SequenceUpdate(index))
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens) or (
+            self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+
+    def _advance_beams(self, group: SequenceGroup, update: RequestUpdate) -> None:
+        """One beam-search step once every live beam has sampled; the chosen continuations
+        fork their parents' blocks and dropped beams free theirs at once.
+
+        Beams that sampled are parked (keeping their blocks) until the others have too, so
+        that siblings that missed a step (out of token budget, or preempted) catch up without
+        competing with them."""
+        assert group.beam is not None
+        beams = group.live
+        if any(b.seq_id not in group.pending for b in beams):
+            return
+        samples = [group.pending.pop(b.seq_id) for b in beams]
+        continuations = group.beam.step(
+            [
+                BeamCandidates(
+                    b.output_token_ids, b.cumulative_logprob, s.top_token_ids, s.top_logprobs
+                )
+                for b, s in zip(beams, samples, strict=True)
+            ]
+        )
+        group.forked = True
+        if group.beam.done:
+            for b in beams:
+                b.finish_reason = "length"
+            self.finish(beams)
+            update.hypotheses = list(group.beam.finished)
+            return
+        survivors: list[Sequence] = []
+        reused: set[int] = set()
+        for c in continuations:
+            parent = beams[c.parent]
+            if c.parent not in reused:
+                reused.add(c.parent)
+                survivors.append(parent)
+                continue
+            child = Sequence(
+                parent.request_id,
+                parent.prompt_token_ids,
+                parent.params,
+                parent.arrival_time,
+                parent.priority,
+            )
+            child.token_ids = list(parent.token_ids)
+            child.output_token_ids = list(parent.output_token_ids)
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.kv.fork(parent, child)
+            survivors.append(child)
+        for seq, c in zip(survivors, continuations, strict=True):
+            seq.append_token(c.token_id)
+            seq.cumulative_logprob = c.cumulative_logprob
+            self.add_running(seq)
+        dropped = [b for i, b in enumerate(beams) if i not in reused]
+        self.finish(dropped)
+        group.seqs = survivors
+
+    @staticmethod
+    def _beam_results(group: SequenceGroup, reason: str) -> list[BeamHypothesis]:
+        """The finished hypotheses, best first; a search that did not finish reports its
+        live beams."""
+        assert group.beam is not None
+        if group.beam.done:
+            return list(group.beam.finished)
+        return [
+            BeamHypothesis(list(b.output_token_ids), b.cumulative_logprob, 0.0, reason)
+            for b in group.seqs
+        ]

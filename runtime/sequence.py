@@ -1,17 +1,26 @@
-"""A sequence: the unit the scheduler schedules and the KV cache manager allocates for."""
+"""Sequences, the unit the scheduler schedules and the KV cache manager allocates for, and the
+groups that tie one request's sequences together (its n samples, or its beams)."""
 
 from __future__ import annotations
 
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ladle.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ladle.runtime.beam_search import BeamSearch
+    from ladle.runtime.sampler import TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # A beam that has sampled this round: it keeps its blocks but is not scheduled until its
+    # siblings have sampled too.
+    PARKED = "parked"
     FINISHED = "finished"
 
 
@@ -69,3 +78,38 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request as the scheduler sees it.
+
+    Sampling requests start as one sequence and fork into ``num_samples`` once the prompt is
+    prefilled; ``seqs`` is then indexed by sample. Beam searches fork into ``beam_width`` live
+    beams; ``seqs`` holds the live ones and ``beam`` decides which run on.
+    """
+
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    # How many sequences the request runs at once; the scheduler reserves them at admission.
+    width: int
+    deadline: float | None = None
+    beam: BeamSearch | None = None
+    # Beam search: this round's sample of each live beam, by seq_id.
+    pending: dict[int, TokenLogprobs] = field(default_factory=dict)
+    forked: bool = False
+    first_scheduled_time: float | None = None
+
+    @property
+    def live(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def num_unforked(self) -> int:
+        """Sequences the request will still fork: seats the scheduler keeps for them."""
+        return 0 if self.forked else self.width - 1

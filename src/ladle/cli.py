@@ -18,6 +18,7 @@ from ladle import __version__
 COMMAND_MODULES = (
     "ladle.runtime.cli",
     "ladle.operator.cli",
+    "ladle.gateway.cli",
     "ladle.cluster.cli",
 )
 

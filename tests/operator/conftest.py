@@ -152,7 +152,7 @@ def ladle_chart(k8s_cluster: KubeCluster) -> str:
         k8s_cluster,
         "upgrade", "--install", RELEASE, str(CHART),
         "--namespace", SYSTEM_NAMESPACE, "--create-namespace",
-        "--set", "replicas=0", "--wait", "--timeout", "120s",
+        "--set", "replicas=0", "--set", "gateway.replicas=0", "--wait", "--timeout", "120s",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     for crd in ("inferenceservices.ladle.dev", "gpupools.ladle.dev"):

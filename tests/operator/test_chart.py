@@ -72,7 +72,18 @@ def test_install_upgrade_and_uninstall(
     env = {e.name: e.value for e in dep.spec.template.spec.containers[0].env}
     assert env["LADLE_OPERATOR_LEADER_ELECT"] == "true"
     assert env["LADLE_OPERATOR_RUNTIME_IMAGE"] == "ghcr.io/ladle-dev/ladle-runtime:0.1.0"
+    gateway = f"{release}-gateway"
+    assert env["LADLE_OPERATOR_GATEWAY_URL"] == (
+        f"http://{gateway}.{k8s_namespace}.svc.cluster.local/v1"
+    )
     assert kube.policy.read_namespaced_pod_disruption_budget(release, k8s_namespace)
+    gw = kube.apps.read_namespaced_deployment(gateway, k8s_namespace)
+    assert (gw.spec.replicas, gw.status.available_replicas) == (2, 2)
+    gw_pod = gw.spec.template.spec
+    assert gw_pod.containers[0].command == ["ladle", "gateway"]
+    assert gw_pod.service_account_name == gateway
+    assert kube.policy.read_namespaced_pod_disruption_budget(gateway, k8s_namespace)
+    assert kube.core.read_namespaced_service(gateway, k8s_namespace).spec.ports[0].port == 80
 
     upgraded = helm(
         k8s_cluster, "upgrade", release, str(CHART), "--namespace", k8s_namespace,

@@ -193,6 +193,31 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         with_spec(VALID_ISVC, replica=2),
         'unknown field "spec.replica"',
     ),
+    (
+        "fallback-to-itself",
+        with_spec(VALID_ISVC, fallback="chat"),
+        "spec.fallback names this InferenceService itself",
+    ),
+    (
+        "fallback-not-a-name",
+        with_spec(VALID_ISVC, fallback="Backup Model"),
+        "spec.fallback must be the name of an InferenceService",
+    ),
+    (
+        "first-token-after-the-deadline",
+        with_spec(VALID_ISVC, timeouts={"requestSeconds": 10, "firstTokenSeconds": 30}),
+        "timeouts.firstTokenSeconds must not exceed timeouts.requestSeconds",
+    ),
+    (
+        "three-retries",
+        with_spec(VALID_ISVC, routing={"retries": 3}),
+        "spec.routing.retries in body should be less than or equal to 2",
+    ),
+    (
+        "load-factor-below-one",
+        with_spec(VALID_ISVC, routing={"loadFactorPercent": 90}),
+        "spec.routing.loadFactorPercent in body should be greater than or equal to 100",
+    ),
 ]
 
 POOL_CASES: list[tuple[str, dict[str, Any], str]] = [
@@ -274,6 +299,29 @@ def test_defaults_fill_a_minimal_inference_service(kube: Kube, k8s_namespace: st
         "resources": {"gpus": 1},
         "replicas": 1,
         "minReplicas": 1,
+        "routing": {
+            "prefixAffinity": True,
+            "prefixChars": 100,
+            "loadFactorPercent": 125,
+            "retries": 2,
+            "outlierDetection": {
+                "consecutiveErrors": 5,
+                "baseEjectionSeconds": 30,
+                "intervalSeconds": 10,
+                "maxEjectionPercent": 10,
+            },
+        },
+        "circuitBreaker": {
+            "enabled": True,
+            "failureRatePercent": 50,
+            "windowSeconds": 30,
+            "minimumCalls": 20,
+            "openSeconds": 30,
+            "halfOpenProbes": 3,
+            "noReadyPodsSeconds": 30,
+            "countRateLimited": False,
+        },
+        "timeouts": {"requestSeconds": 600, "firstTokenSeconds": 60, "scaleFromZeroSeconds": 120},
     }
 
 

@@ -137,8 +137,9 @@ def test_wheel_carries_the_operator_and_the_console_script(wheel: Path) -> None:
         names = set(zf.namelist())
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "ladle = ladle.cli:main" in zf.read(entry_points).decode()
-    for module in sorted((ROOT / "operator").glob("*.py")):
-        assert f"ladle/operator/{module.name}" in names
+    for component in ("operator", "gateway"):
+        for module in sorted((ROOT / component).glob("*.py")):
+            assert f"ladle/{component}/{module.name}" in names
     # A namespace package: an __init__ would shadow the stdlib `operator` from the repo root.
     assert "ladle/operator/__init__.py" not in names
     assert "ladle/cli.py" in names
@@ -146,9 +147,11 @@ def test_wheel_carries_the_operator_and_the_console_script(wheel: Path) -> None:
     assert "ladle/runtime/kernels/cpu_kernels.c" in names
 
 
-def test_operator_imports_only_what_its_image_installs() -> None:
-    """Dockerfile.operator installs the wheel with --no-deps plus a short list. Import the
-    operator with every other distribution hidden, as in that image: it must still load."""
+@pytest.mark.parametrize("command", ["operator", "gateway"])
+def test_control_plane_imports_only_what_its_image_installs(command: str) -> None:
+    """Dockerfile.operator installs the wheel with --no-deps plus a short list, and runs both
+    `ladle operator` and `ladle gateway`. Import each with every other distribution hidden, as
+    in that image: it must still load."""
     install = next(
         arg for word, arg in dockerfile("Dockerfile.operator") if word == "RUN" and "kopf" in arg
     )
@@ -173,14 +176,14 @@ class HideUninstalled:
                 return spec
         return None
 sys.meta_path[:] = [HideUninstalled(list(sys.meta_path))]
-import ladle.operator.main, ladle.operator.cli, ladle.cli
-ladle.cli.build_parser().parse_args(["operator", "--help"])
+import ladle.{command}.main, ladle.{command}.cli, ladle.cli
+ladle.cli.build_parser().parse_args(["{command}", "--help"])
 """
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
-    assert "usage: ladle operator" in result.stdout
+    assert f"usage: ladle {command}" in result.stdout
 
 
 def canonical(name: str) -> str:

@@ -143,7 +143,7 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     table = kube.kubectl("get", "-n", k8s_namespace, "lisvc", "chat", "-o", "wide")
     header, row = table.stdout.splitlines()
     assert header.split() == [
-        "NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY", "REASON", "POOL", "URL", "AGE"
+        "NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY", "REASON", "POOL", "BREAKER", "URL", "AGE"
     ]  # fmt: skip
     assert row.split()[:6] == ["chat", "smollm2", "2", "2", "True", "Available"]
 

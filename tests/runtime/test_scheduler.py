@@ -2,34 +2,45 @@
 
 from __future__ import annotations
 
+import itertools
+
+from ladle.runtime.input_processor import Request
 from ladle.runtime.kv_cache.manager import KVCacheManager
+from ladle.runtime.model_runner import ModelRunnerOutput
+from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import SamplingParams
 from ladle.runtime.scheduler import Scheduler, SchedulerOutput
 from ladle.runtime.sequence import Sequence
 
+_ids = itertools.count()
 
-def seq(n_prompt: int, arrival: float, priority: int = 0, rid: str = "r") -> Sequence:
-    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(), arrival, priority)
+
+def add(sched: Scheduler, n_prompt: int, arrival: float, priority: int = 0) -> Sequence:
+    """Add a request with an ``n_prompt``-token prompt; returns its sequence."""
+    rid = f"r{next(_ids)}"
+    prompt = list(range(1, n_prompt + 1))
+    sched.add_request(Request(rid, None, prompt, SamplingParams(), arrival, priority))
+    return sched.groups[rid].seqs[0]
 
 
 def run_step(sched: Scheduler, sampled_token: int = 7) -> SchedulerOutput:
-    """Schedule, then act as the model: advance counts and append a token where sampled."""
+    """Schedule, then act as the model: every sequence that reached its end samples a token."""
     out = sched.schedule()
-    complete = [item.seq for item in out.scheduled if item.completes_prompt]
-    sched.on_step_done(out)
-    for s in complete:
-        s.append_token(sampled_token)
+    sampled = {
+        item.seq.seq_id: TokenLogprobs(sampled_token, 0.0)
+        for item in out.scheduled
+        if item.completes_prompt
+    }
+    sched.update_from_output(out, ModelRunnerOutput(sampled=sampled))
     return out
 
 
 def test_long_prompt_is_chunked_and_shares_steps_with_decodes() -> None:
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=10)
-    short = seq(3, 0.0)
-    sched.add(short)
+    short = add(sched, 3, 0.0)
     run_step(sched)  # short prefills fully and samples
-    long = seq(25, 1.0)
-    sched.add(long)
+    long = add(sched, 25, 1.0)
     out = run_step(sched)
     sizes = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
     assert sizes == {short.seq_id: 1, long.seq_id: 9}
@@ -45,7 +56,7 @@ def test_max_num_seqs_limits_admission() -> None:
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):
-        sched.add(seq(4, float(i)))
+        add(sched, 4, float(i))
     out = run_step(sched)
     assert len(out.scheduled) == 2
     assert len(sched.waiting) == 1
@@ -54,9 +65,7 @@ def test_max_num_seqs_limits_admission() -> None:
 def test_newest_running_sequence_is_preempted_when_blocks_run_out() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
-    old, new = seq(4, 0.0), seq(4, 1.0)
-    sched.add(old)
-    sched.add(new)
+    old, new = add(sched, 4, 0.0), add(sched, 4, 1.0)
     run_step(sched)  # 2 blocks each, pool full; both sampled a 5th token
     out = run_step(sched)  # each needs a 3rd block for that token's KV: none left
     assert out.preempted == [new]
@@ -70,11 +79,9 @@ def test_newest_running_sequence_is_preempted_when_blocks_run_out() -> None:
 def test_priority_policy_preempts_less_urgent_work() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, policy="priority")
-    background = seq(8, 0.0, priority=10)
-    sched.add(background)
+    background = add(sched, 8, 0.0, priority=10)
     run_step(sched)
-    urgent = seq(8, 1.0, priority=0)
-    sched.add(urgent)
+    urgent = add(sched, 8, 1.0, priority=0)
     out = run_step(sched)
     assert urgent in [i.seq for i in out.scheduled]
     assert background in sched.waiting
@@ -83,11 +90,9 @@ def test_priority_policy_preempts_less_urgent_work() -> None:
 def test_fcfs_waits_instead_of_preempting_for_newcomers() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
-    first = seq(8, 0.0)
-    sched.add(first)
+    first = add(sched, 8, 0.0)
     run_step(sched)
-    second = seq(8, 1.0)
-    sched.add(second)
+    second = add(sched, 8, 1.0)
     out = run_step(sched)
     assert [i.seq for i in out.scheduled] == [first]
     assert sched.waiting == [second]
@@ -96,10 +101,9 @@ def test_fcfs_waits_instead_of_preempting_for_newcomers() -> None:
 def test_finish_frees_blocks_immediately() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
-    s = seq(9, 0.0)
-    sched.add(s)
+    s = add(sched, 9, 0.0)
     run_step(sched)
     assert kv.num_free_blocks == 5
-    sched.finish([s])
+    sched.finish_requests([s.request_id], "abort")
     assert kv.num_free_blocks == 8
     assert sched.num_unfinished == 0

@@ -19,6 +19,8 @@ from ladle.runtime.engine import LLMEngine
 from ladle.runtime.errors import RequestError
 from ladle.runtime.llm import LLM
 from ladle.runtime.sampling_params import BeamSearchParams, EarlyStopping, SamplingParams
+from ladle.runtime.scheduler import Scheduler
+from ladle.runtime.sequence import SequenceGroup
 
 from .conftest import assert_no_blocks_leaked
 
@@ -235,15 +237,14 @@ def test_beams_that_miss_a_step_rerun_with_their_siblings(
     alone = tiny_llm.beam_search([PROMPTS[1]], params)[0]
     engine = tiny_chunked_engine
     partial_steps = 0
-    advance = LLMEngine._advance_beams
+    advance = Scheduler._advance_beams
 
-    def spy(self: LLMEngine, state: Any) -> None:
+    def spy(self: Scheduler, group: SequenceGroup, update: Any) -> None:
         nonlocal partial_steps
-        live = [s for s in state.seqs if not s.is_finished]
-        partial_steps += 0 < len(state.pending) < len(live)
-        advance(self, state)
+        partial_steps += 0 < len(group.pending) < len(group.live)
+        advance(self, group, update)
 
-    monkeypatch.setattr(LLMEngine, "_advance_beams", spy)
+    monkeypatch.setattr(Scheduler, "_advance_beams", spy)
     engine.add_request("beam", PROMPTS[1][:4], params)
     engine.add_request("long", list(range(3000, 3030)), SamplingParams(max_tokens=2))
     engine.add_request("beam-full", PROMPTS[1], params)

@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Gateway benchmark: what the gateway adds, against going straight to the pod, same run.
+
+``proxy``: a trivial backend inside this process (raw asyncio, answers at once), the gateway as
+a subprocess pinned to one core, and a keep-alive load generator in this process on the other
+cores. Direct and gateway runs alternate; each reports requests/s (non-streaming) and streamed
+chunks/s, plus the gateway's requests per CPU-second (robust to a busy machine). Targets:
+>= 1,000 requests/s and >= 10,000 chunks/s on one core.
+
+``serve``: a real ``ladle serve`` (embedded model, prefix caching off so that no run inherits
+another's cache) and the gateway in front of it; ``ladle bench serve`` at saturation with the
+same requests, direct and through the gateway, alternating. Targets: gateway throughput >= 97%
+of direct, added TTFT p50 <= 2 ms and p99 <= 10 ms.
+
+Run on a quiet machine:  .venv/bin/python bench/gateway.py            (both parts)
+                          .venv/bin/python bench/gateway.py proxy --repeats 5
+                          .venv/bin/python bench/gateway.py --smoke  (seconds; checks it works)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httptools
+import httpx
+import psutil
+import yaml
+
+from ladle.gateway.upstream import Pool
+
+ROOT = Path(__file__).resolve().parent.parent
+LADLE = [sys.executable, "-m", "ladle.cli"]
+TARGET_RPS = 1000.0
+TARGET_CHUNKS = 10_000.0
+TARGET_THROUGHPUT_RATIO = 0.97
+TARGET_ADDED_TTFT_P50_MS = 2.0
+TARGET_ADDED_TTFT_P99_MS = 10.0
+
+BODY = json.dumps(
+    {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": "bench",
+        "choices": [{"index": 0, "text": "hello", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }
+).encode()
+CHUNK = b'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"t"}]}\n\n'
+
+
+# -- the trivial backend ---------------------------------------------------------------
+
+
+class _Backend(asyncio.Protocol):
+    """Answers at once: a JSON body, or ``chunks`` SSE events written one loop turn apart."""
+
+    chunks = 64
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.body = b""
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        stream = b'"stream": true' in self.body or b'"stream":true' in self.body
+        self.body = b""
+        if stream:
+            self.streaming = asyncio.ensure_future(self._stream())
+        else:
+            head = (
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            )
+            self.transport.write(head % len(BODY) + BODY)
+
+    async def _stream(self) -> None:
+        write = self.transport.write
+        write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        piece = b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK)
+        for _ in range(self.chunks):
+            await asyncio.sleep(0)
+            if self.transport.is_closing():
+                return
+            write(piece)
+        done = b"data: [DONE]\n\n"
+        write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+
+
+# -- the load generator ----------------------------------------------------------------
+
+
+async def load(port: int, seconds: float, concurrency: int, stream: bool) -> tuple[float, float]:
+    """Requests/s and SSE events/s over ``seconds`` after a short warm-up."""
+    pool = Pool()
+    body = json.dumps({"model": "bench", "prompt": "hello", "stream": stream}).encode()
+    headers = [(b"content-type", b"application/json")]
+    counts = [0, 0]
+    counting = False
+    stop = False
+
+    async def worker() -> None:
+        while not stop:
+            response = await pool.request(
+                "127.0.0.1", port, b"POST", b"/v1/completions", headers, body
+            )
+            events = 0
+            while (piece := await response.read()) is not None:
+                events += piece.count(b"data: ")
+            if response.status != 200:
+                raise RuntimeError(f"status {response.status}")
+            if counting:
+                counts[0] += 1
+                counts[1] += events
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(concurrency)]
+    await asyncio.sleep(min(1.0, seconds / 4))
+    counting = True
+    started = time.perf_counter()
+    await asyncio.sleep(seconds)
+    elapsed = time.perf_counter() - started
+    counting = False
+    stop = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    pool.close()
+    return counts[0] / elapsed, counts[1] / elapsed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def gateway(
+    upstream_port: int, workdir: Path, core: int | None
+) -> Iterator[tuple[int, psutil.Process]]:
+    port = free_port()
+    routes = workdir / "routes.yaml"
+    routes.write_text(
+        yaml.safe_dump(
+            {
+                "services": [
+                    {
+                        "name": "bench",
+                        "model": "bench",
+                        "endpoints": [f"http://127.0.0.1:{upstream_port}"],
+                    }
+                ]
+            }
+        )
+    )
+    log = (workdir / "gateway.log").open("w")
+    proc = subprocess.Popen(
+        [*LADLE, "gateway", "--static", str(routes), "--port", str(port), "--scrape-interval", "0"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        if core is not None:
+            os.sched_setaffinity(proc.pid, {core})
+        wait_http(f"http://127.0.0.1:{port}/health/ready", 30)
+        yield port, psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"bench: {url} did not answer within {timeout:.0f} s")
+
+
+def spread(values: list[float]) -> str:
+    med = statistics.median(values)
+    return f"{med:10,.0f}  ({min(values):,.0f} - {max(values):,.0f})"
+
+
+def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
+    cores = sorted(os.sched_getaffinity(0))
+    gateway_core = cores[0] if len(cores) > 1 else None
+    if gateway_core is not None:
+        os.sched_setaffinity(0, set(cores[1:]))
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    _Backend.chunks = args.chunks
+    server = loop.run_until_complete(loop.create_server(_Backend, "127.0.0.1", 0))
+    backend_port = server.sockets[0].getsockname()[1]
+    rows: dict[str, list[float]] = {
+        k: [] for k in ("direct_rps", "gw_rps", "gw_rps_cpu", "direct_cps", "gw_cps", "gw_cps_cpu")
+    }
+    with gateway(backend_port, workdir, gateway_core) as (port, proc):
+        for i in range(args.repeats):
+            order = ("direct", "gw") if i % 2 == 0 else ("gw", "direct")
+            for stream in (False, True):
+                for target in order:
+                    before = proc.cpu_times()
+                    rps, cps = loop.run_until_complete(
+                        load(
+                            backend_port if target == "direct" else port,
+                            args.seconds,
+                            args.concurrency,
+                            stream,
+                        )
+                    )
+                    cpu = sum(proc.cpu_times()[:2]) - sum(before[:2])
+                    rate, per_cpu = (cps, "cps") if stream else (rps, "rps")
+                    rows[f"{target}_{per_cpu}"].append(rate)
+                    if target == "gw":
+                        # Load ran for the warm-up as well; the CPU time covers both.
+                        span = args.seconds + min(1.0, args.seconds / 4)
+                        rows[f"gw_{per_cpu}_cpu"].append(rate * span / max(cpu, 1e-9))
+    server.close()
+    loop.close()
+    pinned = (
+        f"pinned to core {gateway_core}" if gateway_core is not None else "not pinned (one core)"
+    )
+    print(
+        f"\nproxy benchmark: gateway {pinned}, {args.concurrency} connections, "
+        f"{args.seconds:g} s x {args.repeats}"
+    )
+    print(f"  {'':38} {'median':>10}  (min - max)")
+    print(f"  {'direct to the backend, requests/s':38} {spread(rows['direct_rps'])}")
+    print(f"  {'through the gateway, requests/s':38} {spread(rows['gw_rps'])}")
+    print(f"  {'  per gateway CPU-second':38} {spread(rows['gw_rps_cpu'])}")
+    print(f"  {'direct, streamed chunks/s':38} {spread(rows['direct_cps'])}")
+    print(f"  {'through the gateway, chunks/s':38} {spread(rows['gw_cps'])}")
+    print(f"  {'  per gateway CPU-second':38} {spread(rows['gw_cps_cpu'])}")
+    rps, cps = statistics.median(rows["gw_rps"]), statistics.median(rows["gw_cps"])
+    ok = rps >= TARGET_RPS and cps >= TARGET_CHUNKS
+    print(
+        f"  target >= {TARGET_RPS:,.0f} requests/s: {'met' if rps >= TARGET_RPS else 'MISSED'}; "
+        f">= {TARGET_CHUNKS:,.0f} chunks/s: {'met' if cps >= TARGET_CHUNKS else 'MISSED'}"
+    )
+    return ok
+
+
+# -- ladle bench serve, direct and through the gateway ---------------------------------
+
+
+def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
+    port = free_port()
+    log = (workdir / "serve.log").open("w")
+    serve = subprocess.Popen(
+        [
+            *LADLE,
+            "serve",
+            "--port",
+            str(port),
+            "--no-enable-prefix-caching",
+            "--served-model-name",
+            "bench",
+            "--max-num-seqs",
+            str(args.max_concurrency),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    results: dict[str, list[dict[str, Any]]] = {"direct": [], "gw": []}
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health/ready", 300)
+        with gateway(port, workdir, None) as (gw_port, _):
+            for i in range(args.repeats):
+                order = ("direct", "gw") if i % 2 == 0 else ("gw", "direct")
+                for target in order:
+                    url = f"http://127.0.0.1:{port if target == 'direct' else gw_port}"
+                    out = workdir / f"{target}-{i}.json"
+                    subprocess.run(
+                        [*LADLE, "bench", "serve", "--base-url", url, "--model", "bench",
+                         "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+                         "--output-len", str(args.output_len),
+                         "--max-concurrency", str(args.max_concurrency),
+                         "--seed", "0", "--percentiles", "50,99", "--result-file", str(out)],
+                        check=True, stdout=subprocess.DEVNULL,
+                    )  # fmt: skip
+                    result = json.loads(out.read_text())
+                    if result["failed"]:
+                        raise SystemExit(f"bench: {result['failed']} requests failed ({target})")
+                    results[target].append(result)
+    finally:
+        serve.terminate()
+        serve.wait(60)
+        log.close()
+    ratios = [
+        g["request_throughput"] / d["request_throughput"]
+        for d, g in zip(results["direct"], results["gw"], strict=True)
+    ]
+    p50 = [
+        g["p50_ttft_ms"] - d["p50_ttft_ms"]
+        for d, g in zip(results["direct"], results["gw"], strict=True)
+    ]
+    p99 = [
+        g["p99_ttft_ms"] - d["p99_ttft_ms"]
+        for d, g in zip(results["direct"], results["gw"], strict=True)
+    ]
+
+    def med(key: str, target: str) -> float:
+        return statistics.median(r[key] for r in results[target])
+
+    print(
+        f"\nladle bench serve at saturation: {args.num_prompts} prompts, {args.input_len} in / "
+        f"{args.output_len} out, concurrency {args.max_concurrency}, x {args.repeats} (alternating)"
+    )
+    print(f"  {'':28} {'direct':>10} {'gateway':>10}")
+    for key, label in (
+        ("request_throughput", "requests/s"),
+        ("output_throughput", "output tokens/s"),
+        ("p50_ttft_ms", "TTFT p50 (ms)"),
+        ("p99_ttft_ms", "TTFT p99 (ms)"),
+    ):
+        print(f"  {label:28} {med(key, 'direct'):10.2f} {med(key, 'gw'):10.2f}")
+    ratio, add50, add99 = statistics.median(ratios), statistics.median(p50), statistics.median(p99)
+    print(
+        f"  throughput ratio {ratio:.3f} (runs {min(ratios):.3f} - {max(ratios):.3f}); "
+        f"target >= {TARGET_THROUGHPUT_RATIO}"
+    )
+    print(
+        f"  added TTFT p50 {add50:+.2f} ms (target <= {TARGET_ADDED_TTFT_P50_MS}), "
+        f"p99 {add99:+.2f} ms (target <= {TARGET_ADDED_TTFT_P99_MS})"
+    )
+    return (
+        ratio >= TARGET_THROUGHPUT_RATIO
+        and add50 <= TARGET_ADDED_TTFT_P50_MS
+        and add99 <= TARGET_ADDED_TTFT_P99_MS
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", nargs="?", choices=("all", "proxy", "serve"), default="all")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0, help="proxy: per run")
+    parser.add_argument("--concurrency", type=int, default=64, help="proxy: connections")
+    parser.add_argument("--chunks", type=int, default=64, help="proxy: events per stream")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script works")
+    args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.seconds, args.concurrency = 1, 1.0, 8
+        args.num_prompts, args.input_len, args.output_len, args.max_concurrency = 4, 16, 4, 4
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="ladle-bench-gw-") as tmp:
+        if args.part in ("all", "proxy"):
+            ok &= bench_proxy(args, Path(tmp))
+        if args.part in ("all", "serve"):
+            ok &= bench_serve(args, Path(tmp))
+    return 0 if ok or args.smoke else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

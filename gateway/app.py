@@ -1,0 +1,372 @@
+"""The gateway's HTTP surface as one raw ASGI app (no framework: every microsecond of the data
+path is the product): the OpenAI endpoints it proxies, ``/v1/models``, probes and metrics.
+
+Each proxied request: request id, API key and its limits, body (size-capped), parse, then the
+router; the access log line and the metrics are written once it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ladle.gateway.apikeys import ApiKey, KeyStore
+from ladle.gateway.errors import GatewayError
+from ladle.gateway.inbound import Inbound
+from ladle.gateway.metrics import GatewayMetrics
+from ladle.gateway.proxy import ClientRequest, Outcome, Router
+from ladle.runtime.server.logs import request_id_var
+
+log = logging.getLogger("ladle.gateway")
+access = logging.getLogger("ladle.gateway.access")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PROXIED = frozenset({b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize"})
+# Incoming ids are echoed into headers and logs, so only a safe alphabet is honoured.
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
+_JSON = [(b"content-type", b"application/json")]
+# nginx's code for "the client closed the connection first", for logs and metrics only.
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class Lifecycle:
+    """What the app asks of the process around it."""
+
+    ready: Callable[[], str | None]  # why not ready, or None
+    startup: Callable[[], Awaitable[None]]
+    shutdown: Callable[[], Awaitable[None]]
+
+
+async def _send_json(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]]
+) -> None:
+    headers = [*_JSON, (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GatewayApp:
+    def __init__(
+        self,
+        router: Router,
+        metrics: GatewayMetrics,
+        lifecycle: Lifecycle,
+        *,
+        keys: KeyStore | None = None,
+        max_request_size: int = 8 << 20,
+        access_log: bool = True,
+    ) -> None:
+        self.router = router
+        self.metrics = metrics
+        self.lifecycle = lifecycle
+        self.keys = keys
+        self.max_request_size = max_request_size
+        self.access_log = access_log
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["raw_path"] if scope.get("raw_path") else scope["path"].encode()
+            path = path.partition(b"?")[0]
+            if scope["method"] == "POST" and path in PROXIED:
+                await self._proxy(scope, receive, send, path)
+            else:
+                await self._local(scope, send, path)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # -- the proxied endpoints ------------------------------------------------------------
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, path: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        auth = rid = session = timeout = declared = None
+        for name, value in headers:
+            if name == b"authorization":
+                auth = value
+            elif name == b"x-request-id":
+                rid = value
+            elif name == b"x-session-id":
+                session = value
+            elif name == b"x-ladle-timeout":
+                timeout = value
+            elif name == b"content-length":
+                declared = value
+        request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        out = Outcome()
+        key: ApiKey | None = None
+        inbound: Inbound | None = None
+        task = asyncio.current_task()
+        watcher: asyncio.Task[None] | None = None
+        finished = False
+
+        async def watch_disconnect() -> None:
+            message = await receive()
+            if message["type"] == "http.disconnect" and not finished and task is not None:
+                out.error = "the client closed the connection"
+                task.cancel()
+
+        try:
+            key = self._authenticate(auth, loop.time())
+            deadline = _deadline(timeout, arrival)
+            body = await self._body(receive, declared)
+            inbound = Inbound.parse(body)
+            watcher = loop.create_task(watch_disconnect())
+            request = ClientRequest(
+                request_id=request_id,
+                method=b"POST",
+                path=path,
+                headers=headers,
+                inbound=inbound,
+                arrival=arrival,
+                deadline=deadline,
+                key=key,
+                session_header=session,
+            )
+            await self.router.handle(request, send, out)
+        except GatewayError as exc:
+            out.status = exc.status
+            out.error = exc.message
+            if not out.started:
+                extra = [(b"x-request-id", request_id.encode()), *exc.headers]
+                await _send_json(send, exc.status, exc.body(), extra)
+        except asyncio.CancelledError:
+            if out.error != "the client closed the connection":
+                raise
+            out.status = CLIENT_CLOSED
+        except Exception:
+            log.exception("unhandled error", extra={"path": path.decode()})
+            out.error = "internal error"
+            if not out.started:
+                out.status = 500
+                err = GatewayError(
+                    500, f"internal gateway error (request id {request_id})", "internal_error"
+                )
+                await _send_json(send, 500, err.body(), [(b"x-request-id", request_id.encode())])
+        finally:
+            finished = True
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
+            self._account(out, key, inbound, loop.time() - arrival, request_id, path)
+            request_id_var.reset(token)
+
+    def _authenticate(self, auth: bytes | None, now: float) -> ApiKey | None:
+        if self.keys is None:
+            return None
+        key = self._key(auth, now)
+        if key is None:
+            raise GatewayError(
+                401,
+                "a valid API key is required (Authorization: Bearer <key>)",
+                "invalid_api_key",
+                headers=[(b"www-authenticate", b"Bearer")],
+            )
+        refusal = key.limiter.admit(now)
+        if refusal is not None:
+            self.metrics.rate_limited.labels(key.name, refusal.limit).inc()
+            raise GatewayError(
+                429,
+                refusal.message,
+                "rate_limit_exceeded",
+                headers=[(b"retry-after", str(max(1, round(refusal.retry_after + 0.5))).encode())],
+            )
+        return key
+
+    async def _body(self, receive: Receive, declared: bytes | None) -> bytes:
+        limit = self.max_request_size
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise GatewayError(
+                413, f"the request body exceeds the {limit}-byte limit", "request_too_large"
+            )
+        message = await receive()
+        body = message.get("body", b"")
+        if not message.get("more_body"):
+            return bytes(body)
+        parts = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(
+                    413, f"the request body exceeds the {limit}-byte limit", "request_too_large"
+                )
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def _account(
+        self,
+        out: Outcome,
+        key: ApiKey | None,
+        inbound: Inbound | None,
+        seconds: float,
+        request_id: str,
+        path: bytes,
+    ) -> None:
+        svc = out.service
+        ns, name = (svc.namespace, svc.name) if svc is not None else ("", "")
+        m = self.metrics
+        m.requests(ns, name, out.variant, str(out.status)).inc()
+        if svc is not None:
+            m.duration(ns, name).observe(seconds)
+            if out.ttfb is not None:
+                m.ttfb(ns, name).observe(out.ttfb)
+            if out.overhead is not None:
+                m.overhead(ns, name).observe(out.overhead)
+        if key is not None and out.tokens:
+            key.limiter.charge_tokens(asyncio.get_running_loop().time(), out.tokens)
+        if not self.access_log:
+            return
+        fields: dict[str, Any] = {
+            "request_id": request_id,
+            "path": path.decode(),
+            "status": out.status,
+            "duration_s": round(seconds, 4),
+        }
+        if inbound is not None:
+            fields["model"] = inbound.model
+            fields["stream"] = inbound.stream
+        if svc is not None:
+            fields.update(namespace=ns, service=name, variant=out.variant, pod=out.pod)
+            fields["attempts"] = out.attempts
+        if out.ttfb is not None:
+            fields["ttfb_s"] = round(out.ttfb, 4)
+        if out.fallback_from:
+            fields["fallback_from"] = out.fallback_from
+        if out.held_seconds:
+            fields["held_s"] = round(out.held_seconds, 3)
+        if key is not None:
+            fields["key"] = key.name
+        if out.tokens:
+            fields["tokens"] = out.tokens
+        if out.error:
+            fields["error"] = out.error
+        level = logging.WARNING if out.status >= 500 else logging.INFO
+        access.log(level, "request", extra=fields)
+
+    # -- local endpoints ------------------------------------------------------------------
+
+    async def _local(self, scope: Scope, send: Send, path: bytes) -> None:
+        method = scope["method"]
+        if path == b"/metrics" and method == "GET":
+            body = generate_latest(self.metrics.registry)
+            headers = [
+                (b"content-type", CONTENT_TYPE_LATEST.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        elif path in (b"/health/live", b"/health") and method == "GET":
+            await _send_json(send, 200, b'{"status":"ok"}', [])
+        elif path == b"/health/ready" and method == "GET":
+            reason = self.lifecycle.ready()
+            status = 200 if reason is None else 503
+            await _send_json(send, status, json.dumps({"status": reason or "ok"}).encode(), [])
+        elif path.startswith(b"/v1/models") and method == "GET" and not self._may_list(scope):
+            err = GatewayError(
+                401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_api_key"
+            )
+            await _send_json(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
+        elif path == b"/v1/models" and method == "GET":
+            await _send_json(send, 200, json.dumps(self._models()).encode(), [])
+        elif path.startswith(b"/v1/models/") and method == "GET":
+            wanted = path[len(b"/v1/models/") :].decode(errors="replace")
+            cards = [c for c in self._models()["data"] if c["id"] == wanted]
+            if cards:
+                await _send_json(send, 200, json.dumps(cards[0]).encode(), [])
+            else:
+                err = GatewayError(404, f"the model {wanted!r} does not exist", "model_not_found")
+                await _send_json(send, 404, err.body(), [])
+        elif path in PROXIED or path in (b"/v1/models", b"/metrics", b"/health/ready"):
+            err = GatewayError(405, f"method {method} is not allowed here", "method_not_allowed")
+            await _send_json(send, 405, err.body(), [])
+        else:
+            err = GatewayError(
+                404, f"no such endpoint: {path.decode(errors='replace')}", "not_found"
+            )
+            await _send_json(send, 404, err.body(), [])
+
+    def _may_list(self, scope: Scope) -> bool:
+        """Listing models needs a key too, when keys are configured (no limits are charged)."""
+        if self.keys is None:
+            return True
+        auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        return self._key(auth, asyncio.get_running_loop().time()) is not None
+
+    def _key(self, auth: bytes | None, now: float) -> ApiKey | None:
+        """The key presented as ``Authorization: Bearer <key>``, if it is one of ours."""
+        assert self.keys is not None
+        scheme, _, presented = (auth or b"").decode("latin-1").partition(" ")
+        return self.keys.lookup(presented.strip(), now) if scheme.lower() == "bearer" else None
+
+    def _models(self) -> dict[str, Any]:
+        data = [
+            {
+                "id": svc.model,
+                "object": "model",
+                "created": _epoch(svc.created),
+                "owned_by": f"{svc.namespace}/{svc.name}",
+            }
+            for svc in self.router.models()
+        ]
+        return {"object": "list", "data": data}
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.lifecycle.startup()
+                except Exception as exc:
+                    log.exception("startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.lifecycle.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def _deadline(header: bytes | None, arrival: float) -> float:
+    if header is None:
+        return float("inf")
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e7:
+        shown = header.decode(errors="replace")
+        raise GatewayError(
+            400,
+            f"x-ladle-timeout must be a positive number of seconds, got {shown!r}",
+            "invalid_timeout",
+        )
+    return arrival + seconds
+
+
+def _epoch(created: str) -> int:
+    try:
+        return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return 0

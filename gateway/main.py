@@ -1,0 +1,263 @@
+"""``ladle gateway``: the route table kept fresh from Kubernetes (or a static file), the router,
+and uvicorn (httptools, uvloop) serving the raw ASGI app."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import prometheus_client
+import uvicorn
+
+from ladle.gateway.apikeys import KeyFileError, KeyStore
+from ladle.gateway.app import GatewayApp, Lifecycle
+from ladle.gateway.kube import KubeApi
+from ladle.gateway.metrics import GatewayMetrics
+from ladle.gateway.proxy import Hooks, Router
+from ladle.gateway.routes import Pod, Service, build_table, parse_pod, parse_routable
+from ladle.gateway.scrape import Scraper
+from ladle.gateway.static import StaticConfigError, load_static
+from ladle.gateway.upstream import Pool
+from ladle.gateway.watch import Informer
+from ladle.operator.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
+from ladle.runtime.config import ConfigError, parse_memory_size
+from ladle.runtime.server.logs import configure_logging
+
+log = logging.getLogger("ladle.gateway")
+
+TICK_SECONDS = 1.0
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    namespaces: tuple[str, ...] = ()
+    static: Path | None = None
+    api_keys_file: Path | None = None
+    max_held_requests: int = 256
+    scrape_interval: float = 2.0
+    connect_timeout: float = 5.0
+    max_request_size: int = 8 << 20
+    drain_timeout: float = 30.0
+    access_log: bool = True
+    write_status: bool = True
+    identity: str = "ladle-gateway"
+    log_level: str = "info"
+    namespaces_all: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "namespaces_all", not self.namespaces)
+        if self.max_held_requests < 0:
+            raise SettingsError(f"--max-held-requests must be >= 0, got {self.max_held_requests}")
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> GatewaySettings:
+        try:
+            size = parse_memory_size(args.max_request_size)
+        except ConfigError as exc:
+            raise SettingsError(f"--max-request-size: {exc}") from None
+        for flag, value in (("--static", args.static), ("--api-keys-file", args.api_keys_file)):
+            if value is not None and not Path(value).is_file():
+                raise SettingsError(f"{flag}: no such file: {value}")
+        return cls(
+            host=args.host,
+            port=args.port,
+            namespaces=tuple(dict.fromkeys(n.strip() for n in args.namespace if n.strip())),
+            static=None if args.static is None else Path(args.static),
+            api_keys_file=None if args.api_keys_file is None else Path(args.api_keys_file),
+            max_held_requests=args.max_held_requests,
+            scrape_interval=args.scrape_interval,
+            connect_timeout=args.connect_timeout,
+            max_request_size=size,
+            drain_timeout=args.drain_timeout,
+            access_log=args.access_log,
+            write_status=args.write_status,
+            identity=args.identity,
+            log_level=args.log_level,
+        )
+
+
+class Gateway:
+    """The process: route-table sources, router, background tasks."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.pool = Pool(connect_timeout=settings.connect_timeout)
+        self.scraper = (
+            Scraper(self.pool, settings.scrape_interval) if settings.scrape_interval else None
+        )
+        scraper = self.scraper
+        self.router = Router(
+            self.metrics,
+            self.pool,
+            max_held=settings.max_held_requests,
+            loads=(lambda: scraper.loads) if scraper is not None else dict,
+        )
+        self.keys: KeyStore | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._service_informers: list[Informer[Service]] = []
+        self._pod_informers: list[Informer[Pod]] = []
+        self._static: tuple[list[Service], list[Pod]] | None = None
+        self._rebuild_scheduled = False
+        self.api: KubeApi | None = None
+        if settings.static is not None:
+            try:
+                self._static = load_static(settings.static)
+            except StaticConfigError as exc:
+                raise SettingsError(str(exc)) from None
+        if settings.api_keys_file is not None:
+            try:
+                self.keys = KeyStore(settings.api_keys_file, 0.0)
+            except KeyFileError as exc:
+                raise SettingsError(str(exc)) from None
+
+    def app(self) -> GatewayApp:
+        return GatewayApp(
+            self.router,
+            self.metrics,
+            Lifecycle(self.not_ready, self.startup, self.shutdown),
+            keys=self.keys,
+            max_request_size=self.settings.max_request_size,
+            access_log=self.settings.access_log,
+        )
+
+    def not_ready(self) -> str | None:
+        informers: list[Informer[Any]] = [*self._service_informers, *self._pod_informers]
+        for informer in informers:
+            if not informer.synced.is_set():
+                return f"syncing {informer.name}"
+        return None
+
+    async def startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._static is not None:
+            services, pods = self._static
+            self.router.update(build_table(services, pods), loop.time())
+        else:
+            self._start_watching()
+        self._spawn(self._ticker())
+        if self.scraper is not None:
+            self._spawn(self.scraper.run(self._pods))
+        log.info(
+            "gateway started",
+            extra={"url": f"http://{self.settings.host}:{self.settings.port}/v1"},
+        )
+
+    def _start_watching(self) -> None:
+        from ladle.gateway.status import FIELD_MANAGER, StatusWriter
+
+        api = self.api = KubeApi(FIELD_MANAGER)
+        if self.settings.write_status:
+            writer = StatusWriter(api, self.settings.identity)
+            self.router.hooks = Hooks(
+                writer.on_transition, writer.on_hold, writer.on_new, writer.on_table
+            )
+            self._spawn(writer.run())
+        scopes = [f"/namespaces/{ns}" for ns in self.settings.namespaces] or [""]
+        for scope in scopes:
+            self._service_informers.append(
+                Informer(
+                    api,
+                    f"/apis/{API_VERSION}{scope}/{ISVC_PLURAL}",
+                    parse_routable,
+                    self._changed,
+                    name=f"inferenceservices{scope}",
+                )
+            )
+            self._pod_informers.append(
+                Informer(
+                    api,
+                    f"/api/v1{scope}/pods",
+                    parse_pod,
+                    self._changed,
+                    params={"labelSelector": LABEL_ISVC},
+                    name=f"pods{scope}",
+                )
+            )
+        informers: list[Informer[Any]] = [*self._service_informers, *self._pod_informers]
+        for informer in informers:
+            self._spawn(informer.run())
+
+    def _changed(self) -> None:
+        """Coalesce a burst of watch events (a re-list, a rollout) into one table rebuild."""
+        if not self._rebuild_scheduled:
+            self._rebuild_scheduled = True
+            asyncio.get_running_loop().call_soon(self._rebuild)
+
+    def _rebuild(self) -> None:
+        self._rebuild_scheduled = False
+        services = [s for i in self._service_informers for s in i.items.values()]
+        pods = [p for i in self._pod_informers for p in i.items.values()]
+        self.router.update(build_table(services, pods), asyncio.get_running_loop().time())
+
+    def _pods(self) -> list[Pod]:
+        return [
+            p
+            for variants in self.router.table.pods.values()
+            for ps in variants.values()
+            for p in ps
+        ]
+
+    async def _ticker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            self.router.tick(loop.time())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        task.add_done_callback(_crashed)
+        self._tasks.append(task)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.pool.close()
+        if self.api is not None:
+            await self.api.close()
+
+
+def _crashed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task died", exc_info=task.exception())
+
+
+def serve(settings: GatewaySettings) -> int:
+    configure_logging(settings.log_level)
+    prometheus_client.disable_created_metrics()
+    try:
+        gateway = Gateway(settings)
+    except SettingsError as exc:
+        log.error("cannot start", extra={"error": str(exc)})
+        return 2
+    config = uvicorn.Config(
+        gateway.app(),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        backlog=4096,
+        timeout_graceful_shutdown=int(settings.drain_timeout),
+    )
+    uvicorn.Server(config).run()
+    return 0

@@ -1,0 +1,170 @@
+"""The gateway's Prometheus metrics, per service, variant and pod, under ``ladle_gateway_``.
+
+Label children are looked up once per service and pod and kept, since ``labels()`` on every
+request would cost more than the rest of the bookkeeping together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics import MetricWrapperBase
+
+from ladle.gateway.breaker import State
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Series(Generic[M]):
+    """A labelled metric whose children are looked up once and kept: ``labels()`` takes a
+    lock and builds a key on every call, which the data path cannot afford per request."""
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *labels: str) -> M:
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self.metric.labels(*labels)
+        return child
+
+    def forget(self, match: Callable[[tuple[str, ...]], bool]) -> None:
+        for labels in [k for k in self._children if match(k)]:
+            del self._children[labels]
+            with contextlib.suppress(KeyError):
+                self.metric.remove(*labels)
+
+
+# The gateway's own added latency is sub-millisecond; the buckets resolve 100 µs to 100 ms.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        svc = ["namespace", "service"]
+        self.requests_metric = Counter(
+            "ladle_gateway_requests",
+            "Requests answered, by the service and variant that served them and HTTP status.",
+            [*svc, "variant", "code"],
+            registry=r,
+        )
+        self.upstream_metric = Counter(
+            "ladle_gateway_upstream_requests",
+            "Attempts sent to pods, by outcome (ok, http_4xx, http_5xx, connect_error, reset, "
+            "timeout).",
+            [*svc, "variant", "pod", "outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "ladle_gateway_retries", "Attempts retried on another pod.", svc, registry=r
+        )
+        self.in_flight_metric = Gauge(
+            "ladle_gateway_in_flight_requests",
+            "Requests in flight to the service's pods.",
+            [*svc, "variant"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "ladle_gateway_ejections", "Pods ejected as outliers.", [*svc, "pod"], registry=r
+        )
+        self.ejected = Gauge(
+            "ladle_gateway_ejected_pods", "Pods out of rotation now.", svc, registry=r
+        )
+        self.breaker_state = Gauge(
+            "ladle_gateway_breaker_state",
+            "1 for the circuit breaker's current state (Closed, Open, HalfOpen), else 0.",
+            [*svc, "state"],
+            registry=r,
+        )
+        self.breaker_transitions = Counter(
+            "ladle_gateway_breaker_transitions",
+            "Circuit breaker transitions, by the state entered.",
+            [*svc, "state"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "ladle_gateway_fallbacks",
+            "Requests sent to the fallback service while the breaker was open.",
+            [*svc, "fallback"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ladle_gateway_rejected",
+            "Requests refused before reaching a pod, by reason (breaker_open, hold_timeout, "
+            "hold_queue_full, unknown_model, ...).",
+            [*svc, "reason"],
+            registry=r,
+        )
+        self.held = Gauge(
+            "ladle_gateway_held_requests",
+            "Requests waiting for a ready pod (scale from zero); the autoscaler reads this.",
+            svc,
+            registry=r,
+        )
+        self.held_total = Counter(
+            "ladle_gateway_held", "Requests that had to wait for a ready pod.", svc, registry=r
+        )
+        self.rate_limited = Counter(
+            "ladle_gateway_rate_limited",
+            "Requests refused with 429 by an API key's limit (requests or tokens).",
+            ["key", "limit"],
+            registry=r,
+        )
+        self.overhead_metric = Histogram(
+            "ladle_gateway_added_latency_seconds",
+            "Time the gateway adds to a request: arrival to the pod request, plus the pod's "
+            "first byte to the client's.",
+            svc,
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.duration_metric = Histogram(
+            "ladle_gateway_request_duration_seconds",
+            "Arrival to the last byte sent.",
+            svc,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttfb_metric = Histogram(
+            "ladle_gateway_time_to_first_byte_seconds",
+            "Arrival to the first response byte sent (the first token of a stream).",
+            svc,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+        # The per-request series, with their children kept.
+        self.requests = Series(self.requests_metric)
+        self.upstream = Series(self.upstream_metric)
+        self.in_flight = Series(self.in_flight_metric)
+        self.overhead = Series(self.overhead_metric)
+        self.duration = Series(self.duration_metric)
+        self.ttfb = Series(self.ttfb_metric)
+
+    def breaker(self, namespace: str, service: str, state: State) -> None:
+        for s in State:
+            self.breaker_state.labels(namespace, service, s.value).set(1 if s is state else 0)
+
+    def forget_service(self, namespace: str, service: str) -> None:
+        """Drop a deleted service's gauges, so that they do not report it forever."""
+        for s in State:
+            _remove(self.breaker_state, namespace, service, s.value)
+        for gauge in (self.held, self.ejected):
+            _remove(gauge, namespace, service)
+        self.in_flight.forget(lambda labels: labels[:2] == (namespace, service))
+
+    def forget_pod(self, pod: str) -> None:
+        """Drop the series of a pod that is gone; pods come and go with every rollout."""
+        self.upstream.forget(lambda labels: labels[3] == pod)
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)

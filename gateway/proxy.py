@@ -1,0 +1,658 @@
+"""The data path: one client request through breaker, variant split, pod pick and retries to
+a pod, and the answer back to the client as it arrives.
+
+``Router`` holds what the decisions need between requests: per service a circuit breaker, an
+outlier detector, a hash ring per variant and the scale-from-zero hold; per pod the requests in
+flight. It is rebuilt from each new route table, keeping the state of services that remain.
+Everything runs on one event loop, so none of it needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ladle.gateway.apikeys import ApiKey
+from ladle.gateway.breaker import Admission, CircuitBreaker, Transition
+from ladle.gateway.errors import GatewayError, sse_error
+from ladle.gateway.inbound import Inbound
+from ladle.gateway.metrics import GatewayMetrics
+from ladle.gateway.outlier import OutlierDetector
+from ladle.gateway.picker import Candidate, HashRing, pick
+from ladle.gateway.routes import Pod, RouteTable, Service, ServiceKey
+from ladle.gateway.scrape import PodLoad
+from ladle.gateway.split import choose_variant
+from ladle.gateway.upstream import Pool, Response, UpstreamError, UpstreamTimeout
+
+log = logging.getLogger("ladle.gateway")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+HeaderList = list[tuple[bytes, bytes]]
+
+# Never forwarded in either direction (RFC 9110 §7.6.1), or set by the gateway itself.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+        b"host",
+        b"content-length",
+        b"x-request-id",
+    }
+)
+_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
+_RETRY_STATUSES = frozenset({502, 503, 504})
+MAX_FALLBACK_HOPS = 3
+_USAGE = re.compile(rb'"usage":\s*\{')
+# The gateway's own answers that mean the service failed (a missing pod is the hold's business).
+_BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
+# Outcomes of an attempt that say nothing against the pod.
+_POD_FINE = frozenset({"ok", "http_4xx", "client_deadline"})
+
+
+@dataclass
+class ClientRequest:
+    """One request as the data path sees it; times are ``loop.time()``."""
+
+    request_id: str
+    method: bytes
+    path: bytes
+    headers: HeaderList
+    inbound: Inbound
+    arrival: float
+    deadline: float  # the client's own timeout, if it sent one, else infinity
+    key: ApiKey | None = None
+    session_header: bytes | None = None
+
+
+@dataclass
+class Outcome:
+    """What happened, for the access log, the metrics and the token bucket."""
+
+    status: int = 0
+    service: Service | None = None
+    variant: str = ""
+    pod: str = ""
+    attempts: int = 0
+    fallback_from: str | None = None
+    held_seconds: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+    # The service failed this request (a stream cut short, a deadline of its own): a breaker
+    # failure even though the status sent was 200.
+    failed: bool = False
+    started: bool = False
+    ttfb: float | None = None
+    overhead: float | None = None
+
+
+class ServiceState:
+    """The live routing state of one InferenceService."""
+
+    def __init__(self, service: Service, now: float) -> None:
+        self.service = service
+        self.breaker = CircuitBreaker(service.breaker, now)
+        self.outlier = OutlierDetector(service.outlier)
+        self.ready: dict[str, list[Pod]] = {}
+        self.rings: dict[str, HashRing] = {}
+        self.pod_count = 0
+        self.ready_event = asyncio.Event()
+        self.held = 0
+        self.held_since: float | None = None
+
+    @property
+    def key(self) -> ServiceKey:
+        return self.service.key
+
+    def configure(self, service: Service, now: float) -> None:
+        old = self.service
+        self.service = service
+        if service.breaker != old.breaker:
+            self.breaker = CircuitBreaker(service.breaker, now)
+        if service.outlier != old.outlier:
+            self.outlier = OutlierDetector(service.outlier)
+
+    def set_pods(self, ready: dict[str, list[Pod]], all_pods: set[str]) -> None:
+        self.ready = ready
+        self.pod_count = sum(len(p) for p in ready.values())
+        for variant, pods in ready.items():
+            names = [p.id for p in pods]
+            ring = self.rings.get(variant)
+            if ring is None or ring.pods != frozenset(names):
+                self.rings[variant] = HashRing(names)
+        for variant in self.rings.keys() - ready.keys():
+            del self.rings[variant]
+        self.outlier.retain(all_pods)
+        if self.pod_count:
+            self.ready_event.set()
+        else:
+            self.ready_event.clear()
+
+
+@dataclass
+class Hooks:
+    """Where breaker transitions and hold episodes are reported (status writer, logs)."""
+
+    on_transition: Callable[[ServiceState, Transition], None] = lambda st, t: None
+    on_hold: Callable[[ServiceState], None] = lambda st: None
+    on_new: Callable[[ServiceState], None] = lambda st: None
+    on_table: Callable[[RouteTable, Mapping[ServiceKey, ServiceState]], None] = lambda t, s: None
+
+
+@dataclass
+class Router:
+    metrics: GatewayMetrics
+    pool: Pool
+    max_held: int = 256
+    hooks: Hooks = field(default_factory=Hooks)
+    loads: Callable[[], dict[str, PodLoad]] = dict
+    rng: random.Random = field(default_factory=random.Random)
+    table: RouteTable = field(default_factory=RouteTable)
+    states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
+    outstanding: dict[str, int] = field(default_factory=dict)
+
+    # -- table updates and time ----------------------------------------------------------
+
+    def update(self, table: RouteTable, now: float) -> None:
+        old_pods = {
+            p for variants in self.table.pods.values() for ps in variants.values() for p in ps
+        }
+        self.table = table
+        for key in self.states.keys() - table.services.keys():
+            self.states.pop(key)
+            self.metrics.forget_service(*key)
+        for key, service in table.services.items():
+            state = self.states.get(key)
+            if state is None:
+                state = self.states[key] = ServiceState(service, now)
+                self.metrics.breaker(*key, state.breaker.state)
+                self.hooks.on_new(state)
+            else:
+                state.configure(service, now)
+            all_pods = {p.id for ps in table.pods.get(key, {}).values() for p in ps}
+            state.set_pods(table.ready_pods(key), all_pods)
+        self.hooks.on_table(table, self.states)
+        new_pods = {p for variants in table.pods.values() for ps in variants.values() for p in ps}
+        addresses = {(p.host, p.port) for p in new_pods}
+        ids = {p.id for p in new_pods}
+        for gone in old_pods - new_pods:
+            if (gone.host, gone.port) not in addresses:
+                self.pool.drop(gone.host, gone.port)
+            if gone.id not in ids:
+                self.metrics.forget_pod(gone.id)
+        self.tick(now)
+
+    def tick(self, now: float) -> None:
+        """Time-driven breaker transitions; called every second and after each update."""
+        for state in self.states.values():
+            expected = state.service.replicas > 0
+            transition = state.breaker.observe_ready(now, state.pod_count, expected)
+            if transition is not None:
+                self._transitioned(state, transition)
+            self.metrics.ejected.labels(*state.key).set(len(state.outlier.ejected(now)))
+
+    def _transitioned(self, state: ServiceState, transition: Transition) -> None:
+        ns, name = state.key
+        self.metrics.breaker(ns, name, transition.new)
+        self.metrics.breaker_transitions.labels(ns, name, transition.new.value).inc()
+        log.warning(
+            "circuit breaker %s",
+            transition.new.value.lower(),
+            extra={
+                "namespace": ns,
+                "service": name,
+                "from": transition.old.value,
+                "to": transition.new.value,
+                "reason": transition.reason,
+                "fallback": state.service.fallback,
+            },
+        )
+        self.hooks.on_transition(state, transition)
+
+    def models(self) -> list[Service]:
+        return sorted(self.table.by_model.values(), key=lambda s: s.model)
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def handle(self, req: ClientRequest, send: Send, out: Outcome) -> None:
+        """Serve ``req``; raises GatewayError for an answer the gateway gives itself."""
+        loop = asyncio.get_running_loop()
+        owner = self.table.by_model.get(req.inbound.model)
+        if owner is None:
+            self.metrics.rejected.labels("", "", "unknown_model").inc()
+            raise GatewayError(
+                404,
+                f"the model {req.inbound.model!r} does not exist; GET /v1/models lists the "
+                "models this gateway routes",
+                "model_not_found",
+                param="model",
+            )
+        state = self.states[owner.key]
+        visited: list[ServiceState] = []
+        while True:
+            now = loop.time()
+            transition = state.breaker.tick(now)  # open → half-open happens as time passes
+            if transition is not None:
+                self._transitioned(state, transition)
+            admission = state.breaker.allow(now)
+            if admission is not Admission.REJECT:
+                break
+            fallback = state.service.fallback
+            nxt = self.states.get((state.key[0], fallback)) if fallback else None
+            if nxt is None or nxt in visited or nxt is state or len(visited) >= MAX_FALLBACK_HOPS:
+                self.metrics.rejected.labels(*state.key, "breaker_open").inc()
+                wait = state.service.breaker.open_seconds - (loop.time() - state.breaker.since)
+                retry = max(1, math.ceil(wait))
+                raise GatewayError(
+                    503,
+                    f"{state.key[1]} is unavailable: its circuit breaker is open "
+                    f"({state.breaker.reason}); retry in {retry} s",
+                    "circuit_open",
+                    headers=[(b"retry-after", str(retry).encode())],
+                )
+            self.metrics.fallbacks.labels(*state.key, nxt.key[1]).inc()
+            visited.append(state)
+            state = nxt
+        out.service = state.service
+        if visited:
+            out.fallback_from = visited[0].key[1]
+        probe = admission is Admission.PROBE
+        success: bool | None = None
+        try:
+            success = await self._serve(state, req, send, out, bool(visited))
+        except GatewayError as exc:
+            if exc.code in _BREAKER_FAILURES:
+                success = False
+            raise
+        finally:
+            if success is None:
+                if probe:
+                    state.breaker.release_probe()
+            else:
+                transition = state.breaker.record(loop.time(), success, probe=probe)
+                if transition is not None:
+                    self._transitioned(state, transition)
+
+    async def _serve(
+        self, state: ServiceState, req: ClientRequest, send: Send, out: Outcome, fallback: bool
+    ) -> bool:
+        """Run the attempts; True when the service did its job (for the breaker)."""
+        loop = asyncio.get_running_loop()
+        service = state.service
+        deadline = min(req.deadline, req.arrival + service.timeouts.request_seconds)
+        limited = req.key is not None and req.key.limiter.tokens is not None
+        add_usage = limited and req.inbound.stream and not req.inbound.wants_usage
+        body = req.inbound.rewritten(
+            model=service.model if fallback else None, include_usage=add_usage
+        )
+        headers = [(k, v) for k, v in req.headers if k not in _HOP_BY_HOP]
+        headers.append((b"x-request-id", req.request_id.encode()))
+        sticky = req.inbound.session_key(req.session_header)
+        prefix = (
+            req.inbound.prefix(service.routing.prefix_chars)
+            if service.routing.prefix_affinity
+            else None
+        )
+        tried: set[str] = set()
+        hold_until: float | None = None
+        last_error: str = ""
+        retries = service.routing.retries
+        while True:
+            choice = self._choose(state, tried, sticky, prefix, loop.time())
+            if choice is None:
+                if tried:
+                    break  # every pod tried: answer with the last error
+                if hold_until is None:
+                    hold_until = min(
+                        deadline, loop.time() + service.timeouts.scale_from_zero_seconds
+                    )
+                await self._hold(state, hold_until, out)
+                continue
+            variant, pod = choice
+            tried.add(pod.id)
+            out.attempts += 1
+            out.variant, out.pod = variant, pod.id
+            if out.attempts > 1:
+                self.metrics.retries.labels(*state.key).inc()
+            last_attempt = out.attempts > retries
+            result = await self._attempt(
+                state,
+                variant,
+                pod,
+                req,
+                body,
+                headers,
+                deadline,
+                send,
+                out,
+                last_attempt,
+                add_usage,
+            )
+            if result is None:
+                rate_limited = out.status == 429 and service.count_rate_limited
+                return out.status < 500 and not out.failed and not rate_limited
+            last_error = result
+            if last_attempt or loop.time() >= deadline:
+                break
+        raise GatewayError(
+            502,
+            f"no pod of {state.key[1]} could take the request: {last_error}",
+            "upstream_unavailable",
+        )
+
+    def _choose(
+        self,
+        state: ServiceState,
+        tried: set[str],
+        sticky: bytes | None,
+        prefix: bytes | None,
+        now: float,
+    ) -> tuple[str, Pod] | None:
+        excluded = state.outlier.ejected(now) | tried if tried else state.outlier.ejected(now)
+        usable = (
+            {v: [p for p in pods if p.id not in excluded] for v, pods in state.ready.items()}
+            if excluded
+            else state.ready
+        )
+        available = {v for v, pods in usable.items() if pods}
+        variant = choose_variant(state.service.weights, available, rng=self.rng, sticky=sticky)
+        if variant is None:
+            return None
+        loads = self.loads()
+        candidates = []
+        by_id = {}
+        for pod in usable[variant]:
+            load = loads.get(pod.id)
+            candidates.append(
+                Candidate(
+                    pod.id,
+                    self.outstanding.get(pod.id, 0),
+                    None if load is None else load.waiting,
+                    None if load is None else load.kv_usage,
+                )
+            )
+            by_id[pod.id] = pod
+        chosen = pick(
+            candidates,
+            rng=self.rng,
+            key=prefix,
+            ring=state.rings.get(variant),
+            load_factor=state.service.routing.load_factor,
+        )
+        return None if chosen is None else (variant, by_id[chosen.name])
+
+    async def _hold(self, state: ServiceState, until: float, out: Outcome) -> None:
+        """Wait for a ready pod (scale from zero), in a bounded queue."""
+        loop = asyncio.get_running_loop()
+        ns, name = state.key
+        if state.held >= self.max_held:
+            self.metrics.rejected.labels(ns, name, "hold_queue_full").inc()
+            raise GatewayError(
+                503,
+                f"{name} has no ready pod and {state.held} requests already wait for one",
+                "no_ready_pods",
+                headers=[(b"retry-after", b"5")],
+            )
+        started = loop.time()
+        state.held += 1
+        self.metrics.held.labels(ns, name).set(state.held)
+        self.metrics.held_total.labels(ns, name).inc()
+        if state.held_since is None:
+            state.held_since = started
+            self.hooks.on_hold(state)
+        try:
+            await asyncio.wait_for(state.ready_event.wait(), max(0.0, until - started))
+        except TimeoutError:
+            self.metrics.rejected.labels(ns, name, "hold_timeout").inc()
+            raise GatewayError(
+                503,
+                f"{name} has no ready pod; waited {loop.time() - started:.0f} s for one",
+                "no_ready_pods",
+                headers=[(b"retry-after", b"5")],
+            ) from None
+        finally:
+            out.held_seconds += loop.time() - started
+            state.held -= 1
+            self.metrics.held.labels(ns, name).set(state.held)
+            if state.held == 0:
+                state.held_since = None
+                self.hooks.on_hold(state)
+
+    async def _attempt(
+        self,
+        state: ServiceState,
+        variant: str,
+        pod: Pod,
+        req: ClientRequest,
+        body: bytes,
+        headers: HeaderList,
+        deadline: float,
+        send: Send,
+        out: Outcome,
+        last: bool,
+        add_usage: bool,
+    ) -> str | None:
+        """One try at one pod. Returns None once an answer went to the client, or why the
+        pod failed while nothing had been sent (the caller may retry elsewhere)."""
+        loop = asyncio.get_running_loop()
+        ns, name = state.key
+        timeouts = state.service.timeouts
+        in_flight = self.metrics.in_flight(ns, name, variant)
+        self.outstanding[pod.id] = self.outstanding.get(pod.id, 0) + 1
+        in_flight.inc()
+        sent_at = loop.time()
+        first_deadline = min(deadline, sent_at + timeouts.first_token_seconds)
+        outcome = "ok"
+        response: Response | None = None
+        try:
+            try:
+                response = await self.pool.request(
+                    pod.host, pod.port, req.method, req.path, headers, body, first_deadline
+                )
+                if response.status in _RETRY_STATUSES and not last:
+                    outcome = "http_5xx"
+                    return f"{pod.name} answered {response.status}"
+                first = await response.read(first_deadline)
+            except UpstreamTimeout:
+                waited = loop.time() - sent_at
+                if req.deadline <= first_deadline:
+                    outcome = "client_deadline"
+                    raise GatewayError(
+                        504,
+                        f"the request's own deadline passed after {waited:.1f} s",
+                        "deadline_exceeded",
+                    ) from None
+                outcome = "timeout"
+                raise GatewayError(
+                    504,
+                    f"{pod.name} sent no first token within {waited:.0f} s",
+                    "first_token_timeout",
+                ) from None
+            except UpstreamError as exc:
+                outcome = exc.kind
+                return f"{pod.name}: {exc}"
+            got_first = loop.time()
+            if response.status >= 500:
+                outcome = "http_5xx"
+            elif response.status >= 400:
+                outcome = "http_4xx"
+            stream = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
+            reply = [(k, v) for k, v in response.headers if k not in _NOT_RETURNED]
+            reply += _gateway_headers(req, variant, out)
+            count_usage = req.key is not None and req.key.limiter.tokens is not None
+            if not stream:
+                try:
+                    rest = await response.read_all(deadline)
+                except UpstreamTimeout:
+                    expired = _expired(req, deadline)
+                    outcome = (
+                        "client_deadline" if expired.code == "deadline_exceeded" else "timeout"
+                    )
+                    raise expired from None
+                except UpstreamError as exc:
+                    outcome = exc.kind
+                    return f"{pod.name}: {exc}"
+                payload = (first or b"") + rest
+                if count_usage:
+                    out.tokens = _usage_tokens(payload)
+                reply.append((b"content-length", str(len(payload)).encode()))
+            out.status = response.status
+            out.started = True
+            first_sent = loop.time()
+            out.ttfb = first_sent - req.arrival
+            out.overhead = (sent_at - req.arrival - out.held_seconds) + (first_sent - got_first)
+            await send({"type": "http.response.start", "status": out.status, "headers": reply})
+            if not stream:
+                await send({"type": "http.response.body", "body": payload})
+            else:
+                failure = await _relay_events(
+                    response,
+                    first,
+                    deadline,
+                    send,
+                    out,
+                    expired=_expired(req, deadline),
+                    strip_usage=add_usage,
+                    count_usage=count_usage,
+                )
+                if failure is not None:
+                    outcome = failure
+                    out.failed = failure != "client_deadline"
+            return None
+        finally:
+            if response is not None:
+                response.release()
+            self.outstanding[pod.id] -= 1
+            if not self.outstanding[pod.id]:
+                del self.outstanding[pod.id]
+            in_flight.dec()
+            self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
+            error = outcome not in _POD_FINE
+            ejection = state.outlier.record(pod.id, loop.time(), error, state.pod_count)
+            if ejection is not None:
+                self.metrics.ejections.labels(ns, name, pod.id).inc()
+                self.metrics.ejected.labels(ns, name).set(len(state.outlier.ejected(loop.time())))
+                log.warning(
+                    "pod ejected",
+                    extra={
+                        "namespace": ns,
+                        "service": name,
+                        "pod": pod.id,
+                        "seconds": ejection.seconds,
+                        "times": ejection.times,
+                    },
+                )
+
+
+def _expired(req: ClientRequest, deadline: float) -> GatewayError:
+    """The answer when ``deadline`` passes: the client's own (not the service's fault) or the
+    service's ``timeouts.requestSeconds`` (a breaker failure)."""
+    if req.deadline <= deadline:
+        return GatewayError(504, "the request's own deadline passed", "deadline_exceeded")
+    return GatewayError(504, "the service's request timeout passed", "request_timeout")
+
+
+def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:
+    headers = [(b"x-request-id", req.request_id.encode()), (b"x-ladle-variant", variant.encode())]
+    if out.fallback_from is not None and out.service is not None:
+        headers.append((b"x-ladle-fallback", out.service.name.encode()))
+    return headers
+
+
+async def _relay_events(
+    response: Response,
+    first: bytes | None,
+    deadline: float,
+    send: Send,
+    out: Outcome,
+    *,
+    expired: GatewayError,
+    strip_usage: bool,
+    count_usage: bool,
+) -> str | None:
+    """Forward server-sent events whole, so that a stream cut short can still end with a clean
+    error event. Returns the failure kind when the stream could not be finished."""
+    buffered = b""
+    piece = first
+    failure: str | None = None
+    while True:
+        if piece is None:
+            break
+        buffered += piece
+        end = buffered.rfind(b"\n\n")
+        if end >= 0:
+            ready, buffered = buffered[: end + 2], buffered[end + 2 :]
+            if count_usage and _USAGE.search(ready):
+                ready = _take_usage(ready, out, strip_usage)
+            if ready:
+                await send({"type": "http.response.body", "body": ready, "more_body": True})
+        try:
+            piece = await response.read(deadline)
+        except UpstreamTimeout:
+            failure = "client_deadline" if expired.code == "deadline_exceeded" else "timeout"
+            body = sse_error(504, f"{expired.message} mid-stream", expired.code)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            out.error = f"{expired.message} mid-stream"
+            break
+        except UpstreamError as exc:
+            failure = exc.kind
+            message = f"the model server went away mid-stream ({exc})"
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": sse_error(502, message, "upstream_disconnected"),
+                    "more_body": True,
+                }
+            )
+            out.error = message
+            break
+    await send({"type": "http.response.body", "body": b""})
+    return failure
+
+
+def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:
+    """Count the tokens of the usage event; drop it if the gateway, not the client, asked."""
+    kept = []
+    for event in events.split(b"\n\n"):
+        if not event:
+            continue
+        if event.startswith(b"data: ") and _USAGE.search(event):
+            try:
+                doc = json.loads(event[6:])
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict):
+                out.tokens = _total_tokens(doc)
+                if strip and not doc.get("choices"):
+                    continue
+        kept.append(event + b"\n\n")
+    return b"".join(kept)
+
+
+def _usage_tokens(payload: bytes) -> int:
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return 0
+    return _total_tokens(doc) if isinstance(doc, dict) else 0
+
+
+def _total_tokens(doc: dict[str, Any]) -> int:
+    usage = doc.get("usage")
+    if isinstance(usage, dict):
+        total = usage.get("total_tokens")
+        if isinstance(total, int):
+            return total
+    return 0

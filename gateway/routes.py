@@ -1,0 +1,246 @@
+"""InferenceServices and Pods → the route table: which service serves a model, with what policy,
+on which pods. Pure: the watch cache hands in plain API objects and gets a new table back.
+
+A model name belongs to one service. When several claim it, the oldest (by creation time, then
+namespace/name) keeps it, as Gateway API resolves conflicting routes; the others are not
+routed, and the gateway marks every claimant's status with a ModelNameConflict condition, so
+nothing is picked silently. It is the gateway's to report: a conflict exists only among the
+namespaces one gateway routes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ladle.gateway.breaker import BreakerConfig
+from ladle.gateway.outlier import OutlierConfig
+from ladle.operator.api import LABEL_ISVC, LABEL_VARIANT, STABLE
+
+ServiceKey = tuple[str, str]  # (namespace, name)
+DEFAULT_POD_PORT = 8000
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    prefix_affinity: bool = True
+    prefix_chars: int = 100
+    load_factor: float = 1.25
+    retries: int = 2
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    request_seconds: float = 600.0
+    first_token_seconds: float = 60.0
+    scale_from_zero_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class Service:
+    namespace: str
+    name: str
+    model: str
+    created: str = ""
+    fallback: str | None = None
+    # Replicas the spec asks for: 0 means scaled to zero, so no ready pod is not a failure.
+    replicas: int = 1
+    weights: tuple[tuple[str, int], ...] = ((STABLE, 100),)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    count_rate_limited: bool = False
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    # The breaker state a gateway last wrote into status.gateway (None: never written).
+    reported_breaker: str | None = None
+
+    @property
+    def key(self) -> ServiceKey:
+        return (self.namespace, self.name)
+
+
+@dataclass(frozen=True)
+class Pod:
+    namespace: str
+    name: str
+    service: str
+    variant: str
+    host: str
+    port: int
+    ready: bool
+
+    @property
+    def service_key(self) -> ServiceKey:
+        return (self.namespace, self.service)
+
+    @functools.cached_property
+    def id(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    model: str
+    owner: ServiceKey
+    others: tuple[ServiceKey, ...]
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    services: Mapping[ServiceKey, Service] = field(default_factory=dict)
+    by_model: Mapping[str, Service] = field(default_factory=dict)
+    conflicts: Mapping[str, Conflict] = field(default_factory=dict)
+    # Every pod of a service, ready or not, by variant; sorted by name.
+    pods: Mapping[ServiceKey, Mapping[str, tuple[Pod, ...]]] = field(default_factory=dict)
+
+    def conflict_of(self, key: ServiceKey) -> Conflict | None:
+        """The conflict this service is part of, if any."""
+        service = self.services.get(key)
+        conflict = self.conflicts.get(service.model) if service is not None else None
+        return (
+            conflict
+            if conflict is not None and (conflict.owner == key or key in conflict.others)
+            else None
+        )
+
+    def ready_pods(self, key: ServiceKey) -> dict[str, list[Pod]]:
+        return {
+            variant: ready
+            for variant, pods in self.pods.get(key, {}).items()
+            if (ready := [p for p in pods if p.ready])
+        }
+
+
+def _int(raw: Mapping[str, Any], name: str, default: int) -> int:
+    value = raw.get(name)
+    return default if value is None else int(value)
+
+
+def parse_service(obj: Mapping[str, Any]) -> Service:
+    """One InferenceService; the CRD has validated and defaulted it, the defaults here only
+    cover objects stored before a field existed."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    routing = spec.get("routing") or {}
+    outlier = routing.get("outlierDetection") or {}
+    breaker = spec.get("circuitBreaker") or {}
+    timeouts = spec.get("timeouts") or {}
+    weights = tuple(
+        (str(w["variant"]), int(w.get("weight", 0)))
+        for w in ((status.get("rollout") or {}).get("weights") or ())
+        if w.get("variant")
+    )
+    return Service(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta["name"]),
+        model=str((spec.get("model") or {})["name"]),
+        created=str(meta.get("creationTimestamp") or ""),
+        fallback=spec.get("fallback") or None,
+        replicas=_int(spec, "replicas", 1),
+        weights=weights or ((STABLE, 100),),
+        routing=RoutingPolicy(
+            prefix_affinity=bool(routing.get("prefixAffinity", True)),
+            prefix_chars=_int(routing, "prefixChars", 100),
+            load_factor=_int(routing, "loadFactorPercent", 125) / 100.0,
+            retries=_int(routing, "retries", 2),
+        ),
+        breaker=BreakerConfig(
+            enabled=bool(breaker.get("enabled", True)),
+            failure_rate=_int(breaker, "failureRatePercent", 50) / 100.0,
+            window_seconds=_int(breaker, "windowSeconds", 30),
+            minimum_calls=_int(breaker, "minimumCalls", 20),
+            open_seconds=_int(breaker, "openSeconds", 30),
+            half_open_probes=_int(breaker, "halfOpenProbes", 3),
+            no_ready_seconds=_int(breaker, "noReadyPodsSeconds", 30),
+        ),
+        count_rate_limited=bool(breaker.get("countRateLimited", False)),
+        outlier=OutlierConfig(
+            consecutive_errors=_int(outlier, "consecutiveErrors", 5),
+            interval_seconds=_int(outlier, "intervalSeconds", 10),
+            base_ejection_seconds=_int(outlier, "baseEjectionSeconds", 30),
+            max_ejection_percent=_int(outlier, "maxEjectionPercent", 10),
+        ),
+        timeouts=Timeouts(
+            request_seconds=_int(timeouts, "requestSeconds", 600),
+            first_token_seconds=_int(timeouts, "firstTokenSeconds", 60),
+            scale_from_zero_seconds=_int(timeouts, "scaleFromZeroSeconds", 120),
+        ),
+        reported_breaker=((status.get("gateway") or {}).get("breaker") or {}).get("state"),
+    )
+
+
+def parse_routable(obj: Mapping[str, Any]) -> Service | None:
+    """An InferenceService the gateway routes to: any that is not being deleted (the operator
+    counts model-name claims the same way)."""
+    if (obj.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    return parse_service(obj)
+
+
+def _container_port(spec: Mapping[str, Any]) -> int:
+    for container in spec.get("containers") or ():
+        for port in container.get("ports") or ():
+            if port.get("name") == "http" and port.get("containerPort"):
+                return int(port["containerPort"])
+    return DEFAULT_POD_PORT
+
+
+def parse_pod(obj: Mapping[str, Any]) -> Pod | None:
+    """A runtime pod, or None for a pod that belongs to no InferenceService."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    service = labels.get(LABEL_ISVC)
+    if not service:
+        return None
+    status = obj.get("status") or {}
+    ready_condition = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+    ip = status.get("podIP") or ""
+    return Pod(
+        namespace=str(meta.get("namespace") or ""),
+        name=str(meta["name"]),
+        service=str(service),
+        variant=str(labels.get(LABEL_VARIANT) or STABLE),
+        host=str(ip),
+        port=_container_port(obj.get("spec") or {}),
+        # A terminating pod is draining: it finishes what it has and takes nothing new.
+        ready=ready_condition and bool(ip) and not meta.get("deletionTimestamp"),
+    )
+
+
+def model_claims(services: Iterable[Service]) -> tuple[dict[str, Service], dict[str, Conflict]]:
+    """Each model's owner, and the models claimed more than once."""
+    claimants: dict[str, list[Service]] = {}
+    for svc in services:
+        claimants.setdefault(svc.model, []).append(svc)
+    owners: dict[str, Service] = {}
+    conflicts: dict[str, Conflict] = {}
+    for model, group in claimants.items():
+        group.sort(key=lambda s: (s.created, s.namespace, s.name))
+        owners[model] = group[0]
+        if len(group) > 1:
+            conflicts[model] = Conflict(model, group[0].key, tuple(s.key for s in group[1:]))
+    return owners, conflicts
+
+
+def build_table(services: Iterable[Service], pods: Iterable[Pod]) -> RouteTable:
+    by_key = {s.key: s for s in services}
+    owners, conflicts = model_claims(by_key.values())
+    grouped: dict[ServiceKey, dict[str, list[Pod]]] = {}
+    for pod in pods:
+        if pod.service_key in by_key:
+            grouped.setdefault(pod.service_key, {}).setdefault(pod.variant, []).append(pod)
+    return RouteTable(
+        services=by_key,
+        by_model=owners,
+        conflicts=conflicts,
+        pods={
+            key: {v: tuple(sorted(ps, key=lambda p: p.name)) for v, ps in variants.items()}
+            for key, variants in grouped.items()
+        },
+    )

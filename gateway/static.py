@@ -1,0 +1,92 @@
+"""Routes from a YAML file instead of Kubernetes: the gateway in front of ``ladle serve``
+processes anywhere (and what the benchmark runs). Each entry reads like an InferenceService::
+
+    services:
+      - name: chat
+        model: smollm2
+        endpoints: [http://127.0.0.1:8001, http://127.0.0.1:8002]   # the stable variant
+        fallback: backup                  # optional, another entry's name
+        routing: {prefixChars: 200}       # optional: spec.routing, circuitBreaker, timeouts
+      - name: backup
+        model: smollm2-int8
+        variants:                         # instead of endpoints: a canary split
+          stable: {weight: 90, endpoints: [http://127.0.0.1:8003]}
+          canary: {weight: 10, endpoints: [http://127.0.0.1:8004]}
+
+Static pods are always considered ready; outlier ejection takes dead ones out of rotation.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ladle.gateway.routes import Pod, Service, parse_service
+from ladle.operator.api import STABLE
+
+_SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts")
+
+
+class StaticConfigError(ValueError):
+    pass
+
+
+def _endpoint(url: Any, where: str) -> tuple[str, int]:
+    parsed = urllib.parse.urlsplit(str(url))
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise StaticConfigError(f"{where}: expected http://HOST:PORT, got {url!r}")
+    return parsed.hostname, parsed.port or 80
+
+
+def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise StaticConfigError(f"{path}: {exc}") from None
+    entries = doc.get("services") if isinstance(doc, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise StaticConfigError(f"{path}: expected a mapping with a non-empty 'services' list")
+    services: list[Service] = []
+    pods: list[Pod] = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: services[{i}]"
+        if not isinstance(entry, dict) or not entry.get("name") or not entry.get("model"):
+            raise StaticConfigError(f"{where}: name and model are required")
+        namespace = str(entry.get("namespace") or "default")
+        name = str(entry["name"])
+        if "variants" in entry:
+            variants = {
+                str(v): (int(spec.get("weight", 0)), list(spec.get("endpoints") or ()))
+                for v, spec in dict(entry["variants"]).items()
+            }
+        else:
+            variants = {STABLE: (100, list(entry.get("endpoints") or ()))}
+        count = 0
+        for variant, (_, urls) in variants.items():
+            for j, url in enumerate(urls):
+                host, port = _endpoint(url, f"{where}.{variant}[{j}]")
+                pods.append(
+                    Pod(namespace, f"{name}-{variant}-{j}", name, variant, host, port, True)
+                )
+                count += 1
+        obj = {
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "model": {"name": str(entry["model"])},
+                "replicas": count,
+                **{k: entry[k] for k in _SPEC_KEYS if k in entry},
+            },
+            "status": {
+                "rollout": {
+                    "weights": [{"variant": v, "weight": w} for v, (w, _) in variants.items()]
+                }
+            },
+        }
+        try:
+            services.append(parse_service(obj))
+        except (TypeError, ValueError) as exc:
+            raise StaticConfigError(f"{where}: {exc}") from None
+    return services, pods

@@ -1,0 +1,327 @@
+"""Replica decisions from LLM load signals, in the shape of Knative's KPA.
+
+A decision is a pure function of the policy, what the scaler remembers (its sliding window,
+its panic state, recent decisions) and one tick's observation. The operator's scaling loop and
+the simulator in ``bench/autoscale_sim.py`` run exactly this code, so what the benchmark
+measures is what the cluster does.
+
+Demand is the number of requests that want a replica: what the runtime pods run and queue
+(``ladle:num_requests_running`` + ``ladle:num_requests_waiting``), or the gateway's in-flight
+count when that is larger (requests on their way to a pod), plus the requests the gateway holds
+because no pod is ready. A target per replica turns demand into replicas; with a KV-cache target
+too, the larger answer wins.
+
+Three rules come from the field's failures rather than from Knative:
+
+- Unknown data never scales down. A failed scrape, a stale sample, NaN or a negative value is not
+  zero load (knative#8610, kubeai#67): the decision holds the current count, says why, and may
+  only rise on what the valid pods alone prove.
+- A request the gateway holds for a service at zero starts a replica at once, whatever the
+  windows say.
+- Scale-down waits for the larger of the decisions over ``scale_down_delay``, and for the
+  scale-to-zero grace period without any demand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+# Reasons, as status and Events show them.
+STABLE = "Stable"
+PANIC = "Panic"
+SCALED_TO_ZERO = "ScaledToZero"
+IDLE = "IdleGracePeriod"
+ACTIVATING = "Activating"
+METRICS_UNAVAILABLE = "MetricsUnavailable"
+AT_MAX = "AtMaxReplicas"
+# Outside panic, the count moves only once demand leaves a band this wide around the current
+# replicas' targets (HPA's tolerance); a load hovering at a replica boundary would otherwise
+# step the count up and down with every bit of noise.
+TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """``spec.autoscaling`` with the replica bounds; durations in seconds."""
+
+    min_replicas: int = 1
+    max_replicas: int = 10
+    # Demand per replica; None leaves that signal out (at least one target is set).
+    target_concurrency: float | None = 16.0
+    target_kv_usage: float | None = None
+    stable_window: float = 60.0
+    panic_window_percent: float = 10.0
+    # Panic starts when the panic-window demand needs this many times the ready replicas.
+    panic_threshold: float = 2.0
+    max_scale_up_rate: float = 1000.0
+    max_scale_down_rate: float = 2.0
+    scale_down_delay: float = 30.0
+    scale_to_zero_grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.target_concurrency is None and self.target_kv_usage is None:
+            raise ValueError("a scaling policy needs targetConcurrency or targetKVCacheUsage")
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need 0 <= minReplicas <= maxReplicas")
+
+    @property
+    def panic_window(self) -> float:
+        return self.stable_window * self.panic_window_percent / 100.0
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    """One ready pod's scrape: its gauges, or why they could not be read."""
+
+    name: str
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class GatewayMetrics:
+    """The gateways' counts for this service, summed over gateway replicas."""
+
+    in_flight: float = 0.0
+    held: float = 0.0
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    time: float
+    # The replica count the Deployments are set to now, and how many pods are ready.
+    current_replicas: int
+    ready_replicas: int
+    pods: Sequence[PodMetrics] = ()
+    # None when no gateway fronts the service.
+    gateway: GatewayMetrics | None = None
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """What the scaler remembers between ticks; the operator keeps one per service."""
+
+    # (time, demand, KV usage summed over pods), oldest first, within the stable window.
+    window: tuple[tuple[float, float, float], ...] = ()
+    panic_since: float | None = None
+    max_panic_replicas: int = 0
+    # (time, decision) within the scale-down delay.
+    recent: tuple[tuple[float, int], ...] = ()
+    # The last tick with any demand; None until the first tick.
+    last_active: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    reason: str
+    message: str
+    panicking: bool = False
+    # True while some or all metrics are unknown: the count may hold or rise, never fall.
+    frozen: bool = False
+    stable_demand: float = 0.0
+    panic_demand: float = 0.0
+    # What the signals asked for before maxReplicas capped it.
+    wanted: int = field(default=0)
+
+
+def _bad(value: float) -> bool:
+    return not math.isfinite(value) or value < 0
+
+
+def _problems(obs: Observation) -> list[str]:
+    problems = []
+    for pod in obs.pods:
+        if pod.error is not None:
+            problems.append(f"pod {pod.name}: {pod.error}")
+        elif _bad(pod.running) or _bad(pod.waiting) or _bad(pod.kv_usage) or pod.kv_usage > 1.0:
+            problems.append(
+                f"pod {pod.name}: nonsensical values (running {pod.running}, waiting "
+                f"{pod.waiting}, KV usage {pod.kv_usage})"
+            )
+    if len(obs.pods) < obs.ready_replicas:
+        problems.append(f"{obs.ready_replicas - len(obs.pods)} ready pods were not scraped")
+    gateway = obs.gateway
+    if gateway is not None:
+        if gateway.error is not None:
+            problems.append(f"gateway: {gateway.error}")
+        elif _bad(gateway.in_flight) or _bad(gateway.held):
+            problems.append(
+                f"gateway: nonsensical values (in flight {gateway.in_flight}, held {gateway.held})"
+            )
+    return problems
+
+
+def _valid(pod: PodMetrics) -> bool:
+    return pod.error is None and not (
+        _bad(pod.running) or _bad(pod.waiting) or _bad(pod.kv_usage) or pod.kv_usage > 1.0
+    )
+
+
+def _demand(obs: Observation) -> tuple[float, float, float]:
+    """(demand, KV usage sum, held requests) from the valid parts of an observation."""
+    pods = [p for p in obs.pods if _valid(p)]
+    demand = sum(p.running + p.waiting for p in pods)
+    kv = sum(p.kv_usage for p in pods)
+    held = 0.0
+    gateway = obs.gateway
+    if gateway is not None and gateway.error is None and not _bad(gateway.in_flight):
+        demand = max(demand, gateway.in_flight)
+        if not _bad(gateway.held):
+            held = gateway.held
+    return demand + held, kv, held
+
+
+def load_in_replicas(policy: ScalingPolicy, demand: float, kv_usage: float) -> float:
+    """Demand in replicas' worth at the targets; with both targets the larger wins."""
+    load = 0.0
+    if policy.target_concurrency is not None:
+        load = demand / policy.target_concurrency
+    if policy.target_kv_usage is not None:
+        load = max(load, kv_usage / policy.target_kv_usage)
+    return load
+
+
+def replicas_for(policy: ScalingPolicy, demand: float, kv_usage: float) -> int:
+    """Replicas that bring demand per replica down to the targets."""
+    return math.ceil(load_in_replicas(policy, demand, kv_usage))
+
+
+def _with_tolerance(policy: ScalingPolicy, demand: float, kv: float, current: int) -> int:
+    wanted = replicas_for(policy, demand, kv)
+    if wanted > current:
+        up = 1.0 + TOLERANCE
+        return max(current, replicas_for(policy, demand / up, kv / up))
+    if wanted < current:
+        down = 1.0 - TOLERANCE
+        return min(current, replicas_for(policy, demand / down, kv / down))
+    return wanted
+
+
+def _mean(window: Sequence[tuple[float, float, float]], since: float) -> tuple[float, float]:
+    recent = [(d, kv) for t, d, kv in window if t > since]
+    if not recent:
+        return 0.0, 0.0
+    return sum(d for d, _ in recent) / len(recent), sum(kv for _, kv in recent) / len(recent)
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return max(low, min(value, high))
+
+
+def decide(
+    policy: ScalingPolicy, state: ScalerState, obs: Observation
+) -> tuple[Decision, ScalerState]:
+    """One tick of the scaler: the replica count to run, and the state for the next tick."""
+    now = obs.time
+    problems = _problems(obs)
+    demand, kv, held = _demand(obs)
+    last_active = state.last_active if state.last_active is not None else now
+    if demand > 0:
+        last_active = now
+    ready = max(1, obs.ready_replicas)
+    max_up = math.ceil(policy.max_scale_up_rate * ready)
+    max_down = math.floor(ready / policy.max_scale_down_rate)
+
+    if problems:
+        # Hold the count; rise only as far as the readable pods alone prove necessary.
+        proven = min(replicas_for(policy, demand, kv), max_up)
+        wanted = max(obs.current_replicas, proven)
+        replicas = _clamp(wanted, policy.min_replicas, policy.max_replicas)
+        decision = Decision(
+            replicas,
+            METRICS_UNAVAILABLE,
+            "holding at the current count, metrics are unknown: " + "; ".join(problems),
+            panicking=state.panic_since is not None,
+            frozen=True,
+            wanted=wanted,
+        )
+        return decision, replace(state, last_active=last_active)
+
+    window = (*(s for s in state.window if s[0] > now - policy.stable_window), (now, demand, kv))
+    stable_demand, stable_kv = _mean(window, now - policy.stable_window)
+    panic_demand, panic_kv = _mean(window, now - policy.panic_window)
+    stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas)
+    panic_wanted = replicas_for(policy, panic_demand, panic_kv)
+    desired_stable = _clamp(stable_wanted, max_down, max_up)
+    desired_panic = _clamp(panic_wanted, max_down, max_up)
+
+    # Unrounded, unlike Knative's: one replica at 51% of its target must not read as a
+    # doubling. With no pod ready, one counts, so a burst onto a service at zero panics at once.
+    over = load_in_replicas(policy, panic_demand, panic_kv) / ready >= policy.panic_threshold
+    panic_since = state.panic_since
+    max_panic = state.max_panic_replicas
+    if over:
+        panic_since = now
+    elif panic_since is not None and now - panic_since > policy.stable_window:
+        panic_since, max_panic = None, 0
+    if panic_since is not None:
+        max_panic = max(max_panic, desired_stable, desired_panic)
+        desired, reason = max_panic, PANIC
+    else:
+        desired, reason = desired_stable, STABLE
+
+    recent = (*(r for r in state.recent if r[0] > now - policy.scale_down_delay), (now, desired))
+    desired = max(d for _, d in recent)
+
+    if held > 0 and desired < 1:
+        desired, reason = 1, ACTIVATING
+    if desired == 0:
+        if now - last_active < policy.scale_to_zero_grace and obs.current_replicas > 0:
+            desired, reason = 1, IDLE
+        else:
+            reason = SCALED_TO_ZERO
+
+    wanted = desired
+    replicas = _clamp(desired, policy.min_replicas, policy.max_replicas)
+    if wanted > policy.max_replicas:
+        reason = AT_MAX
+    message = _message(policy, reason, replicas, wanted, stable_demand, panic_demand, held)
+    decision = Decision(
+        replicas,
+        reason,
+        message,
+        panicking=panic_since is not None,
+        stable_demand=stable_demand,
+        panic_demand=panic_demand,
+        wanted=wanted,
+    )
+    return decision, ScalerState(window, panic_since, max_panic, recent, last_active)
+
+
+def _message(
+    policy: ScalingPolicy,
+    reason: str,
+    replicas: int,
+    wanted: int,
+    stable: float,
+    panic: float,
+    held: float,
+) -> str:
+    if reason == ACTIVATING:
+        return f"{held:g} requests are held with no replica ready; starting one"
+    if reason == SCALED_TO_ZERO:
+        return f"no requests for {policy.scale_to_zero_grace:g} s; scaled to zero"
+    if reason == IDLE:
+        return f"no requests; scaling to zero after {policy.scale_to_zero_grace:g} s without any"
+    window = (
+        f"panic window ({policy.panic_window:g} s) demand {panic:.1f}"
+        if reason == PANIC
+        else f"demand {stable:.1f} over {policy.stable_window:g} s"
+    )
+    targets = [
+        f"{value:g} {unit}"
+        for value, unit in (
+            (policy.target_concurrency, "requests"),
+            (policy.target_kv_usage, "KV-cache usage"),
+        )
+        if value is not None
+    ]
+    target = "target " + " and ".join(targets) + " per replica"
+    capped = f" (wants {wanted}, maxReplicas is {policy.max_replicas})" if reason == AT_MAX else ""
+    return f"{window}, {target}: {replicas} replicas{capped}"

@@ -1,0 +1,441 @@
+"""The gateway's data path over real sockets, against scriptable fake pods."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ladle.gateway.breaker import State
+from ladle.gateway.routes import Pod, build_table
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def sample(gateway: Any, name: str, **labels: str) -> float:
+    value = gateway.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else float(value)
+
+
+async def post(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], **kw: Any
+) -> httpx.Response:
+    return await client.post(url + "/v1/completions", json=body, **kw)
+
+
+async def test_routes_by_model_lists_models_and_passes_the_request_id(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    a, b = await fake_pods(), await fake_pods()
+    gw = await run_gateway(
+        [
+            {"name": "chat", "model": "m-a", "endpoints": [a.url]},
+            {"name": "code", "model": "m-b", "endpoints": [b.url]},
+        ]
+    )
+    async with httpx.AsyncClient() as client:
+        models = (await client.get(gw.url + "/v1/models")).json()
+        assert sorted(m["id"] for m in models["data"]) == ["m-a", "m-b"]
+        r = await post(
+            client, gw.url, {"model": "m-b", "prompt": "x"}, headers={"x-request-id": "req-42"}
+        )
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] == "req-42"
+        assert r.headers["x-ladle-variant"] == "stable"
+        assert [s.body["model"] for s in b.seen] == ["m-b"]
+        assert not a.seen
+        assert b.seen[0].headers["x-request-id"] == "req-42"
+        missing = await post(client, gw.url, {"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404
+        err = missing.json()["error"]
+        assert err["code"] == "model_not_found"
+        assert err["type"] == "not_found_error"
+        assert err["param"] == "model"
+        bad = await client.post(gw.url + "/v1/completions", content=b"{not json")
+        assert bad.status_code == 400
+        assert bad.json()["error"]["code"] == "invalid_json"
+
+
+async def test_retries_another_pod_before_the_first_byte(fake_pods: Any, run_gateway: Any) -> None:
+    sick, healthy = await fake_pods(mode="status:503"), await fake_pods()
+    dead = await fake_pods()
+    await dead.stop()  # connection refused
+    routes = {"prefixAffinity": False}  # least outstanding, random ties: every pod gets tried
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "endpoints": [sick.url, dead.url, healthy.url],
+                "routing": routes,
+            }
+        ]
+    )
+    async with httpx.AsyncClient() as client:
+        for _ in range(6):
+            r = await post(client, gw.url, {"model": "m", "prompt": "x"})
+            assert r.status_code == 200
+    assert len(healthy.seen) == 6
+    assert (
+        sample(gw.gateway, "ladle_gateway_retries_total", namespace="default", service="chat") > 0
+    )
+
+
+async def test_the_last_attempt_answers_with_the_pods_own_error(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pods = [await fake_pods(mode="status:503") for _ in range(3)]
+    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [p.url for p in pods]}])
+    async with httpx.AsyncClient() as client:
+        r = await post(client, gw.url, {"model": "m", "prompt": "x"})
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == "pod says 503"
+    assert sum(len(p.seen) for p in pods) == 3  # one try and at most two retries
+
+
+async def test_a_stream_cut_mid_way_ends_with_an_error_event_not_a_hang(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(mode="die_mid_stream", chunks=3)
+    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [pod.url]}])
+    async with (
+        httpx.AsyncClient() as client,
+        client.stream(
+            "POST", gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r,
+    ):
+        text = (await asyncio.wait_for(r.aread(), 10)).decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == ["t0", "t1"]
+    error = json.loads(events[-1][6:])["error"]
+    assert error["code"] == "upstream_disconnected"
+    assert len(events) == 3  # the half-sent third event was dropped, not passed on broken
+
+
+async def test_first_token_timeout_is_a_504_and_a_breaker_failure(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(mode="hang")
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "endpoints": [pod.url],
+                "timeouts": {"firstTokenSeconds": 1},
+                "circuitBreaker": {"minimumCalls": 1},
+            }
+        ]
+    )
+    async with httpx.AsyncClient(timeout=10) as client:
+        started = time.monotonic()
+        r = await post(client, gw.url, {"model": "m", "prompt": "x"})
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "first_token_timeout"
+        assert 0.9 < time.monotonic() - started < 3
+        again = await post(client, gw.url, {"model": "m", "prompt": "x"})
+    assert again.status_code == 503
+    assert again.json()["error"]["code"] == "circuit_open"
+    assert int(again.headers["retry-after"]) >= 1
+
+
+async def test_a_clients_own_deadline_is_a_504_that_does_not_count_against_the_service(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(delay=5)
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "endpoints": [pod.url],
+                "circuitBreaker": {"minimumCalls": 1},
+            }
+        ]
+    )
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(2):
+            r = await post(
+                client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "0.3"}
+            )
+            assert r.status_code == 504
+            assert r.json()["error"]["code"] == "deadline_exceeded"  # never circuit_open
+        bad = await post(
+            client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "soon"}
+        )
+        assert bad.status_code == 400
+        assert bad.json()["error"]["code"] == "invalid_timeout"
+
+
+async def test_breaker_trips_to_the_fallback_half_opens_and_closes(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    main, backup = await fake_pods(mode="status:500"), await fake_pods()
+    breaker = {"minimumCalls": 4, "windowSeconds": 30, "openSeconds": 1, "halfOpenProbes": 2}
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "big",
+                "endpoints": [main.url],
+                "fallback": "backup",
+                "circuitBreaker": breaker,
+            },
+            {"name": "backup", "model": "small", "endpoints": [backup.url]},
+        ]
+    )
+    labels = {"namespace": "default", "service": "chat"}
+    async with httpx.AsyncClient() as client:
+        for _ in range(4):
+            assert (await post(client, gw.url, {"model": "big", "prompt": "x"})).status_code == 500
+        assert sample(gw.gateway, "ladle_gateway_breaker_state", state="Open", **labels) == 1
+        r = await post(client, gw.url, {"model": "big", "prompt": "x"})
+        assert r.status_code == 200
+        assert r.headers["x-ladle-fallback"] == "backup"
+        assert backup.seen[-1].body["model"] == "small"  # the model was rewritten
+        assert len(main.seen) == 4
+        main.mode = "ok"
+        await asyncio.sleep(1.1)
+        for _ in range(2):  # the probes
+            r = await post(client, gw.url, {"model": "big", "prompt": "x"})
+            assert r.status_code == 200
+            assert "x-ladle-fallback" not in r.headers
+        assert sample(gw.gateway, "ladle_gateway_breaker_state", state="Closed", **labels) == 1
+    for state in State:
+        assert (
+            sample(
+                gw.gateway, "ladle_gateway_breaker_transitions_total", state=state.value, **labels
+            )
+            >= 1
+        )
+    assert sample(gw.gateway, "ladle_gateway_fallbacks_total", fallback="backup", **labels) == 1
+
+
+async def test_an_outlier_pod_is_ejected(fake_pods: Any, run_gateway: Any) -> None:
+    sick, a, b = await fake_pods(mode="status:502"), await fake_pods(), await fake_pods()
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "endpoints": [sick.url, a.url, b.url],
+                "circuitBreaker": {"enabled": False},
+                "routing": {"prefixAffinity": False, "retries": 0},
+            }
+        ]
+    )
+    async with httpx.AsyncClient() as client:
+        for _ in range(60):
+            await post(client, gw.url, {"model": "m", "prompt": "x"})
+        hits = len(sick.seen)
+        for _ in range(20):
+            await post(client, gw.url, {"model": "m", "prompt": "x"})
+    assert hits == 5
+    assert len(sick.seen) == 5
+    assert (
+        sample(gw.gateway, "ladle_gateway_ejected_pods", namespace="default", service="chat") == 1
+    )
+
+
+async def test_canary_split_header_and_sticky_sessions(fake_pods: Any, run_gateway: Any) -> None:
+    stable, canary = await fake_pods(), await fake_pods()
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "variants": {
+                    "stable": {"weight": 70, "endpoints": [stable.url]},
+                    "canary": {"weight": 30, "endpoints": [canary.url]},
+                },
+            }
+        ]
+    )
+    async with httpx.AsyncClient() as client:
+        seen = [
+            (await post(client, gw.url, {"model": "m", "prompt": "x"})).headers["x-ladle-variant"]
+            for _ in range(200)
+        ]
+        assert 0.15 < seen.count("canary") / 200 < 0.45
+        for session in ("alice", "bob", "carol"):
+            variants = {
+                (
+                    await post(client, gw.url, {"model": "m", "prompt": "x", "user": session})
+                ).headers["x-ladle-variant"]
+                for _ in range(10)
+            }
+            assert len(variants) == 1
+            header = {
+                (
+                    await post(
+                        client,
+                        gw.url,
+                        {"model": "m", "prompt": "x"},
+                        headers={"x-session-id": session},
+                    )
+                ).headers["x-ladle-variant"]
+                for _ in range(10)
+            }
+            assert len(header) == 1
+
+
+async def test_shared_prefixes_stay_on_one_pod(fake_pods: Any, run_gateway: Any) -> None:
+    pods = [await fake_pods() for _ in range(3)]
+    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [p.url for p in pods]}])
+    system = "You are a terse assistant for the Ladle project. " * 4
+    async with httpx.AsyncClient() as client:
+        for i in range(30):
+            body = {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"q{i}"},
+                ],
+            }
+            assert (
+                await client.post(gw.url + "/v1/chat/completions", json=body)
+            ).status_code == 200
+    counts = sorted(len(p.seen) for p in pods)
+    assert counts == [0, 0, 30]  # sequential requests never exceed the bound
+
+
+async def test_scale_from_zero_holds_until_a_pod_is_ready(fake_pods: Any, run_gateway: Any) -> None:
+    pod = await fake_pods()
+    gw = await run_gateway(
+        [{"name": "chat", "model": "m", "endpoints": [], "timeouts": {"scaleFromZeroSeconds": 5}}]
+    )
+    router = gw.gateway.router
+    async with httpx.AsyncClient(timeout=10) as client:
+        request = asyncio.ensure_future(post(client, gw.url, {"model": "m", "prompt": "x"}))
+        await asyncio.sleep(0.3)
+        assert not request.done()
+        assert (
+            sample(gw.gateway, "ladle_gateway_held_requests", namespace="default", service="chat")
+            == 1
+        )
+        service = router.table.services[("default", "chat")]
+        ready = Pod("default", "chat-0", "chat", "stable", "127.0.0.1", pod.port, True)
+        router.update(build_table([service], [ready]), asyncio.get_running_loop().time())
+        r = await request
+        assert r.status_code == 200
+        assert len(pod.seen) == 1
+        router.update(build_table([service], []), asyncio.get_running_loop().time())
+        held = await post(
+            client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "0.5"}
+        )
+    assert held.status_code == 503
+    assert held.json()["error"]["code"] == "no_ready_pods"
+
+
+async def test_a_client_that_leaves_mid_stream_closes_the_pod_connection(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(mode="stream", chunks=50, chunk_gap=0.05)
+    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [pod.url]}])
+    async with (
+        httpx.AsyncClient() as client,
+        client.stream(
+            "POST", gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        ) as r,
+    ):
+        async for _ in r.aiter_bytes():
+            break
+    for _ in range(50):
+        if pod.disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert pod.disconnects == 1
+    await asyncio.sleep(0.1)
+    assert (
+        sample(
+            gw.gateway,
+            "ladle_gateway_requests_total",
+            namespace="default",
+            service="chat",
+            variant="stable",
+            code="499",
+        )
+        == 1
+    )
+
+
+KEYS = """
+keys:
+  - name: team-a
+    key: sk-team-a-secret-1
+    requestsPerMinute: 3
+  - name: batch
+    key: sk-batch-secret-22
+    tokensPerMinute: 20
+"""
+
+
+async def test_api_keys_limits_and_logs_name_the_key_never_the_key(
+    fake_pods: Any, run_gateway: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(KEYS)
+    pod = await fake_pods()
+    gw = await run_gateway(
+        [{"name": "chat", "model": "m", "endpoints": [pod.url]}], api_keys_file=keys
+    )
+    caplog.set_level(logging.INFO, logger="ladle.gateway.access")
+    body = {"model": "m", "prompt": "x"}
+    async with httpx.AsyncClient() as client:
+        assert (await post(client, gw.url, body)).status_code == 401
+        assert (await client.get(gw.url + "/v1/models")).status_code == 401
+        listed = await client.get(
+            gw.url + "/v1/models", headers={"authorization": "Bearer sk-batch-secret-22"}
+        )
+        assert [m["id"] for m in listed.json()["data"]] == ["m"]
+        wrong = await post(client, gw.url, body, headers={"authorization": "Bearer sk-nope-000000"})
+        assert wrong.status_code == 401
+        assert wrong.json()["error"]["type"] == "authentication_error"
+        team = {"authorization": "Bearer sk-team-a-secret-1"}
+        codes = [(await post(client, gw.url, body, headers=team)).status_code for _ in range(4)]
+        assert codes == [200, 200, 200, 429]
+        limited = await post(client, gw.url, body, headers=team)
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+        assert 15 <= int(limited.headers["retry-after"]) <= 21
+        batch = {"authorization": "Bearer sk-batch-secret-22"}
+        # 15 tokens per answer against 20 per minute: the second answer puts the key in debt.
+        assert (await post(client, gw.url, body, headers=batch)).status_code == 200
+        assert (await post(client, gw.url, body, headers=batch)).status_code == 200
+        over = await post(client, gw.url, body, headers=batch)
+        assert over.status_code == 429
+        assert "tokens per minute" in over.json()["error"]["message"]
+        # A stream counts too: the gateway asks the pod for usage and hides it from the client.
+        pod.seen.clear()
+    logged = "\n".join(json.dumps(r.__dict__, default=str) for r in caplog.records)
+    assert '"key": "team-a"' in logged
+    assert '"key": "batch"' in logged
+    assert "sk-team-a-secret-1" not in logged
+    assert "sk-batch-secret-22" not in logged
+    assert (
+        sample(gw.gateway, "ladle_gateway_rate_limited_total", key="team-a", limit="requests") == 2
+    )
+
+
+async def test_a_token_limited_stream_is_counted_without_the_client_seeing_usage(
+    fake_pods: Any, run_gateway: Any, tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys: [{name: batch, key: sk-batch-secret-22, tokensPerMinute: 600}]")
+    pod = await fake_pods()
+    gw = await run_gateway(
+        [{"name": "chat", "model": "m", "endpoints": [pod.url]}], api_keys_file=keys
+    )
+    auth = {"authorization": "Bearer sk-batch-secret-22"}
+    async with httpx.AsyncClient() as client:
+        r = await post(client, gw.url, {"model": "m", "prompt": "x", "stream": True}, headers=auth)
+    assert pod.seen[0].body["stream_options"] == {"include_usage": True}
+    assert '"usage": {' not in r.text
+    assert r.text.endswith("data: [DONE]\n\n")
+    key = gw.gateway.keys.lookup("sk-batch-secret-22", 0.0)
+    assert key.limiter.tokens.level == pytest.approx(600 - 15, abs=1)
