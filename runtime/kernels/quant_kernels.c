@@ -42,6 +42,8 @@
 #define GEMV_MAX_ROWS 4
 /* K per dequantized chunk: the buffer (KC x 32 floats, 128 KiB) stays in L2. */
 #define KC 1024
+/* Rows of x per pass over the tiles (a prefill chunk has thousands). */
+#define MC 256
 
 /* Register tiles: MR rows of x times TILE_PANELS panels of 16 outputs, one accumulator vector
  * per (row, panel): 16 of the 32 zmm registers with AVX-512, 12 of the 16 ymm with AVX2 (a
@@ -337,24 +339,31 @@ static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias
 #pragma omp atomic write
             failed = 1;
         }
+        /* MC rows of x at a time stay in cache while every tile passes over them; a tile is
+         * dequantized again per block of rows, 1/MC of the arithmetic. */
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t rows = M - m0 < MC ? M - m0 : MC;
+            const float *xb = x + m0 * ldx;
+            float *yb = y + m0 * ldy;
 #pragma omp for schedule(static)
-        for (int tile = 0; tile < tiles; tile++) {
-            if (buf == NULL) continue;
-            const int64_t p = (int64_t)tile * TILE_PANELS;
-            const int np = P - p < TILE_PANELS ? (int)(P - p) : TILE_PANELS;
-            vf mul[NV];
-            for (int v = 0; v < NV; v++) {
-                const int64_t col = p * PANEL + v * VW;
-                const int valid = v < np * VPP;
-                mul[v] = q->int4 || !valid ? splat(1.0f) : vload(q->scale + col);
-                const vf b = bias && valid ? vload(bias + col) : (vf){0};
-                if (valid)
-                    for (int64_t m = 0; m < M; m++) vstore(y + m * ldy + col, b);
-            }
-            for (int k0 = 0; k0 < K; k0 += KC) {
-                const int kc = K - k0 < KC ? K - k0 : KC;
-                dequant_tile(q, p, np, K, k0, kc, buf);
-                tile_product(x + k0, ldx, M, buf, kc, np, y + p * PANEL, ldy, mul);
+            for (int tile = 0; tile < tiles; tile++) {
+                if (buf == NULL) continue;
+                const int64_t p = (int64_t)tile * TILE_PANELS;
+                const int np = P - p < TILE_PANELS ? (int)(P - p) : TILE_PANELS;
+                vf mul[NV];
+                for (int v = 0; v < NV; v++) {
+                    const int64_t col = p * PANEL + v * VW;
+                    const int valid = v < np * VPP;
+                    mul[v] = q->int4 || !valid ? splat(1.0f) : vload(q->scale + col);
+                    const vf b = bias && valid ? vload(bias + col) : (vf){0};
+                    if (valid)
+                        for (int64_t m = 0; m < rows; m++) vstore(yb + m * ldy + col, b);
+                }
+                for (int k0 = 0; k0 < K; k0 += KC) {
+                    const int kc = K - k0 < KC ? K - k0 : KC;
+                    dequant_tile(q, p, np, K, k0, kc, buf);
+                    tile_product(xb + k0, ldx, rows, buf, kc, np, yb + p * PANEL, ldy, mul);
+                }
             }
         }
         free(buf);

@@ -121,10 +121,6 @@ class _Recorder:
         self.count = 0
         self.rows: list[torch.Tensor] = []
 
-    @property
-    def out_features(self) -> int:
-        return self.inner.out_features
-
     def tensors(self) -> list[torch.Tensor]:
         return self.inner.tensors()
 

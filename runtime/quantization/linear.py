@@ -23,9 +23,6 @@ Kernels = Literal["cpu", "triton", "torch"]
 
 
 class Linear(Protocol):
-    @property
-    def out_features(self) -> int: ...
-
     def tensors(self) -> list[torch.Tensor]:
         """What it holds in memory (shared tensors appear in each holder)."""
         ...
@@ -37,10 +34,6 @@ class Linear(Protocol):
 class DenseLinear:
     weight: torch.Tensor  # [N, K]
     bias: torch.Tensor | None = None
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight] + ([] if self.bias is None else [self.bias])
@@ -54,10 +47,6 @@ class QuantizedLinear:
     weight: QuantizedWeight
     bias: torch.Tensor | None
     kernels: Kernels
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.weight.tensors() + ([] if self.bias is None else [self.bias])

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from ladle.cli import main as ladle
 from ladle.runtime import LLM
 from ladle.runtime.eval.metrics import GATES, Accumulator, EvalResult, top1, topk_kld
 from ladle.runtime.eval.offline import evaluate_offline
+from ladle.runtime.eval.online import Endpoint, _Client
 from ladle.runtime.eval.prompts import PromptFileError, load_prompts
 
 
@@ -96,6 +98,48 @@ def test_prompt_files(tmp_path: Path) -> None:
             load_prompts(tmp_path / name)
     with pytest.raises(PromptFileError, match="cannot read"):
         load_prompts(tmp_path / "missing.json")
+
+
+def test_echo_protocol_for_servers_without_prompt_logprobs() -> None:
+    """The legacy OpenAI shape (``echo`` + ``logprobs``): token texts as keys, the prompt's
+    own tokens first, then the generated one, which is dropped."""
+    tokens = ["The", " cat", " sat", " down"]
+    body = {
+        "choices": [
+            {
+                "text": "The cat sat down",
+                "logprobs": {
+                    "tokens": tokens,
+                    "token_logprobs": [None, -2.0, -1.5, -0.1],
+                    "top_logprobs": [
+                        None,
+                        {" dog": -1.0, " cat": -2.0},
+                        {" sat": -1.5},
+                        {" down": -0.1},
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 1},
+    }
+    seen: list[dict[str, object]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        seen.append(sent)
+        if "prompt_logprobs" in sent:
+            return httpx.Response(400, json={"error": {"message": "unknown field"}})
+        return httpx.Response(200, json=body)
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as http:
+        client = _Client(Endpoint("http://server/v1", model="m"), http, "auto")
+        scored = client.score("The cat sat", 2)
+    assert client.protocol == "echo"  # prompt_logprobs was refused, echo answered
+    assert seen[-1]["echo"] is True
+    assert seen[-1]["logprobs"] == 2
+    assert seen[-1]["model"] == "m"
+    assert scored.actual == [" cat", " sat"]
+    assert scored.logprobs == [{" dog": -1.0, " cat": -2.0}, {" sat": -1.5}]
 
 
 def test_online_mode_imports_without_torch() -> None:
