@@ -1079,7 +1079,7 @@ def throughput(
         ("default model, nano-vllm workload", {**small, "engine": engine}),
         ("default model, nano-vllm, int8 weights", {**small, "engine": {"quantization": "int8"}}),
         (
-            "default model, nano-vllm, int4 AWQ g64",
+            "default model, nano-vllm, int4 AWQ g32",
             {**small, "engine": {"quantization": "int4"}},
         ),
         (

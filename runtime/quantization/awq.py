@@ -78,7 +78,7 @@ class Calibration:
         tensors |= {f"clip.{i}.{n}": t for (i, n), t in self.clips.items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp.name)
+            save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, tmp.name)
         os.replace(tmp.name, path)
 
     @classmethod
@@ -198,10 +198,10 @@ def _search_clip(gram: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.
     ``d^T G d`` (d: the group's weight error, G: the Gram matrix of its inputs)."""
     n = w.shape[0]
     groups = gram.shape[0]
-    best = torch.ones(n, groups)
-    best_err = torch.full((n, groups), float("inf"))
+    best = torch.ones(n, groups, device=w.device)
+    best_err = torch.full((n, groups), float("inf"), device=w.device)
     for ratio in CLIP_RATIOS:
-        clip = torch.full((n, groups), ratio)
+        clip = torch.full((n, groups), ratio, device=w.device)
         diff = _grouped(fake_quantize_int4(w, group_size, clip) - w, group_size).transpose(0, 1)
         err = (torch.bmm(diff, gram) * diff).sum(dim=2).T
         better = err < best_err

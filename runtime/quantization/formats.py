@@ -143,7 +143,7 @@ def int4_range(
     groups = _groups(weight.detach().to(torch.float32), group_size)
     low, high = groups.amin(dim=2), groups.amax(dim=2)
     if clip is not None:
-        bound = groups.abs().amax(dim=2) * clip
+        bound = groups.abs().amax(dim=2) * clip.to(groups.device)
         low, high = torch.maximum(low, -bound), torch.minimum(high, bound)
     return low, high
 
