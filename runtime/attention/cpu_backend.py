@@ -2,11 +2,13 @@
 
 Decode attention on a CPU is bound by memory traffic. The torch path gathers every decoding
 sequence's blocks into a workspace and then reads that copy in SDPA, so it moves the context
-three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks keep the
-torch path: they are GEMM-bound, and SDPA handles them well.
+three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks run in one
+C call for the whole step as well (varlen, straight from the cache), instead of one SDPA call
+per sequence.
 
 With an int8 cache (per-(token, head) scales, the Triton backend's format) the C kernels
-quantize on store and read int8 in decode: a quarter of fp32's memory and traffic.
+quantize on store and read int8 in decode: a quarter of fp32's memory and traffic. Its prefills
+take the torch path, which dequantizes the blocks they read (there is no int8 C prefill yet).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ConfigError("attention backend 'cpu' needs a C compiler (see the log)")
         super().__init__(spec, device)
         self._lib: ctypes.CDLL = lib
+        self._prefill_starts = torch.zeros(1, dtype=torch.int32)
 
     def _store(
         self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
@@ -62,8 +65,43 @@ class CpuAttentionBackend(TorchAttentionBackend):
             meta.slot_mapping,
         )
 
-    def _begin_decodes(self, meta: AttentionMetadata) -> None:
-        """Nothing to gather: the kernel follows the block tables itself."""
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Nothing to gather or mask: the kernels follow the block tables themselves. The
+        prefill chunks' row offsets are taken relative to the first of them, once a step. (An
+        int8 cache's prefills take the torch path, with its masks.)"""
+        nd = meta.num_decodes
+        self._prefill_starts = meta.query_start_loc[nd:] - meta.query_start_loc_cpu[nd]
+        if self.spec.dtype == torch.int8:
+            self._begin_prefills(meta)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return
+        if cache.key_scale is not None:
+            super()._prefill(q, k, v, cache, meta, scale, out)
+            return
+        start = meta.query_start_loc_cpu[nd]
+        cpu_kernels.paged_prefill_attention(
+            self._lib,
+            q[start:],
+            cache.key,
+            cache.value,
+            meta.block_tables[nd:],
+            meta.seq_lens[nd:],
+            self._prefill_starts,
+            scale,
+            out[start:],
+        )
 
     def _decode(
         self,

@@ -37,6 +37,10 @@ class TorchAttentionBackend(AttentionBackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
         if meta.num_decodes:
             self._begin_decodes(meta)
+        self._begin_prefills(meta)
+
+    def _begin_prefills(self, meta: AttentionMetadata) -> None:
+        """A causal mask per prefill chunk that continues earlier context."""
         self._prefill_masks = {}
         for i in range(meta.num_decodes, meta.num_seqs):
             q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
