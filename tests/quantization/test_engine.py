@@ -51,9 +51,13 @@ def fp32_greedy() -> list[list[int]]:
     [({"quantization": "int8"}, "cpu"), ({"kv_cache_dtype": "int8"}, None)],
     ids=["int8-weights", "int8-kv"],
 )
-def test_int8_greedy_output_agrees_with_fp32_on_most_prompts(
+def test_int8_greedy_output_follows_fp32_for_a_dozen_tokens_on_average(
     fp32_greedy: list[list[int]], flags: dict[str, str], kernels: str | None
 ) -> None:
+    """Greedy continuations run as fp32's until a near-tie flips a token (the default model
+    is a 4-bit GGUF, so int8 re-rounds every weight off its grid: docs/quantization.md
+    measures 95.7% top-1 agreement). Measured: a mean common prefix of 12 of 24 tokens for
+    int8 weights and 19 for the int8 cache; a broken kernel diverges at once."""
     llm = LLM(kv_cache_memory="64MiB", max_model_len=512, **flags)
     engine = llm.engine
     assert engine.attention.name == "cpu"  # the C kernels, int8 KV included
@@ -64,9 +68,15 @@ def test_int8_greedy_output_agrees_with_fp32_on_most_prompts(
         assert isinstance(engine.model.embed, Int8Embedding)
     else:
         assert engine.runner.caches[0].key.dtype == torch.int8
-    same = sum(a == b for a, b in zip(greedy_chats(llm), fp32_greedy, strict=True))
-    print(f"{flags}: {same}/{len(CHATS)} greedy continuations identical to fp32")
-    assert same >= 6
+    prefixes = []
+    for ours, reference in zip(greedy_chats(llm), fp32_greedy, strict=True):
+        same = 0
+        while same < min(len(ours), len(reference)) and ours[same] == reference[same]:
+            same += 1
+        prefixes.append(same)
+    print(f"{flags}: tokens before the first difference from fp32: {prefixes}")
+    assert sum(prefixes) / len(prefixes) >= 8
+    assert sum(p == GREEDY.max_tokens for p in prefixes) >= 2
 
 
 def test_int8_kv_budget_holds_over_three_and_a_half_times_the_tokens() -> None:
