@@ -26,16 +26,16 @@ from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
 from ladle.operator.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
-from ladle.runtime.config import ConfigError, parse_memory_size
 from ladle.runtime.server.logs import configure_logging
+from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.gateway")
 
 TICK_SECONDS = 1.0
 
 
-class SettingsError(ValueError):
-    pass
+class SettingsError(SettingError):
+    """A setting the gateway cannot start with (the command prints it in one line)."""
 
 
 @dataclass(frozen=True)
@@ -63,23 +63,16 @@ class GatewaySettings:
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> GatewaySettings:
-        try:
-            size = parse_memory_size(args.max_request_size)
-        except ConfigError as exc:
-            raise SettingsError(f"--max-request-size: {exc}") from None
-        for flag, value in (("--static", args.static), ("--api-keys-file", args.api_keys_file)):
-            if value is not None and not Path(value).is_file():
-                raise SettingsError(f"{flag}: no such file: {value}")
         return cls(
             host=args.host,
             port=args.port,
             namespaces=tuple(dict.fromkeys(n.strip() for n in args.namespace if n.strip())),
-            static=None if args.static is None else Path(args.static),
-            api_keys_file=None if args.api_keys_file is None else Path(args.api_keys_file),
+            static=args.static,
+            api_keys_file=args.api_keys_file,
             max_held_requests=args.max_held_requests,
             scrape_interval=args.scrape_interval,
             connect_timeout=args.connect_timeout,
-            max_request_size=size,
+            max_request_size=args.max_request_size,
             drain_timeout=args.drain_timeout,
             access_log=args.access_log,
             write_status=args.write_status,
