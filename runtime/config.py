@@ -94,7 +94,10 @@ class EngineArgs:
         )
         group.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and compute")
         group.add_argument(
-            "--device", type=_device, default="auto", help="auto (CUDA when present), cpu or cuda[:N]"
+            "--device",
+            type=_device,
+            default="auto",
+            help="auto (CUDA when present), cpu or cuda[:N]",
         )
         group.add_argument(
             "--max-model-len",

@@ -104,9 +104,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     data.add_argument("--num-prompts", type=integer(1), default=32, help="requests to send")
     data.add_argument("--input-len", type=integer(1), default=128, help="prompt tokens")
-    data.add_argument(
-        "--output-len", type=integer(1), default=128, help="max_tokens per request"
-    )
+    data.add_argument("--output-len", type=integer(1), default=128, help="max_tokens per request")
     data.add_argument(
         "--range-ratio",
         type=number(0, maximum=1, finite=True),

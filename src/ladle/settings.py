@@ -83,14 +83,22 @@ def _bound_text(minimum: float | None, maximum: float | None, above: float | Non
 
 
 def integer(
-    minimum: int | None = None, maximum: int | None = None, what: str = "a whole number"
+    minimum: int | None = None,
+    maximum: int | None = None,
+    *,
+    what: str = "a whole number",
+    unit: str = "",
 ) -> Callable[[str], int]:
+    """An int; with ``unit="s"`` a trailing ``s`` is accepted too (``15s``)."""
     bounds = _bound_text(minimum, maximum, None)
     allowed = f"expected {what}" + (f" {bounds}" if bounds else "")
 
     def parse(text: str) -> int:
+        raw = str(text).strip()
+        if unit:
+            raw = raw.removesuffix(unit)
         try:
-            value = int(str(text).strip())
+            value = int(raw)
         except ValueError:
             raise Invalid(allowed) from None
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
@@ -340,10 +348,10 @@ class Settings:
             if raw is not None:
                 values[setting.dest] = self._convert(setting, raw, f"{setting.variable}={raw!r}")
         for dest, raw in vars(typed).items():
-            setting = self._settings.get(dest)
-            if setting is not None:
+            given = self._settings.get(dest)
+            if given is not None:
                 shown = " ".join(raw) if isinstance(raw, list) else raw
-                values[dest] = self._convert(setting, raw, f"--{setting.flag} {shown!r}")
+                values[dest] = self._convert(given, raw, f"--{given.flag} {shown!r}")
             elif dest != "config":
                 values[dest] = raw
         for dest, setting in self._settings.items():
@@ -419,7 +427,9 @@ class Settings:
             if setting is None:
                 close = difflib.get_close_matches(name, sorted(by_flag), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise SettingError(f"{path}: {key!r} is not a setting of ladle {self.command}{hint}")
+                raise SettingError(
+                    f"{path}: {key!r} is not a setting of ladle {self.command}{hint}"
+                )
             if value is None:
                 continue  # "key:" with nothing after it leaves the default
             values[setting.dest] = self._convert(setting, value, f"{path}: {key}={value!r}")

@@ -16,13 +16,13 @@ from ladle.runtime.bench.serve import RequestResult, parse_slos, summarize
 from ladle.runtime.bench.workloads import WORKLOADS
 from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.sampling_params import RequestOutputKind
-from ladle.settings import SettingError
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.metrics import LATENCY_BUCKETS, one_two_five_buckets
 from ladle.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from ladle.runtime.server.serving import build_sampling_params
 from ladle.runtime.server.settings import ServerSettings
+from ladle.settings import SettingError
 
 
 def resolved(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
@@ -57,7 +57,7 @@ def test_config_path_from_environment_and_bad_values(tmp_path: Path) -> None:
     config.write_text("served-model-name: from-file\n")
     assert resolved([], {"LADLE_SERVE_CONFIG": str(config)}).served_model_name == "from-file"
     config.write_text("max-num-seqz: 1\n")
-    with pytest.raises(SettingError, match="'max-num-seqz' is not a setting.*max-num-seqs"):
+    with pytest.raises(SettingError, match=r"'max-num-seqz' is not a setting.*max-num-seqs"):
         resolved(["--config", str(config)], {})
     with pytest.raises(SettingError, match="LADLE_SERVE_PORT='eighty': expected a whole number"):
         resolved([], {"LADLE_SERVE_PORT": "eighty"})

@@ -175,7 +175,7 @@ def _up(args: argparse.Namespace) -> int:
         f"{args.local_nodes} local nodes"
     )
     print(f"kubeconfig: {cluster.kubeconfig}")
-    print("the cluster's own kubectl and helm, first on PATH (or: eval \"$(ladle cluster env)\"):")
+    print('the cluster\'s own kubectl and helm, first on PATH (or: eval "$(ladle cluster env)"):')
     print(cluster.shell_env)
     return 0
 

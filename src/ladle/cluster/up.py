@@ -275,7 +275,7 @@ def main_up(state_dir: Path, options: Options, timeout: float) -> int:
     if endpoint.gateway_url:
         print(f"the runtime pod {endpoint.pod} itself: {endpoint.base_url}")
     print()
-    print("the cluster's own kubectl and helm, first on PATH (or: eval \"$(ladle cluster env)\"):")
+    print('the cluster\'s own kubectl and helm, first on PATH (or: eval "$(ladle cluster env)"):')
     print(system.cluster.shell_env)
     print("kubectl get lisvc,pods -A -o wide     # then: ladle down")
     return 0
