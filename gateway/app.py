@@ -25,7 +25,7 @@ from ladle.gateway.errors import GatewayError
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import ClientRequest, Outcome, Router
-from ladle.runtime.server.logs import request_id_var
+from ladle.logs import request_id_var
 
 log = logging.getLogger("ladle.gateway")
 access = logging.getLogger("ladle.gateway.access")

@@ -15,6 +15,7 @@ from typing import Any
 import prometheus_client
 import uvicorn
 
+from ladle import logs
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
 from ladle.gateway.kube import KubeApi
@@ -26,7 +27,6 @@ from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
 from ladle.operator.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
-from ladle.runtime.server.logs import configure_logging
 from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.gateway")
@@ -231,7 +231,7 @@ def _crashed(task: asyncio.Task[None]) -> None:
 
 
 def serve(settings: GatewaySettings) -> int:
-    configure_logging(settings.log_level)
+    logs.configure(settings.log_level)
     prometheus_client.disable_created_metrics()
     try:
         gateway = Gateway(settings)

@@ -1,4 +1,4 @@
-"""The operator's own /metrics, /healthz and /readyz, and its structured JSON logging."""
+"""The operator's own /metrics, /healthz and /readyz (its logs are ``ladle.logs``)."""
 
 from __future__ import annotations
 
@@ -121,18 +121,3 @@ async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     await web.TCPSite(runner, host, port).start()
     log.info("serving metrics and health", extra={"address": f"http://{host}:{port}"})
     return runner
-
-
-def configure_logging(level: str) -> None:
-    """JSON lines on stderr for the operator and for kopf alike (kopf's own formatter)."""
-    import kopf
-
-    level = level.upper()
-    kopf.configure(
-        debug=level == "DEBUG", quiet=level in ("WARNING", "ERROR"), log_format=kopf.LogFormat.JSON
-    )
-    # Per-object handler chatter and "Activity ... succeeded" from kopf are noise; the
-    # reconcilers log what matters. Both stay visible at debug.
-    if level != "DEBUG":
-        for name in ("kopf.objects", "kopf.activities"):
-            logging.getLogger(name).setLevel(logging.WARNING)
