@@ -174,7 +174,13 @@ class EngineArgs:
 
 
 def _model_path(text: str) -> str:
-    return str(existing_path(text))
+    """What ``resolve_model`` would refuse, said at once (it runs only once torch loads)."""
+    path = existing_path(text)
+    if path.is_file() and path.suffix != ".gguf":
+        raise Invalid("expected a model folder or a .gguf file")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise Invalid(f"{path} has no config.json: expected an HF model folder or a .gguf file")
+    return str(path)
 
 
 def _device(text: str) -> str:

@@ -106,6 +106,7 @@ def integer(
         return value
 
     parse.__name__ = "integer"
+    parse.metavar = "SECONDS" if unit == "s" else "N"  # type: ignore[attr-defined]
     return parse
 
 
@@ -141,6 +142,7 @@ def number(
         return value
 
     parse.__name__ = "number"
+    parse.metavar = "SECONDS" if unit == "s" else "NUM"  # type: ignore[attr-defined]
     return parse
 
 
@@ -181,11 +183,17 @@ def memory(text: str) -> int:
     return int(value)
 
 
+memory.metavar = "SIZE"  # type: ignore[attr-defined]
+
+
 def address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).strip().rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise Invalid("expected HOST:PORT, such as 127.0.0.1:8080")
     return host or "127.0.0.1", int(port)
+
+
+address.metavar = "HOST:PORT"  # type: ignore[attr-defined]
 
 
 def text(value: str) -> str:
@@ -301,6 +309,7 @@ class Settings:
             )
             self._describe(setting)
             action.type = None
+            action.metavar = action.metavar or getattr(setting.convert, "metavar", None)
             if setting.choices is not None:
                 action.metavar = action.metavar or "{" + ",".join(map(str, setting.choices)) + "}"
                 action.choices = None
