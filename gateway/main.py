@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kopf
 import prometheus_client
 import uvicorn
 
@@ -26,7 +27,9 @@ from ladle.gateway.scrape import Scraper
 from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
+from ladle.listen import bind
 from ladle.operator.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
+from ladle.operator.kube import login
 from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.gateway")
@@ -110,6 +113,11 @@ class Gateway:
                 self._static = load_static(settings.static)
             except StaticConfigError as exc:
                 raise SettingsError(str(exc)) from None
+        else:
+            try:
+                login()  # where the watches will connect: a kubeconfig mistake, said now
+            except kopf.LoginError as exc:
+                raise SettingsError(f"{exc}; or route to plain servers with --static") from None
         if settings.api_keys_file is not None:
             try:
                 self.keys = KeyStore(settings.api_keys_file, 0.0)
@@ -233,11 +241,8 @@ def _crashed(task: asyncio.Task[None]) -> None:
 def serve(settings: GatewaySettings) -> int:
     logs.configure(settings.log_level)
     prometheus_client.disable_created_metrics()
-    try:
-        gateway = Gateway(settings)
-    except SettingsError as exc:
-        log.error("cannot start", extra={"error": str(exc)})
-        return 2
+    gateway = Gateway(settings)  # a SettingsError is one line, printed by the command
+    sock = bind(settings.host, settings.port)
     config = uvicorn.Config(
         gateway.app(),
         host=settings.host,
@@ -252,5 +257,5 @@ def serve(settings: GatewaySettings) -> int:
         backlog=4096,
         timeout_graceful_shutdown=int(settings.drain_timeout),
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

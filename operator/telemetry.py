@@ -17,6 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from ladle.settings import SettingError
+
 log = logging.getLogger("ladle.operator")
 
 
@@ -118,6 +120,12 @@ def build_app(metrics: Metrics, health: Health) -> web.Application:
 async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as err:
+        await runner.cleanup()
+        raise SettingError(
+            f"--metrics-bind-address {host}:{port}: cannot listen there: {err.strerror}"
+        ) from None
     log.info("serving metrics and health", extra={"address": f"http://{host}:{port}"})
     return runner

@@ -10,6 +10,7 @@ import prometheus_client
 import uvicorn
 
 from ladle import logs
+from ladle.listen import bind
 from ladle.runtime.async_engine import AsyncLLM
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.limits import RequestLimits
@@ -59,6 +60,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimits) -> int:
+    sock = bind(settings.host, settings.port)  # before the model starts to load
     logs.configure(settings.log_level)
     # vLLM does the same: ``*_created`` series double the scrape size and nobody reads them.
     prometheus_client.disable_created_metrics()
@@ -73,5 +75,5 @@ def serve(settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimi
     )
     server = _DrainingServer(config, state)
     state.request_exit = server.request_exit
-    server.run()
+    server.run(sockets=[sock])
     return state.exit_code

@@ -27,8 +27,9 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
+_F = TypeVar("_F", bound=Callable[[str], Any])
 ENV_PREFIX = "LADLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TRUE = frozenset({"1", "true", "yes", "on", "y", "t"})
@@ -71,6 +72,13 @@ class Default:
 # -- value types: each turns text into a value or raises Invalid with what is allowed --------
 
 
+def _label(parse: _F, metavar: str, allowed: str) -> _F:
+    """What help shows for a value (``N``, ``SIZE``) and what a value of the wrong kind (a YAML
+    list, say) is told is allowed; plain attributes, read with getattr."""
+    parse.__dict__.update(metavar=metavar, allowed=allowed)
+    return parse
+
+
 def _bound_text(minimum: float | None, maximum: float | None, above: float | None) -> str:
     parts = []
     if above is not None:
@@ -106,8 +114,7 @@ def integer(
         return value
 
     parse.__name__ = "integer"
-    parse.metavar = "SECONDS" if unit == "s" else "N"  # type: ignore[attr-defined]
-    return parse
+    return _label(parse, "SECONDS" if unit == "s" else "N", allowed)
 
 
 def number(
@@ -142,8 +149,7 @@ def number(
         return value
 
     parse.__name__ = "number"
-    parse.metavar = "SECONDS" if unit == "s" else "NUM"  # type: ignore[attr-defined]
-    return parse
+    return _label(parse, "SECONDS" if unit == "s" else "NUM", allowed)
 
 
 def seconds(minimum: float = 0, *, above: float | None = None) -> Callable[[str], float]:
@@ -183,17 +189,11 @@ def memory(text: str) -> int:
     return int(value)
 
 
-memory.metavar = "SIZE"  # type: ignore[attr-defined]
-
-
 def address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).strip().rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise Invalid("expected HOST:PORT, such as 127.0.0.1:8080")
     return host or "127.0.0.1", int(port)
-
-
-address.metavar = "HOST:PORT"  # type: ignore[attr-defined]
 
 
 def text(value: str) -> str:
@@ -215,6 +215,18 @@ def existing_path(value: str) -> Path:
     if not path.exists():
         raise Invalid(f"no such file or folder: {path}")
     return path
+
+
+def yaml_problem(exc: Exception) -> str:
+    """PyYAML's four-line error in one line: where the file broke and why."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(exc, "problem", None) or "invalid YAML"
+    return f"not valid YAML{where}: {problem}"
+
+
+_label(memory, "SIZE", "expected a size such as 4Gi, 4G or a plain byte count")
+_label(address, "HOST:PORT", "expected HOST:PORT, such as 127.0.0.1:8080")
 
 
 def log_level(value: str) -> str:
@@ -418,10 +430,7 @@ class Settings:
         except OSError as exc:
             raise SettingError(f"{path}: cannot read it: {exc.strerror}") from None
         except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or "invalid YAML"
-            raise SettingError(f"{path}: not valid YAML{where}: {problem}") from None
+            raise SettingError(f"{path}: {yaml_problem(exc)}") from None
         if data is None:
             return {}
         if not isinstance(data, dict):
@@ -483,6 +492,9 @@ class Settings:
 
 def _allowed(setting: _Setting) -> str:
     convert = setting.convert
+    allowed = getattr(convert, "allowed", None)
+    if allowed is not None:
+        return str(allowed)
     if convert is int:
         return "expected a whole number"
     if convert is float:

@@ -199,6 +199,9 @@ def _down(args: argparse.Namespace) -> int:
     from ladle.cluster.control_plane import Cluster
 
     cluster = Cluster(args.state_dir or default_state_dir())
+    if not cluster.state_dir.exists():
+        print(f"no cluster in {cluster.state_dir}: nothing to stop")
+        return 0
     stopped = cluster.down()
     print(f"stopped {', '.join(stopped) or 'nothing'}; removed {cluster.state_dir}")
     return 0
@@ -211,7 +214,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         report = cluster.status()
     except ClusterError as exc:
-        print(exc)
+        print(f"ladle cluster status: {exc} (start one with ladle cluster up)", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2))
     healthy = report.get("readyz") == "ok" and all(report["processes"].values())

@@ -283,6 +283,9 @@ def main_up(state_dir: Path, options: Options, timeout: float) -> int:
 
 def main_down(state_dir: Path) -> int:
     system = System(state_dir)
+    if not system.cluster.state_dir.exists():
+        print(f"no cluster in {system.cluster.state_dir}: nothing to stop")
+        return 0
     stopped = system.down()
     print(f"stopped {', '.join(stopped) or 'nothing'}; removed {system.cluster.state_dir}")
     return 0
