@@ -23,9 +23,9 @@ class Inbound:
     stream: bool
 
     @classmethod
-    def parse(cls, body: bytes) -> Inbound:
+    def parse(cls, body: bytes, content_type: str | None = None) -> Inbound:
         try:
-            doc = json_body.parse_object(body)
+            doc = json_body.parse_object(body, content_type)
         except json_body.BodyError as exc:
             raise GatewayError(400, str(exc), json_body.CODE) from None
         model = doc.get("model")

@@ -88,8 +88,9 @@ def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
                 f"{where}: expected endpoints: [http://HOST:PORT, ...], or variants: "
                 "{NAME: {weight: N, endpoints: [...]}}"
             ) from None
-        if not any(urls for _, urls in variants.values()):
-            raise StaticConfigError(f"{where}: no endpoints: list the servers' URLs")
+        if "endpoints" not in entry and "variants" not in entry:
+            # An explicit empty list is a service scaled to zero; no list at all is a mistake.
+            raise StaticConfigError(f"{where}: endpoints (or variants) is required")
         count = 0
         for variant, (_, urls) in variants.items():
             for j, url in enumerate(urls):

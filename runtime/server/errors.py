@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from ladle import json_body
+from ladle.http_errors import unknown_endpoint, wrong_method
 from ladle.runtime.errors import RequestError
 from ladle.runtime.server.protocol import ErrorInfo, ErrorResponse
 
@@ -135,14 +136,27 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError | ValidationError)
+        content_type = request.headers.get("content-type")
+        if isinstance(exc, RequestValidationError) and not json_body.is_json(content_type):
+            # FastAPI parsed nothing: the body may well be JSON, sent as form data by curl -d.
+            message = json_body.wrong_content_type(str(content_type))
+            return await on_api_error(request, _not_an_object(message))
         body = exc.body if isinstance(exc, RequestValidationError) else None
         return await on_api_error(request, from_validation_errors(list(exc.errors()), body))
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = str(exc.detail)
+        path = request.url.path
+        if exc.status_code == 404:
+            known = [str(getattr(route, "path", "")) for route in app.routes]
+            message = unknown_endpoint(path, known)
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "").split(", ")
+            message = wrong_method(request.method, path, filter(None, allowed))
         return error_response(
-            exc.status_code, str(exc.detail), code.get(exc.status_code), headers=exc.headers
+            exc.status_code, message, code.get(exc.status_code), headers=exc.headers
         )
 
     app.add_exception_handler(APIError, on_api_error)

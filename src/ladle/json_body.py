@@ -32,14 +32,30 @@ def not_an_object(value: Any) -> str:
         float: "a number",
         bool: "a boolean",
         type(None): "null",
-        bytes: "not JSON (send Content-Type: application/json)",
     }.get(type(value), type(value).__name__)
-    if isinstance(value, bytes):
-        return f"the request body must be a JSON object, and this is {kind}"
     return f"the request body must be a JSON object ({{...}}), not {kind}"
 
 
-def parse_object(body: bytes) -> dict[str, Any]:
+def is_json(content_type: str | None) -> bool:
+    """FastAPI's rule: no Content-Type, ``application/json`` or ``application/*+json``."""
+    if not content_type:
+        return True
+    media = content_type.partition(";")[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def wrong_content_type(content_type: str) -> str:
+    media = content_type.partition(";")[0].strip()
+    return (
+        f"the request body must be JSON sent with Content-Type: application/json, not {media}"
+        " (curl -d sends form data unless told: add -H 'Content-Type: application/json')"
+    )
+
+
+def parse_object(body: bytes, content_type: str | None = None) -> dict[str, Any]:
+    if not is_json(content_type):
+        raise BodyError(wrong_content_type(str(content_type)))
     if not body.strip():
         raise BodyError(EMPTY)
     try:
