@@ -6,6 +6,7 @@ The table is the point: a later mistake of the same class belongs in it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -104,6 +105,7 @@ class Gateway:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    server_lines: int  # the shared server's log before this module's requests
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +122,7 @@ def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterato
              "--port", str(port), "--scrape-interval", "0"],
             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
         )  # fmt: skip
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", log)
+    gw = Gateway(proc, f"http://127.0.0.1:{port}", log, len(server.log_lines()))
     deadline = time.monotonic() + 60
     try:
         while True:
@@ -181,9 +183,22 @@ def test_the_openai_client_gets_the_same_errors(server: Server, gateway: Gateway
         assert "gpt-4o" in unknown.value.message
 
 
-def test_no_mistake_left_a_traceback(server: Server, gateway: Gateway) -> None:
-    """Runs last in this module: the mistakes above are in both logs, as warnings or info."""
+def test_the_logs_share_one_schema_and_no_mistake_left_a_traceback(
+    server: Server, gateway: Gateway
+) -> None:
+    """Runs last in this module: the mistakes above are in both logs, one JSON object a line
+    with the same keys, and a request the gateway forwarded carries its id into the server's."""
     assert httpx.get(f"{server.url}/health/ready", timeout=10).status_code == 200
-    for text in ("\n".join(server.log_lines()), gateway.log.read_text()):
-        assert "Traceback" not in text
-        assert '"level": "error"' not in text
+    records = {
+        "serve": [json.loads(line) for line in server.log_lines()[gateway.server_lines :]],
+        "gateway": [json.loads(line) for line in gateway.log.read_text().splitlines()],
+    }
+    for where, lines in records.items():
+        for record in lines:
+            assert {"time", "level", "logger", "message"} <= set(record), (where, record)
+            assert record["level"] in ("debug", "info", "warning"), (where, record)
+            assert "exc_info" not in record, (where, record)
+    forwarded = [r for r in records["gateway"] if r.get("pod") and r.get("status") == 400]
+    assert len(forwarded) >= 8
+    seen = {r.get("request_id") for r in records["serve"]}
+    assert all(r["request_id"] in seen for r in forwarded)
