@@ -1,4 +1,4 @@
-"""``ladle`` subcommands of the runtime: generate, serve, bench.
+"""``ladle`` subcommands of the runtime: generate, serve, bench, eval.
 
 Only the standard library is imported here; each handler imports torch when it runs.
 """
@@ -54,9 +54,21 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from ladle.runtime.eval.command import main
+
+    return main(args)
+
+
 def add_parsers(sub: SubParsers) -> None:
     from ladle.runtime.bench.workloads import WORKLOADS
-    from ladle.runtime.config import EngineArgs
+    from ladle.runtime.config import (
+        DEFAULT_GROUP_SIZE,
+        KV_CACHE_DTYPES,
+        QUANTIZATION_METHODS,
+        WEIGHT_QUANTIZATIONS,
+        EngineArgs,
+    )
     from ladle.runtime.limits import RequestLimits
 
     generate = sub.add_parser(
@@ -112,6 +124,27 @@ def add_parsers(sub: SubParsers) -> None:
     throughput.add_argument(
         "--kv-cache-memory", type=memory, default="8Gi", help="KV cache budget (a quantity)"
     )
+    throughput.add_argument(
+        "--quantization",
+        choices=WEIGHT_QUANTIZATIONS,
+        default=Default(None, "none"),
+        help="weight-only quantization applied at load",
+    )
+    throughput.add_argument(
+        "--quantization-method",
+        choices=QUANTIZATION_METHODS,
+        default=Default(None, "awq, with --quantization"),
+        help="how the weights are quantized",
+    )
+    throughput.add_argument(
+        "--quantization-group-size",
+        type=integer(32),
+        default=Default(None, f"{DEFAULT_GROUP_SIZE}, with --quantization int4"),
+        help="int4 weights per scale, a multiple of 32",
+    )
+    throughput.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV cache element type"
+    )
     throughput.add_argument("--seed", type=integer(0), default=0, help="sampling seed")
     throughput.add_argument(
         "--skip-transformers", action="store_true", help="run only our engine and the probe"
@@ -140,3 +173,16 @@ def add_parsers(sub: SubParsers) -> None:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+
+    from ladle.runtime.eval.command import add_cli_args as add_eval_args
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="compare a quantized variant with full precision: KLD, top-1, perplexity, greedy",
+        description="Teacher-forced comparison of a candidate with a reference on the same "
+        "text. Offline (default): the model under the engine flags given against the same "
+        "model in full precision, over the full vocabulary. Online: two OpenAI base URLs, "
+        "over each position's returned top-k.",
+    )
+    add_eval_args(evaluate)
+    evaluate.set_defaults(func=_eval)
