@@ -98,8 +98,8 @@ def login() -> kopf.ConnectionInfo:
         return info
     try:
         info = kopf.login_with_kubeconfig(settings=settings)
-    except kopf.LoginError:
-        raise
+    except kopf.LoginError as err:  # "Current context is not set in kubeconfigs."
+        raise kopf.LoginError(f"{str(err).rstrip('.')}; {KUBECONFIG_HINT}") from None
     except OSError as err:
         raise kopf.LoginError(
             f"cannot read the kubeconfig {err.filename}: {err.strerror} (check KUBECONFIG)"

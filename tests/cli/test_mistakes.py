@@ -48,6 +48,7 @@ FILES = {
     "static-key.yaml": "services:\n- name: chat\n  model: m\n  endpoint: [http://h:1]\n",
     "static-url.yaml": "services:\n- name: chat\n  model: m\n  endpoints: ['h:8000']\n",
     "kubeconfig-broken": "clusters: [\n",
+    "kubeconfig-no-context": "clusters: []\n",
     "kubeconfig-context": "current-context: kind\ncontexts: []\nclusters: []\nusers: []\n",
 }
 
@@ -142,6 +143,10 @@ MISTAKES: dict[str, Mistake] = {
     "operator: kubeconfig context missing": Mistake(
         ("operator",), ("'kind'", "does not define"),
         env={"KUBECONFIG": "{tmp}/kubeconfig-context"},
+    ),
+    "operator: kubeconfig without current-context": Mistake(
+        ("operator",), ("Current context is not set", "KUBECONFIG"),
+        env={"KUBECONFIG": "{tmp}/kubeconfig-no-context"},
     ),
     "operator: no kubeconfig at all": Mistake(
         ("operator",), ("no kubeconfig", "KUBECONFIG"), env={"KUBECONFIG": "", "HOME": "{tmp}"}
