@@ -30,7 +30,14 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="ladle", description="Kubernetes-native LLM serving.")
+    parser = Parser(
+        prog="ladle",
+        description="Kubernetes-native LLM serving.",
+        epilog="Start with 'ladle serve' (the embedded default model on http://127.0.0.1:8000/v1) "
+        "or 'ladle up' (a local cluster, the operator and gateway, a serving pod). Every flag of "
+        "every command also reads LADLE_<COMMAND>_<FLAG> (ladle serve --port: LADLE_SERVE_PORT); "
+        "'ladle COMMAND --help' lists them with their defaults.",
+    )
     parser.add_argument("--version", action="version", version=f"ladle {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
