@@ -1,4 +1,4 @@
-"""The operator's own /metrics, /healthz and /readyz, and its structured JSON logging."""
+"""The operator's own /metrics, /healthz and /readyz (its logs are ``ladle.logs``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+
+from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.operator")
 
@@ -155,21 +157,12 @@ def build_app(metrics: Metrics, health: Health) -> web.Application:
 async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as err:
+        await runner.cleanup()
+        raise SettingError(
+            f"--metrics-bind-address {host}:{port}: cannot listen there: {err.strerror}"
+        ) from None
     log.info("serving metrics and health", extra={"address": f"http://{host}:{port}"})
     return runner
-
-
-def configure_logging(level: str) -> None:
-    """JSON lines on stderr for the operator and for kopf alike (kopf's own formatter)."""
-    import kopf
-
-    level = level.upper()
-    kopf.configure(
-        debug=level == "DEBUG", quiet=level in ("WARNING", "ERROR"), log_format=kopf.LogFormat.JSON
-    )
-    # Per-object handler chatter and "Activity ... succeeded" from kopf are noise; the
-    # reconcilers log what matters. Both stay visible at debug.
-    if level != "DEBUG":
-        for name in ("kopf.objects", "kopf.activities"):
-            logging.getLogger(name).setLevel(logging.WARNING)
