@@ -89,6 +89,12 @@ class Outcome:
     fallback_from: str | None = None
     held_seconds: float = 0.0
     tokens: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # The response body as sent, when someone needs it afterwards (audit text, the cache).
+    captured: list[bytes] | None = None
+    # The response cache's verdict for this request: hit, miss, or None (not cacheable).
+    cache: str | None = None
     error: str | None = None
     # The service failed this request (a stream cut short, a deadline of its own): a breaker
     # failure even though the status sent was 200.
@@ -158,6 +164,8 @@ class Router:
     max_held: int = 256
     hooks: Hooks = field(default_factory=Hooks)
     loads: Callable[[], dict[str, PodLoad]] = dict
+    # Read every response's usage (the audit trail's token counts), not only limited keys'.
+    count_usage: bool = False
     rng: random.Random = field(default_factory=random.Random)
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
@@ -293,7 +301,8 @@ class Router:
         service = state.service
         deadline = min(req.deadline, req.arrival + service.timeouts.request_seconds)
         limited = req.key is not None and req.key.limiter.tokens is not None
-        add_usage = limited and req.inbound.stream and not req.inbound.wants_usage
+        counted = limited or self.count_usage
+        add_usage = counted and req.inbound.stream and not req.inbound.wants_usage
         body = req.inbound.rewritten(
             model=service.model if fallback else None, include_usage=add_usage
         )
@@ -339,6 +348,7 @@ class Router:
                 out,
                 last_attempt,
                 add_usage,
+                counted,
             )
             if result is None:
                 rate_limited = out.status == 429 and service.count_rate_limited
@@ -443,6 +453,7 @@ class Router:
         out: Outcome,
         last: bool,
         add_usage: bool,
+        count_usage: bool,
     ) -> str | None:
         """One try at one pod. Returns None once an answer went to the client, or why the
         pod failed while nothing had been sent (the caller may retry elsewhere)."""
@@ -491,7 +502,6 @@ class Router:
             stream = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
             reply = [(k, v) for k, v in response.headers if k not in _NOT_RETURNED]
             reply += _gateway_headers(req, variant, out)
-            count_usage = req.key is not None and req.key.limiter.tokens is not None
             if not stream:
                 try:
                     rest = await response.read_all(deadline)
@@ -506,7 +516,9 @@ class Router:
                     return f"{pod.name}: {exc}"
                 payload = (first or b"") + rest
                 if count_usage:
-                    out.tokens = _usage_tokens(payload)
+                    _usage_tokens(payload, out)
+                if out.captured is not None:
+                    out.captured.append(payload)
                 reply.append((b"content-length", str(len(payload)).encode()))
             out.status = response.status
             out.started = True
@@ -597,6 +609,8 @@ async def _relay_events(
             if count_usage and _USAGE.search(ready):
                 ready = _take_usage(ready, out, strip_usage)
             if ready:
+                if out.captured is not None:
+                    out.captured.append(ready)
                 await send({"type": "http.response.body", "body": ready, "more_body": True})
         try:
             piece = await response.read(deadline)
@@ -634,25 +648,27 @@ def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:
             except ValueError:
                 doc = None
             if isinstance(doc, dict):
-                out.tokens = _total_tokens(doc)
+                _read_usage(doc, out)
                 if strip and not doc.get("choices"):
                     continue
         kept.append(event + b"\n\n")
     return b"".join(kept)
 
 
-def _usage_tokens(payload: bytes) -> int:
+def _usage_tokens(payload: bytes, out: Outcome) -> None:
     try:
         doc = json.loads(payload)
     except ValueError:
-        return 0
-    return _total_tokens(doc) if isinstance(doc, dict) else 0
+        return
+    if isinstance(doc, dict):
+        _read_usage(doc, out)
 
 
-def _total_tokens(doc: dict[str, Any]) -> int:
+def _read_usage(doc: dict[str, Any], out: Outcome) -> None:
     usage = doc.get("usage")
-    if isinstance(usage, dict):
-        total = usage.get("total_tokens")
-        if isinstance(total, int):
-            return total
-    return 0
+    if not isinstance(usage, dict):
+        return
+    counts = [usage.get(k) for k in ("total_tokens", "prompt_tokens", "completion_tokens")]
+    total, prompt, completion = (c if isinstance(c, int) else None for c in counts)
+    out.tokens = total or 0
+    out.prompt_tokens, out.completion_tokens = prompt, completion

@@ -28,6 +28,7 @@ from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.outputs import PromptLogprobs, RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from ladle.runtime.server import rendering
+from ladle.runtime.server.audit import AuditEntry
 from ladle.runtime.server.errors import APIError, error_body, from_validation_errors
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.metrics import RequestRecord
@@ -259,6 +260,7 @@ class OpenAIServing:
         params: SamplingParams | BeamSearchParams,
         priority: int,
         deadline: float | None,
+        audit: AuditEntry | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine request; however it ends, its record is finished, counted and logged."""
         metrics = self.state.metrics
@@ -279,6 +281,8 @@ class OpenAIServing:
             record.finished = time.monotonic()
             self.state.engine_request_finished(record.engine_request_id)
             self._finished(record)
+            if audit is not None:
+                audit.engine_request(record)
 
     def _finished(self, record: RequestRecord) -> None:
         if self.state.metrics is not None:
@@ -319,6 +323,10 @@ class OpenAIServing:
         if deadline is not None:
             public["timeout"] = round(deadline - arrival, 3)
         width = _width(params)
+        audit = _audit(raw)
+        if audit is not None:
+            model = llm.engine.served_model_name
+            audit.begin(model, public, request.stream, [p.text for p in prompts])
         streams = []
         for i, prompt in enumerate(prompts):
             record = RequestRecord(
@@ -332,7 +340,9 @@ class OpenAIServing:
                 arrival=arrival,
                 num_seqs=width,
             )
-            streams.append(self._run(llm, record, prompt, params, request.priority, deadline))
+            streams.append(
+                self._run(llm, record, prompt, params, request.priority, deadline, audit)
+            )
         return streams
 
     @staticmethod
@@ -367,9 +377,25 @@ class OpenAIServing:
         choices: dict[_Key, ChoiceState],
         new_choice: Callable[[_Key], ChoiceState],
         stream: bool,
+        audit: AuditEntry | None,
     ) -> AsyncIterator[list[tuple[_Key, Shown]]]:
         """The one path from engine deltas to what a response shows: streamed, whatever each
         output makes showable; otherwise, everything at once when all streams are done."""
+        parts = self._shown_parts(streams, choices, new_choice, stream)
+        async with contextlib.aclosing(parts):
+            async for batch in parts:
+                if audit is not None:
+                    for _, part in batch:
+                        audit.shown(part.index, part.text)
+                yield batch
+
+    async def _shown_parts(
+        self,
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        choices: dict[_Key, ChoiceState],
+        new_choice: Callable[[_Key], ChoiceState],
+        stream: bool,
+    ) -> AsyncGenerator[list[tuple[_Key, Shown]], None]:
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         async for i, output in merge(streams):
             if output.prompt_logprobs is not None:
@@ -443,7 +469,7 @@ class OpenAIServing:
             )
 
         choices: dict[_Key, ChoiceState] = {}
-        shown = self._shown(streams, choices, new_choice, request.stream)
+        shown = self._shown(streams, choices, new_choice, request.stream, _audit(raw))
         if request.stream:
             return SSEResponse(
                 self._completion_events(llm, request, response_id, model, prompts, shown, choices)
@@ -573,7 +599,7 @@ class OpenAIServing:
             return ChoiceState(key[1], bool(want_logprobs))
 
         choices: dict[_Key, ChoiceState] = {}
-        shown = self._shown(streams, choices, new_choice, request.stream)
+        shown = self._shown(streams, choices, new_choice, request.stream, _audit(raw))
         if request.stream:
             return SSEResponse(
                 self._chat_events(llm, request, response_id, model, prompt, shown, choices, top)
@@ -662,6 +688,12 @@ class OpenAIServing:
             usage=self._usage([prompt], choices),
             prompt_logprobs=rendering.prompt_logprobs(prompt_logprobs),
         )
+
+
+def _audit(raw: Request) -> AuditEntry | None:
+    """The request's audit entry, when the audit trail is on."""
+    entry = getattr(raw.state, "audit", None)
+    return entry if isinstance(entry, AuditEntry) else None
 
 
 def _beam_search(request: _GenerationRequest) -> bool:
