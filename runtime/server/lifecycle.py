@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ladle.audit import AuditLog
 from ladle.runtime.config import ConfigError
+from ladle.runtime.filters.loader import load_input, load_output
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
@@ -39,6 +40,8 @@ class ServerState:
         self.settings = settings
         self.api_keys = ApiKeys(settings.api_keys, settings.api_key_file)
         self.audit = AuditLog(settings.audit_log, "runtime", text=settings.audit_text)
+        self.input_filters = load_input(settings.input_filters)
+        self.output_filters = load_output(settings.output_filters)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self._load_engine = load_engine

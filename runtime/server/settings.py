@@ -33,6 +33,8 @@ class ServerSettings:
     request_timeout: float | None = None
     audit_log: str | None = None
     audit_text: bool = False
+    input_filters: list[str] = field(default_factory=list)
+    output_filters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -61,6 +63,8 @@ class ServerSettings:
             request_timeout=args.request_timeout,
             audit_log=args.audit_log,
             audit_text=args.audit_text,
+            input_filters=list(args.input_filter or []),
+            output_filters=list(args.output_filter or []),
         )
 
 
@@ -134,3 +138,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "request's own 'timeout' field overrides it",
     )
     add_audit_args(group)
+    group.add_argument(
+        "--input-filter",
+        action="append",
+        default=Default([], "none"),
+        metavar="NAME",
+        help="refuse requests this filter rejects, before admission: a ladle.filters entry "
+        "point (pii is built in) or package.module:Name (repeatable; docs/pipeline.md)",
+    )
+    group.add_argument(
+        "--output-filter",
+        action="append",
+        default=Default([], "none"),
+        metavar="NAME",
+        help="pass generated text through this filter as it streams, which may redact or stop "
+        "it: an entry point (pii is built in) or package.module:Name (repeatable)",
+    )
