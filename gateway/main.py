@@ -20,6 +20,7 @@ from ladle import logs
 from ladle.audit import AuditLog
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
+from ladle.gateway.cache import ResponseCache
 from ladle.gateway.kube import KubeApi
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import Hooks, Router
@@ -60,6 +61,8 @@ class GatewaySettings:
     log_level: str = "info"
     audit_log: str | None = None
     audit_text: bool = False
+    response_cache: bool = True
+    response_cache_size: int = 256 << 20
     namespaces_all: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
@@ -86,6 +89,8 @@ class GatewaySettings:
             log_level=args.log_level,
             audit_log=args.audit_log,
             audit_text=args.audit_text,
+            response_cache=args.response_cache,
+            response_cache_size=args.response_cache_size,
         )
 
 
@@ -106,6 +111,7 @@ class Gateway:
             max_held=settings.max_held_requests,
             loads=(lambda: scraper.loads) if scraper is not None else dict,
             count_usage=settings.audit_log is not None,
+            cache=ResponseCache(settings.response_cache_size) if settings.response_cache else None,
         )
         self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)
         self.keys: KeyStore | None = None

@@ -21,6 +21,7 @@ from typing import Any
 
 from ladle.gateway.apikeys import ApiKey
 from ladle.gateway.breaker import Admission, CircuitBreaker, Transition
+from ladle.gateway.cache import Entry, ResponseCache, cache_key, cacheable
 from ladle.gateway.errors import GatewayError, sse_error
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
@@ -95,6 +96,8 @@ class Outcome:
     captured: list[bytes] | None = None
     # The response cache's verdict for this request: hit, miss, or None (not cacheable).
     cache: str | None = None
+    # The headers sent with the response, when it came from a pod.
+    reply_headers: HeaderList | None = None
     error: str | None = None
     # The service failed this request (a stream cut short, a deadline of its own): a breaker
     # failure even though the status sent was 200.
@@ -166,6 +169,7 @@ class Router:
     loads: Callable[[], dict[str, PodLoad]] = dict
     # Read every response's usage (the audit trail's token counts), not only limited keys'.
     count_usage: bool = False
+    cache: ResponseCache | None = None
     rng: random.Random = field(default_factory=random.Random)
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
@@ -247,6 +251,9 @@ class Router:
                 "model_not_found",
                 param="model",
             )
+        key = self._cache_key(owner, req)
+        if key is not None and await self._from_cache(key, owner, req, send, out):
+            return
         state = self.states[owner.key]
         visited: list[ServiceState] = []
         while True:
@@ -280,6 +287,8 @@ class Router:
         success: bool | None = None
         try:
             success = await self._serve(state, req, send, out, bool(visited))
+            if key is not None and success and not visited:
+                self._store(key, req, out)
         except GatewayError as exc:
             if exc.code in _BREAKER_FAILURES:
                 success = False
@@ -292,6 +301,52 @@ class Router:
                 transition = state.breaker.record(loop.time(), success, probe=probe)
                 if transition is not None:
                     self._transitioned(state, transition)
+
+    # -- the response cache --------------------------------------------------------------
+
+    def _cache_key(self, service: Service, req: ClientRequest) -> bytes | None:
+        """The request's key, if the service caches and the answer is deterministic."""
+        if self.cache is None or not service.response_cache or not cacheable(req.inbound.doc):
+            return None
+        live = [variant for variant, weight in service.weights if weight > 0]
+        if len(live) != 1:
+            return None  # a canary split: which variant will answer is not known yet
+        scope = req.key.cache_scope if req.key is not None else ""
+        return cache_key(service.key, service.revision, live[0], scope, req.path, req.inbound.doc)
+
+    async def _from_cache(
+        self, key: bytes, service: Service, req: ClientRequest, send: Send, out: Outcome
+    ) -> bool:
+        assert self.cache is not None
+        entry = self.cache.get(key)
+        out.cache = "miss" if entry is None else "hit"
+        self.metrics.cache(*service.key, out.cache).inc()
+        if entry is None:
+            if out.captured is None:
+                out.captured = []
+            return False
+        out.service, out.status, out.started = service, entry.status, True
+        out.ttfb = asyncio.get_running_loop().time() - req.arrival
+        headers = [*entry.headers, (b"x-request-id", req.request_id.encode())]
+        headers.append((b"x-ladle-cache", b"hit"))
+        await send({"type": "http.response.start", "status": entry.status, "headers": headers})
+        await send({"type": "http.response.body", "body": entry.body})
+        return True
+
+    def _store(self, key: bytes, req: ClientRequest, out: Outcome) -> None:
+        """Keep a complete 200 answer; a failed, cut or fallback answer is never kept."""
+        assert self.cache is not None
+        if out.status != 200 or out.failed or out.error or out.reply_headers is None:
+            return
+        kept = tuple(
+            (k, v) for k, v in out.reply_headers if k not in (b"x-request-id", b"x-ladle-cache")
+        )
+        body = b"".join(out.captured or [])
+        evictions = self.cache.evictions
+        self.cache.put(key, Entry(out.status, kept, body, req.inbound.stream))
+        self.metrics.cache_bytes.set(self.cache.bytes)
+        self.metrics.cache_entries.set(len(self.cache))
+        self.metrics.cache_evictions.inc(self.cache.evictions - evictions)
 
     async def _serve(
         self, state: ServiceState, req: ClientRequest, send: Send, out: Outcome, fallback: bool
@@ -522,6 +577,7 @@ class Router:
                 reply.append((b"content-length", str(len(payload)).encode()))
             out.status = response.status
             out.started = True
+            out.reply_headers = reply
             first_sent = loop.time()
             out.ttfb = first_sent - req.arrival
             out.overhead = (sent_at - req.arrival - out.held_seconds) + (first_sent - got_first)
@@ -580,6 +636,8 @@ def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderLi
     headers = [(b"x-request-id", req.request_id.encode()), (b"x-ladle-variant", variant.encode())]
     if out.fallback_from is not None and out.service is not None:
         headers.append((b"x-ladle-fallback", out.service.name.encode()))
+    if out.cache is not None:
+        headers.append((b"x-ladle-cache", out.cache.encode()))
     return headers
 
 
