@@ -531,6 +531,7 @@ class Controller:
             service_error=failure.message if failure else None,
             conflict=conflict.message if conflict else None,
         )
+        self.metrics.observe_isvc(namespace, name, status)
         if status != previous:
             await self._write_status(isvc, status, previous)
         if conflict is not None:
@@ -723,6 +724,7 @@ class Controller:
 
     def _forget_isvc(self, key: IsvcKey) -> None:
         namespace, name = key
+        self.metrics.forget_isvc(namespace, name)
         self.grants.pop(key, None)
         self.unschedulable.pop(key, None)
         for kind, child in (
@@ -749,6 +751,7 @@ class Controller:
     async def reconcile_pool(self, name: str) -> None:
         pool = self.pools.get(name)
         if pool is None:
+            self.metrics.forget_pool(name)
             return
         plan = self.plan(name)
         services = len(self.pool_members.get(name, ()))
@@ -756,6 +759,7 @@ class Controller:
         status = derive_pool_status(
             pool, list(self.nodes.values()), plan, services, now_rfc3339(), previous
         )
+        self.metrics.observe_pool(name, status, pool.spec.quota_gpus)
         if status == previous:
             return
         # A pool's counts move with every member: write them at most once a second.

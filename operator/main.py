@@ -158,6 +158,7 @@ class Operator:
         done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
 
         self.metrics.leader.set(0)
+        self.metrics.forget_objects()
         kopf_stop.set()
         for task in (workers, stopper, holder):
             if task is not None and task not in done:
