@@ -4,6 +4,7 @@ are chart values."""
 
 from __future__ import annotations
 
+import copy
 import re
 import shutil
 import subprocess
@@ -36,7 +37,7 @@ def promtool_run(promtool: Path, *args: str, cwd: Path) -> subprocess.CompletedP
 def rules_dir(prometheus_rule: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The rule file as shipped, one without annotations (the firing logic), and the tests."""
     folder = tmp_path_factory.mktemp("rules")
-    groups = promconfig.rule_groups(prometheus_rule)
+    groups = copy.deepcopy(promconfig.rule_groups(prometheus_rule))
     (folder / "ladle-rules.yaml").write_text(yaml.safe_dump(groups, sort_keys=False))
     for group in groups["groups"]:
         for rule in group["rules"]:
@@ -62,11 +63,14 @@ def test_promtool_unit_tests_of_every_alert_pass(promtool: Path, rules_dir: Path
 
 def test_a_broken_rule_fails_its_unit_test(promtool: Path, rules_dir: Path) -> None:
     """The unit tests can fail: the KV-cache alert at 99% misses the 95% case that must fire."""
-    logic = rules_dir / "ladle-rules-logic.yaml"
-    broken = logic.read_text().replace("(ladle:kv_cache_usage_perc) > 0.9", "(ladle:kv_cache_usage_perc) > 0.99")
-    assert broken != logic.read_text()
+    logic = yaml.safe_load((rules_dir / "ladle-rules-logic.yaml").read_text())
+    (rule,) = [
+        r for g in logic["groups"] for r in g["rules"] if r.get("alert") == "LadleKVCacheHigh"
+    ]
+    assert rule["expr"].endswith("> 0.9")
+    rule["expr"] = rule["expr"].replace("> 0.9", "> 0.99")
     (rules_dir / "broken").mkdir()
-    (rules_dir / "broken" / logic.name).write_text(broken)
+    (rules_dir / "broken" / "ladle-rules-logic.yaml").write_text(yaml.safe_dump(logic))
     shutil.copyfile(rules_dir / "alerts_test.yaml", rules_dir / "broken" / "alerts_test.yaml")
     result = promtool_run(
         promtool, "test", "rules", "--run", "KV cache above", "alerts_test.yaml",
@@ -105,7 +109,8 @@ def test_every_alert_says_how_bad_what_and_where_the_runbook_is(
         name = rule["alert"]
         assert rule["labels"]["severity"] in ("critical", "warning"), name
         annotations = rule["annotations"]
-        assert annotations["summary"] and annotations["description"], name
+        assert annotations["summary"], name
+        assert annotations["description"], name
         assert annotations["runbook_url"] == f"{RUNBOOK_BASE}/{name}.md"
 
 
@@ -153,7 +158,9 @@ def test_the_ttft_target_is_a_chart_value_read_at_its_exact_bucket(
         "monitoring.prometheusRule.enabled=true", f"monitoring.slo.latency.ttftSeconds={seconds}"
     )
     assert rendered.returncode == 0, rendered.stderr
-    ratio = expr(rendered.stdout, "namespace_inferenceservice:ladle_slo_latency_errors:ratio_rate1h")
+    ratio = expr(
+        rendered.stdout, "namespace_inferenceservice:ladle_slo_latency_errors:ratio_rate1h"
+    )
     assert f'ladle:time_to_first_token_seconds_bucket{{le="{le}"}}[1h]' in ratio
 
 
@@ -183,9 +190,7 @@ def test_a_target_that_cannot_work_is_refused_with_a_reason(
     assert message in rendered.stderr
 
 
-def test_plain_prometheus_files_pass_promtool_check_config(
-    promtool: Path, tmp_path: Path
-) -> None:
+def test_plain_prometheus_files_pass_promtool_check_config(promtool: Path, tmp_path: Path) -> None:
     """manifests/prometheus/ as a Prometheus without the operator would load it."""
     plain = ROOT / "manifests" / "prometheus"
     scrape = yaml.safe_load((plain / "ladle-scrape-configs.yaml").read_text())
