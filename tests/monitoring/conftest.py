@@ -47,9 +47,11 @@ def helm_template() -> Render:
     """``helm template`` of the chart with ``--set`` values; never raises, for error checks."""
     helm = tool(build.bin_dir() / "helm")
 
-    def render(*values: str, release: str = "ladle", namespace: str = "ladle-system") -> Any:
+    def render(
+        *values: str, release: str = "ladle", namespace: str = "ladle-system", crds: bool = False
+    ) -> Any:
         argv = [str(helm), "template", release, str(CHART), "--namespace", namespace]
-        argv += ["--kube-version", "1.34.0"]
+        argv += ["--kube-version", "1.34.0", *(["--include-crds"] if crds else [])]
         for value in values:
             argv += ["--set", value]
         return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
