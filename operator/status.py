@@ -1,8 +1,11 @@
 """Children → status: pure derivation of InferenceService and GPUPool status.
 
-Conditions follow metav1.Condition and the Ready/Progressing/Degraded trio that kstatus and
-Argo CD read: Ready means the desired state is reached, Progressing means a rollout is under
-way, Degraded means something needs a human (with the reason and the scheduler's own words).
+Conditions follow metav1.Condition and the Ready/Progressing/Degraded trio that Argo CD reads:
+Ready means the desired state is reached, Progressing means a rollout is under way, Degraded
+means something needs a human (with the reason and the scheduler's own words). kstatus (Flux,
+kpt) reads Reconciling and Stalled: Reconciling always agrees with Progressing, and Stalled says
+that progress needs someone to act (a missing pool, someone else's object in the way, a rollout
+past its deadline, a Service the API server refuses, nothing granted); never both True.
 """
 
 from __future__ import annotations
@@ -17,12 +20,20 @@ from ladle.operator.quota import PoolPlan
 
 READY = "Ready"
 PROGRESSING = "Progressing"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
 DEGRADED = "Degraded"
-OPERATOR_CONDITIONS = frozenset({READY, PROGRESSING, DEGRADED})
+OPERATOR_CONDITIONS = frozenset({READY, PROGRESSING, RECONCILING, STALLED, DEGRADED})
 # status.gateway, and any condition of another type (the gateway's ModelNameConflict), belong
 # to the gateway's field manager: the operator never writes them and compares its own status
 # without them, so a gateway's write never makes the operator write.
 GATEWAY_STATUS = "gateway"
+# What a scaled-to-zero service does with the next request, in words.
+SCALED_TO_ZERO_MESSAGE = (
+    "scaled to zero replicas (spec.replicas is 0): the gateway holds each request up to "
+    "spec.timeouts.scaleFromZeroSeconds for a ready replica, then answers 503 no_ready_pods; "
+    "raise spec.replicas to serve"
+)
 
 
 def operator_status(status: Mapping[str, Any]) -> JSON:
@@ -218,7 +229,7 @@ def derive_isvc_status(
             note = next((v.quota_note for v in variants if v.quota_note), "no replicas granted")
             ready = Condition(READY, False, "QuotaExceeded", note)
         else:
-            ready = Condition(READY, True, "ScaledToZero", "scaled to zero replicas")
+            ready = Condition(READY, True, "ScaledToZero", SCALED_TO_ZERO_MESSAGE)
         progressing = Condition(
             PROGRESSING, False, "RolloutComplete", f"{updated}/{granted} replicas up to date"
         )
@@ -240,6 +251,23 @@ def derive_isvc_status(
             progressing = Condition(PROGRESSING, False, "GPUPoolNotFound", pool_problem)
         else:
             progressing = Condition(PROGRESSING, True, "RollingOut", waiting)
+    stalls = [
+        (reason, message)
+        for reason, message in problems
+        if reason in ("GPUPoolNotFound", "ChildConflict", "ProgressDeadlineExceeded")
+        or (reason == "ServiceNotCreated" and service_error)
+        or (reason == "QuotaExceeded" and granted == 0 < requested)
+    ]
+    if stalls:
+        progressing = Condition(PROGRESSING, False, *stalls[0])
+    reconciling = Condition(
+        RECONCILING, progressing.status, progressing.reason, progressing.message
+    )
+    stall = (
+        Condition(STALLED, True, stalls[0][0], "; ".join(m for _, m in stalls))
+        if stalls
+        else Condition(STALLED, False, "AsExpected")
+    )
     degraded = (
         Condition(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
         if problems
@@ -256,7 +284,7 @@ def derive_isvc_status(
         "url": url,
         "conditions": merge_conditions(
             (isvc.status if previous is None else previous).get("conditions") or (),
-            [ready, progressing, degraded],
+            [ready, progressing, degraded, reconciling, stall],
             generation,
             now,
         ),

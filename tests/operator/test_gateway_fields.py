@@ -66,4 +66,11 @@ def test_the_gateways_status_fields_survive_operator_reconciles(
     assert isinstance(status, dict)
     assert status["gateway"] == written
     types = [c["type"] for c in status["conditions"]]
-    assert sorted(types) == ["Degraded", "ModelNameConflict", "Progressing", "Ready"]
+    assert sorted(types) == [
+        "Degraded",
+        "ModelNameConflict",
+        "Progressing",
+        "Ready",
+        "Reconciling",
+        "Stalled",
+    ]

@@ -59,7 +59,13 @@ def observe(
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    """Ready, Progressing and Degraded (test_kstatus.py checks Reconciling and Stalled)."""
+    kstatus = ("Reconciling", "Stalled")
+    return {
+        c["type"]: (c["status"], c["reason"])
+        for c in status["conditions"]
+        if c["type"] not in kstatus
+    }
 
 
 def test_available_rollout_is_ready(make_isvc: Builder, make_deployment: Builder) -> None:
@@ -213,7 +219,13 @@ def test_a_service_granted_nothing_is_not_ready(
 
 def test_scaled_to_zero_is_ready(make_isvc: Builder, make_deployment: Builder) -> None:
     isvc = parse_isvc(make_isvc(spec={"replicas": 0, "minReplicas": 0}))
-    assert conditions(observe(isvc, make_deployment(0)))["Ready"] == ("True", "ScaledToZero")
+    status = observe(isvc, make_deployment(0))
+    assert conditions(status)["Ready"] == ("True", "ScaledToZero")
+    # It says plainly what happens to the next request, and what to do about it.
+    message = status["conditions"][0]["message"]
+    assert "holds each request" in message
+    assert "503 no_ready_pods" in message
+    assert "raise spec.replicas" in message
 
 
 def test_missing_pool_is_degraded(make_isvc: Builder) -> None:
@@ -240,8 +252,15 @@ def test_transition_times_move_only_when_status_changes(
     isvc = parse_isvc(make_isvc(status={"conditions": earlier}))
     second = observe(isvc, make_deployment(1))
     times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
-    # Ready and Progressing flipped; Degraded stayed False.
-    assert times == {"Ready": NOW, "Progressing": NOW, "Degraded": "2026-01-01T00:00:00Z"}
+    # Ready, Progressing and Reconciling flipped; Degraded and Stalled stayed False.
+    before = "2026-01-01T00:00:00Z"
+    assert times == {
+        "Ready": NOW,
+        "Progressing": NOW,
+        "Reconciling": NOW,
+        "Degraded": before,
+        "Stalled": before,
+    }
 
 
 def node(name: str, labels: dict[str, str], gpus: str = "8", ready: bool = True) -> NodeInfo:
