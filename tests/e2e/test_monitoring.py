@@ -242,10 +242,15 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     ladle_system: System, prometheus: Prometheus, namespace: str, gateway: str
 ) -> None:
     system = ladle_system
-    breaker = {"minimumCalls": 4, "openSeconds": 600, "countRateLimited": True}
+    # A model loads for longer than the breaker's default 30 s without a ready pod on this
+    # machine: only the failure rate may open these breakers.
+    breaker = {"minimumCalls": 4, "openSeconds": 600, "noReadyPodsSeconds": 3600}
+    beta_breaker = {**breaker, "countRateLimited": True}
+    # Model names are cluster-wide at the gateway: these are this namespace's own.
+    alpha, beta = f"alpha-{namespace}", f"beta-{namespace}"
     documents = [
-        service("alpha", "model-alpha"),
-        service("beta", "model-beta", fallback="alpha", circuitBreaker=breaker),
+        service("alpha", alpha, circuitBreaker=breaker),
+        service("beta", beta, fallback="alpha", circuitBreaker=beta_breaker),
     ]
     result = system.kubectl(
         "apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump_all(documents)
@@ -282,8 +287,10 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     assert float(operators[0]["value"][1]) == 2  # both replicas, leader and standby
 
     # Traffic, then the first fault: beta's queue of zero answers 429, its breaker opens.
-    assert traffic(gateway, "model-alpha", 4) == [200] * 4
-    assert traffic(gateway, "model-beta", 4) == [200] * 4
+    for model in (alpha, beta):
+        wait_until(lambda m=model: traffic(gateway, m, 1) == [200], f"the gateway to route {model}")
+    assert traffic(gateway, alpha, 4) == [200] * 4
+    assert traffic(gateway, beta, 4) == [200] * 4
     patch = {"spec": {"engine": {"maxWaitingRequests": 0}}}
     patched = system.kubectl(
         "patch", "lisvc", "beta", "-n", namespace, "--type=merge", "-p", json.dumps(patch)
@@ -291,21 +298,20 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     assert patched.returncode == 0, patched.stderr
 
     def moved() -> bool:
-        body = {"model": "model-beta", "prompt": "Hello", "max_tokens": 2}
+        body = {"model": beta, "prompt": "Hello", "max_tokens": 2}
         r = httpx.post(gateway + "/v1/completions", json=body, timeout=120)
         return r.status_code == 200 and r.headers.get("x-ladle-fallback") == "alpha"
 
     wait_until(moved, "beta's breaker to open and send its traffic to alpha", timeout=300)
-    traffic(gateway, "model-beta", 4)
+    traffic(gateway, beta, 4)
 
     # Every recording rule (all the chart's, as Prometheus loaded them) answers with data.
     names = recorded(prometheus)
     (rule,) = [
         d for d in render_monitoring(system.system_namespace) if d["kind"] == "PrometheusRule"
     ]
-    assert names == [
-        r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r
-    ]
+    records = [r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r]
+    assert sorted(names) == sorted(records)
 
     def all_recorded() -> list[str]:
         return [name for name in names if not prometheus.query(name)]
@@ -333,7 +339,7 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     assert deleted.returncode == 0, deleted.stderr
 
     def failing() -> bool:
-        return traffic(gateway, "model-beta", 10).count(503) == 10
+        return traffic(gateway, beta, 10).count(503) == 10
 
     wait_until(failing, "beta to answer 503 without its fallback", timeout=120)
     deadline = time.monotonic() + 180
@@ -341,7 +347,7 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
         "LadleAvailabilityBudgetBurn", inferenceservice="beta", severity="critical"
     ):
         assert time.monotonic() < deadline, prometheus.get("/api/v1/alerts")
-        traffic(gateway, "model-beta", 5)
+        traffic(gateway, beta, 5)
         time.sleep(2)
     alert = prometheus.firing(
         "LadleAvailabilityBudgetBurn", inferenceservice="beta", long_window="1h"
