@@ -127,11 +127,11 @@ def test_live_objects_in_each_phase_read_right_in_kstatus_and_argo_cd(
         kube.wait_condition(ns, "first", "Ready")
         kube.apply(isvc("starved", gpuPool=full), ns)  # the quota grants it nothing
         kube.apply(isvc("lost", gpuPool=f"{ns}-missing"), ns)
-        kube.apply(isvc("huge", resources={"gpus": 9}), ns)  # no node has 9 GPUs
+        kube.apply(isvc("huge", resources={"gpus": 1, "cpu": "500"}), ns)  # no node has 500 CPUs
         kube.wait_condition(ns, "ready", "Ready")
         kube.wait_condition(ns, "starved", "Stalled", reason="QuotaExceeded")
         kube.wait_condition(ns, "lost", "Stalled", reason="GPUPoolNotFound")
-        kube.wait_condition(ns, "huge", "Degraded", reason="InsufficientGPUs")
+        kube.wait_condition(ns, "huge", "Degraded", reason="Unschedulable")
 
         def live(kind: str, name: str) -> dict[str, Any]:
             args = ["get", kind, name, "-o", "json"] + (["-n", ns] if kind == "lisvc" else [])
@@ -155,7 +155,7 @@ def test_live_objects_in_each_phase_read_right_in_kstatus_and_argo_cd(
             (deleting, "Terminating", "Progressing"),
             (live("lisvc", "starved"), "Failed", "Degraded"),
             (live("lisvc", "lost"), "Failed", "Degraded"),
-            # Pods wait for GPUs: kstatus waits (until the progress deadline stalls it), and
+            # Pods wait for a node: kstatus waits (until the progress deadline stalls it), and
             # Argo CD asks for a human now.
             (live("lisvc", "huge"), "InProgress", "Degraded"),
             (live("gpupool", full), "Current", "Degraded"),  # its quota withholds GPUs
