@@ -113,6 +113,8 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
         "Ready": "True",
         "Progressing": "False",
+        "Reconciling": "False",
+        "Stalled": "False",
         "Degraded": "False",
     }
 
