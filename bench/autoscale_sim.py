@@ -132,14 +132,8 @@ def _bursts(t: float) -> float:
     return max(2.0, 6.0 - 4.0 * (phase - 240.0) / 60.0)
 
 
-def _spike_to_zero(t: float) -> float:
-    if t < 900:
-        return 3.0
-    if 2700 <= t < 2760:
-        return 8.0
-    if t >= 3600:
-        return 3.0
-    return 0.0
+def _to_zero_and_back(t: float) -> float:
+    return 0.0 if 900 <= t < 2700 else 3.0
 
 
 TRACES = (
@@ -151,10 +145,10 @@ TRACES = (
         "2 replicas' worth; every 15 min a 1 min ramp to 6, 3 min there, 1 min back",
     ),
     Trace(
-        "spike-to-zero",
-        4500.0,
-        _spike_to_zero,
-        "3, then nothing for 30 min but one 60 s spike to 8, then 3 again",
+        "to-zero-and-back",
+        3600.0,
+        _to_zero_and_back,
+        "3 replicas' worth; at 15 min it drops to nothing, and at 45 min it is back at once",
     ),
 )
 

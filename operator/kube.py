@@ -77,6 +77,13 @@ def login() -> kopf.ConnectionInfo:
     settings = kopf.OperatorSettings()
     info = kopf.login_with_service_account(settings=settings)
     if info is not None:
+        # kopf assumes cluster DNS (https://kubernetes.default.svc); like client-go, prefer
+        # the address every pod is given in its environment.
+        host = os.environ.get("KUBERNETES_SERVICE_HOST")
+        port = os.environ.get("KUBERNETES_SERVICE_PORT")
+        if host and port:
+            host = f"[{host}]" if ":" in host else host
+            info = dataclasses.replace(info, server=f"https://{host}:{port}")
         return info
     info = kopf.login_with_kubeconfig(settings=settings)
     if info is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -61,7 +62,13 @@ class IterationStats:
 
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        log.info(
+            "no CUDA device: running on the CPU",
+            extra={"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+        )
+        return torch.device("cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda was requested but no CUDA device is available")

@@ -45,6 +45,10 @@ def default_gguf_path() -> Path:
 def resolve_model(model: str | None) -> Path:
     """Return an HF-style folder (config, safetensors, tokenizer) for ``model``."""
     if model is None:
+        # The runtime image bakes the converted default model and points here at it, so that
+        # no pod converts the GGUF again (Dockerfile.runtime).
+        if baked := os.environ.get("LADLE_DEFAULT_MODEL_DIR"):
+            return resolve_model(baked)
         return convert_gguf(default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if not path.exists():
@@ -98,6 +102,9 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         bar.update()
+        # TemporaryDirectory made it 0700; a cache is read by other users too (the runtime
+        # image's user 10001 reads the folder baked in as root).
+        os.chmod(tmp, 0o755)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "ladle.operator.cli",
     "ladle.gateway.cli",
     "ladle.cluster.cli",
+    "ladle.cluster.up_cli",
 )
 
 

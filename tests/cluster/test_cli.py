@@ -37,7 +37,10 @@ def test_up_status_down_leaves_other_clusters_alone(
     k8s_cluster: KubeCluster, tmp_path: Path
 ) -> None:
     state_dir = tmp_path / "second"
-    up = _ladle("up", "--state-dir", str(state_dir), "--nodes", "1", "--gpus-per-node", "4")
+    up = _ladle(
+        "up", "--state-dir", str(state_dir), "--nodes", "1", "--gpus-per-node", "4",
+        "--local-nodes", "1",
+    )  # fmt: skip
     assert up.returncode == 0, up.stdout + up.stderr
     assert re.search(r"cluster Ready in \d+\.\ds", up.stdout), up.stdout
     kubeconfig = state_dir / "admin.kubeconfig"
@@ -48,7 +51,7 @@ def test_up_status_down_leaves_other_clusters_alone(
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
         assert report["readyz"] == "ok"
-        assert report["nodes"] == {"ladle-gpu-0": "True"}
+        assert report["nodes"] == {"ladle-gpu-0": "True", "ladle-local-0": "True"}
         # Its own ports: a different API server from the session's cluster.
         assert report["server"] != k8s_cluster.server
         gpus = k8s_cluster.run_kubectl(
@@ -62,7 +65,7 @@ def test_up_status_down_leaves_other_clusters_alone(
         assert gpus.stdout == "4", gpus.stderr
         state = json.loads((state_dir / "state.json").read_text())
         pids = [int(record["pid"]) for record in state["processes"].values()]
-        assert len(pids) == 5
+        assert len(pids) == 6  # etcd, apiserver, controller-manager, scheduler, kwok, agent
     finally:
         down = _ladle("down", "--state-dir", str(state_dir))
 
@@ -73,3 +76,5 @@ def test_up_status_down_leaves_other_clusters_alone(
     nodes = k8s_cluster.run_kubectl("get", "nodes", "-o", "name")
     assert nodes.returncode == 0, nodes.stderr
     assert "node/ladle-gpu-1" in nodes.stdout
+    assert "node/ladle-local-1" in nodes.stdout
+    assert k8s_cluster.cluster.agent_healthy()  # the session's agent was left alone too

@@ -1,4 +1,5 @@
-"""``ladle cluster build|up|down|status``: a real local Kubernetes with fake GPU nodes.
+"""``ladle cluster build|up|down|status``: a real local Kubernetes with fake GPU nodes (kwok)
+and local nodes whose pods run as processes (the node agent).
 
 Imports only the standard library at import time (see ``ladle.cli``); the work happens in
 ``ladle.cluster.build`` and ``ladle.cluster.control_plane``, imported by the handlers.
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def default_state_dir() -> Path:
@@ -22,8 +24,9 @@ def default_state_dir() -> Path:
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cluster = sub.add_parser(
         "cluster",
-        help="a local Kubernetes (etcd, apiserver, controllers, scheduler, kwok GPU nodes)",
-        description="Build and run a real local Kubernetes control plane with fake GPU nodes.",
+        help="a local Kubernetes (control plane, kwok GPU nodes, local nodes with real pods)",
+        description="Build and run a real local Kubernetes control plane with fake GPU nodes "
+        "(kwok) and local nodes that run pods as processes (the ladle node agent).",
     )
     verbs = cluster.add_subparsers(dest="verb", metavar="VERB", required=True)
 
@@ -40,12 +43,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
             help="cluster state folder (default: $LADLE_CACHE_DIR/clusters/default)",
         )
 
-    p = verbs.add_parser("up", help="start the control plane and fake GPU nodes")
+    p = verbs.add_parser("up", help="start the control plane, kwok nodes and local nodes")
     state_arg(p)
-    p.add_argument("--nodes", type=int, default=2, help="fake GPU nodes (default 2)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="nvidia.com/gpu per node")
-    p.add_argument("--gpu-product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Ready")
+    add_node_args(p, kwok_nodes=2)
     p.set_defaults(func=_up)
 
     p = verbs.add_parser("down", help="stop the processes `up` started and remove the state")
@@ -55,6 +55,65 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p = verbs.add_parser("status", help="show processes, API health and nodes")
     state_arg(p)
     p.set_defaults(func=_status)
+
+
+def _memory(text: str) -> int:
+    from ladle.operator.quantity import quantity_to_int
+
+    try:
+        return quantity_to_int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_node_args(parser: argparse.ArgumentParser, *, kwok_nodes: int) -> None:
+    """Flags shaping the cluster's nodes (shared by `ladle cluster up` and `ladle up`)."""
+    parser.add_argument(
+        "--nodes", type=int, default=kwok_nodes, help=f"fake GPU nodes, kwok (default {kwok_nodes})"
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="nvidia.com/gpu per kwok node")
+    parser.add_argument("--gpu-product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
+    parser.add_argument(
+        "--local-nodes",
+        type=int,
+        default=2,
+        help="local nodes whose pods run as processes (default 2; 0 for kwok only)",
+    )
+    parser.add_argument(
+        "--local-cpu", default="8", help="CPU each local node advertises (default 8)"
+    )
+    parser.add_argument(
+        "--local-memory",
+        type=_memory,
+        default=0,
+        help="memory each local node advertises, e.g. 16Gi (default: the machine's)",
+    )
+    parser.add_argument(
+        "--local-gpus", type=int, default=4, help="fake nvidia.com/gpu per local node (default 4)"
+    )
+    parser.add_argument(
+        "--local-taint",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="taint local nodes NoSchedule (default: only when kwok nodes run beside them)",
+    )
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Ready")
+
+
+def node_options(args: argparse.Namespace) -> Any:
+    from ladle.cluster.control_plane import Options
+
+    return Options(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu_product=args.gpu_product,
+        timeout=args.timeout,
+        local_nodes=args.local_nodes,
+        local_cpu=args.local_cpu,
+        local_memory=args.local_memory,
+        local_gpus=args.local_gpus,
+        local_taint=args.local_taint,
+    )
 
 
 def _build(args: argparse.Namespace) -> int:
@@ -73,15 +132,10 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ladle.cluster.control_plane import Cluster, ClusterError, Options
+    from ladle.cluster.control_plane import Cluster, ClusterError
 
     cluster = Cluster(args.state_dir or default_state_dir())
-    options = Options(
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        gpu_product=args.gpu_product,
-        timeout=args.timeout,
-    )
+    options = node_options(args)
     print(f"starting cluster in {cluster.state_dir} ...", flush=True)
     try:
         seconds = cluster.up(options)
@@ -89,7 +143,10 @@ def _up(args: argparse.Namespace) -> int:
         print(f"ladle cluster up: {exc}", file=sys.stderr)
         print(f"logs kept in {cluster.log_dir}", file=sys.stderr)
         return 1
-    print(f"cluster Ready in {seconds:.1f}s: {cluster.server}, {args.nodes} GPU nodes")
+    print(
+        f"cluster Ready in {seconds:.1f}s: {cluster.server}, {args.nodes} kwok GPU nodes, "
+        f"{args.local_nodes} local nodes"
+    )
     print(f"kubeconfig: {cluster.kubeconfig}")
     print(f"export KUBECONFIG={cluster.kubeconfig}")
     return 0

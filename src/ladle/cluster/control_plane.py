@@ -1,8 +1,11 @@
 """Start, check and stop a local control plane: etcd, kube-apiserver, controller-manager,
-scheduler and kwok, all on 127.0.0.1 with ports picked free so that clusters never clash.
+scheduler, kwok and the node agent, all on loopback with ports picked free so that clusters
+never clash.
 
 Processes run in their own sessions and outlive ``ladle cluster up``; their pids and start
 times go into ``state.json`` so that ``down`` stops exactly those processes and nothing else.
+The node agent's local nodes live on a loopback subnet of their own, 127.B.0.0/16 with B picked
+free: node i answers on 127.B.0.(i+1) and its pods get 127.B.(i+1).0/24.
 """
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ import base64
 import contextlib
 import functools
 import json
+import os
+import random
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +34,9 @@ import psutil
 import yaml
 
 from ladle.cluster import build, nodes, pki
+from ladle.cluster.agent import podnet
+from ladle.cluster.agent.config import KUBELET_PORT, AgentConfig, NodeConfig
+from ladle.cluster.agent.containers import stop_all
 
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -38,7 +47,14 @@ CONTROLLER_API_QPS = 200
 POD_CIDR = "10.244.0.1/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 # Stop order: dependents first, so nothing logs a storm of errors about a vanished apiserver.
-STOP_ORDER = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+STOP_ORDER = (
+    "node-agent",
+    "kwok",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kube-apiserver",
+    "etcd",
+)
 PORT_NAMES = (
     "etcd",
     "etcd-peer",
@@ -48,6 +64,12 @@ PORT_NAMES = (
     "kwok",
 )
 NODE_LEASE_SECONDS = 40  # what kubelets use
+# The CPU a local node advertises. Requests are scheduling facts here (nothing enforces them),
+# and examples ask for 2 CPUs a replica on a 2-core machine; 8 fits several replicas per node.
+LOCAL_CPU = "8"
+LOCAL_GPUS = 4
+# How long `down` gives containers between SIGTERM and SIGKILL.
+CONTAINER_STOP_SECONDS = 10.0
 
 
 class ClusterError(RuntimeError):
@@ -60,6 +82,62 @@ class Options:
     gpus_per_node: int = 8
     gpu_product: str = "NVIDIA-H200"
     timeout: float = 180.0
+    # Local nodes: real pods, run as processes by the node agent.
+    local_nodes: int = 2
+    local_cpu: str = LOCAL_CPU
+    # Bytes; 0 means the machine's memory (each node advertises all of it).
+    local_memory: int = 0
+    local_gpus: int = LOCAL_GPUS
+    # Taint local nodes NoSchedule, so that only pods that tolerate it become processes. None:
+    # only when kwok nodes run beside them (the tests' cluster, whose kwok pods must stay fake).
+    local_taint: bool | None = None
+
+    def tainted(self) -> bool:
+        return self.nodes > 0 if self.local_taint is None else self.local_taint
+
+
+def used_loopback_subnets() -> set[int]:
+    """Second octets of 127.x.y.z addresses something listens on (from /proc/net/tcp)."""
+    used = set()
+    for table in ("/proc/net/tcp", "/proc/net/udp"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                local = line.split()[1].split(":")[0]
+                octets = [int(local[i : i + 2], 16) for i in (6, 4, 2, 0)]
+                if octets[0] == 127:
+                    used.add(octets[1])
+    return used
+
+
+def pick_subnet() -> int:
+    """A second octet B for 127.B.0.0/16 that nothing on this machine listens in."""
+    free = [b for b in range(16, 255) if b not in used_loopback_subnets()]
+    if not free:
+        raise ClusterError("no free 127.B.0.0/16 subnet left for local nodes")
+    return random.choice(free)
+
+
+def local_node_configs(opts: Options, subnet: int) -> list[NodeConfig]:
+    memory = opts.local_memory or psutil.virtual_memory().total
+    taints = (
+        [{"key": nodes.LOCAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}]
+        if opts.tainted()
+        else []
+    )
+    return [
+        NodeConfig(
+            name=f"{nodes.LOCAL_NODE_PREFIX}{index}",
+            ip=f"127.{subnet}.0.{index + 1}",
+            pod_cidr=f"127.{subnet}.{index + 1}.0/24",
+            cpu=opts.local_cpu,
+            memory_bytes=memory,
+            gpus=opts.local_gpus,
+            gpu_product=opts.gpu_product,
+            gpu_memory_mib=nodes.H200_MEMORY_MIB,
+            taints=taints,
+        )
+        for index in range(opts.local_nodes)
+    ]
 
 
 def free_ports(count: int) -> list[int]:
@@ -131,6 +209,10 @@ class Cluster:
     @property
     def state_file(self) -> Path:
         return self.state_dir / "state.json"
+
+    @property
+    def agent_dir(self) -> Path:
+        return self.state_dir / "agent"
 
     def state(self) -> dict[str, Any]:
         if not self.state_file.is_file():
@@ -258,19 +340,24 @@ class Cluster:
         bins = build.bin_dir()
         if missing := build.missing():
             raise ClusterError(f"not built: {', '.join(missing)}; run `ladle cluster build`")
+        if opts.local_nodes:
+            self._check_local_nodes()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
         server = f"https://{HOST}:{ports['kube-apiserver']}"
+        local = local_node_configs(opts, pick_subnet()) if opts.local_nodes else []
         state: dict[str, Any] = {
             "server": server,
             "ports": ports,
             "bin_dir": str(bins),
             "options": vars(opts),
+            "cluster_id": uuid.uuid4().hex[:12],
+            "local_nodes": [node.name for node in local],
             "processes": {},
         }
         self._save(state)
         try:
-            self._write_pki(server)
+            self._write_pki(server, [node.ip for node in local])
             self._start(state, "etcd", self._etcd_argv(bins, ports))
             self._start(state, "kube-apiserver", self._apiserver_argv(bins, ports))
             self._wait(
@@ -279,14 +366,22 @@ class Cluster:
             for index in range(opts.nodes):
                 node = nodes.gpu_node(index, gpus=opts.gpus_per_node, product=opts.gpu_product)
                 self.api("POST", "/api/v1/nodes", node)
+            if local:
+                self._write_agent_config(state, local)
+                self._start(state, "node-agent", self._agent_argv())
             self._start(state, "kube-controller-manager", self._kcm_argv(bins, ports))
             self._start(state, "kube-scheduler", self._scheduler_argv(bins, ports))
-            self._start(state, "kwok", self._kwok_argv(bins, ports))
+            if opts.nodes:
+                self._start(state, "kwok", self._kwok_argv(bins, ports))
             for name in ("kube-controller-manager", "kube-scheduler"):
                 self._wait(
                     f"{name} /healthz", functools.partial(self._healthy, ports[name]), deadline
                 )
-            self._wait(f"{opts.nodes} Ready GPU nodes", lambda: self._nodes_ready(opts), deadline)
+            self._wait(
+                f"{opts.nodes} Ready kwok nodes and {len(local)} Ready local nodes",
+                lambda: self._nodes_ready(opts),
+                deadline,
+            )
             self._wait(
                 "the default ServiceAccount",
                 lambda: bool(self.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")),
@@ -300,34 +395,86 @@ class Cluster:
         self._save(state)
         return elapsed
 
+    @staticmethod
+    def _check_local_nodes() -> None:
+        """What the node agent needs, said before anything starts."""
+        if os.geteuid() != 0:
+            raise ClusterError(
+                "local nodes need root: the node agent gives every container a private mount "
+                "namespace; run as root, or pass --local-nodes 0 for kwok's nodes only"
+            )
+        try:
+            podnet.build()
+        except podnet.ShimError as err:
+            raise ClusterError(f"{err}; or pass --local-nodes 0 for kwok's nodes only") from err
+
     def _nodes_ready(self, opts: Options) -> bool:
-        node_list = self.api("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
-        ready = 0
-        for node in node_list:
+        ready = {"kwok": 0, "local": 0}
+        for node in self.api("GET", "/api/v1/nodes")["items"]:
+            kind = node["metadata"].get("labels", {}).get("type")
             taints = [t["key"] for t in node.get("spec", {}).get("taints", [])]
-            if _ready(node) == "True" and "node.kubernetes.io/not-ready" not in taints:
-                ready += 1
-        return ready >= opts.nodes
+            if (
+                kind in ready
+                and _ready(node) == "True"
+                and "node.kubernetes.io/not-ready" not in taints
+            ):
+                ready[kind] += 1
+        return ready["kwok"] >= opts.nodes and ready["local"] >= opts.local_nodes
 
     def stop_processes(self, grace: float = 10.0) -> list[str]:
-        """Terminate the recorded processes (dependents first); returns the names stopped."""
+        """Terminate the recorded processes (dependents first) and every container the node
+        agent started; returns the names stopped."""
         if not self.state_file.is_file():
             return []
-        processes: dict[str, dict[str, Any]] = self.state().get("processes", {})
+        state = self.state()
+        processes: dict[str, dict[str, Any]] = state.get("processes", {})
         stopped = []
         for name in STOP_ORDER:
             record = processes.get(name)
             proc = self._live(record) if record else None
-            if proc is None:
-                continue
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-                _, alive = psutil.wait_procs([proc], timeout=grace)
-                for straggler in alive:
-                    straggler.kill()
-                psutil.wait_procs(alive, timeout=grace)
-            stopped.append(name)
+            if proc is not None:
+                self._terminate(proc, grace)
+                stopped.append(name)
+            # The agent leaves its containers running when it stops (a kubelet restart must
+            # not kill pods), so `down` ends them itself.
+            if (
+                name == "node-agent"
+                and state.get("cluster_id")
+                and stop_all(state["cluster_id"], self.agent_dir, CONTAINER_STOP_SECONDS)
+            ):
+                stopped.append("containers")
         return stopped
+
+    @staticmethod
+    def _terminate(proc: psutil.Process, grace: float) -> None:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+            _, alive = psutil.wait_procs([proc], timeout=grace)
+            for straggler in alive:
+                straggler.kill()
+            psutil.wait_procs(alive, timeout=grace)
+
+    def stop_agent(self) -> None:
+        """Stop the node agent alone; its containers keep running, as pods do when a kubelet
+        restarts."""
+        record = self.state()["processes"]["node-agent"]
+        if (proc := self._live(record)) is not None:
+            self._terminate(proc, 10.0)
+
+    def start_agent(self, timeout: float = 60.0) -> float:
+        """Start the node agent again and wait until it has adopted its pods; returns seconds."""
+        state = self.state()
+        start = time.monotonic()
+        self._start(state, "node-agent", state["processes"]["node-agent"]["argv"])
+        self._wait("the restarted node agent", self.agent_healthy, start + timeout)
+        return time.monotonic() - start
+
+    def agent_healthy(self) -> bool:
+        """The agent's kubelet endpoint answers /healthz: it has adopted its pods and runs."""
+        config = AgentConfig.load(self.state_dir / "agent.json")
+        url = f"https://{config.nodes[0].ip}:{KUBELET_PORT}/healthz"
+        with urllib.request.urlopen(url, context=self._admin_context(), timeout=5) as rsp:
+            return bool(rsp.status == 200)
 
     def restart_apiserver(self, timeout: float = 90.0) -> float:
         """Stop kube-apiserver and start it again with the same flags, for resilience tests
@@ -419,7 +566,25 @@ class Cluster:
         return report
 
     # -- configuration -------------------------------------------------------------------------
-    def _write_pki(self, server: str) -> None:
+    def _write_agent_config(self, state: dict[str, Any], local: list[NodeConfig]) -> None:
+        p = self.pki_dir
+        AgentConfig(
+            cluster_id=state["cluster_id"],
+            server=state["server"],
+            ca_file=str(p / "ca.crt"),
+            cert_file=str(p / "node-agent.crt"),
+            key_file=str(p / "node-agent.key"),
+            serving_cert_file=str(p / "kubelet.crt"),
+            serving_key_file=str(p / "kubelet.key"),
+            client_ca_file=str(p / "ca.crt"),
+            state_dir=str(self.agent_dir),
+            nodes=local,
+        ).dump(self.state_dir / "agent.json")
+
+    def _agent_argv(self) -> list[str]:
+        return [sys.executable, "-m", "ladle.cluster.agent", str(self.state_dir / "agent.json")]
+
+    def _write_pki(self, server: str, node_ips: list[str]) -> None:
         ca = pki.CertificateAuthority(self.pki_dir)
         ca.issue(
             "apiserver",
@@ -438,6 +603,17 @@ class Cluster:
         # The aggregation layer's identity; without it every component logs errors about the
         # missing requestheader CA, and aggregated API servers could not be tested at all.
         ca.issue("front-proxy-client", "front-proxy-client")
+        # The API server's identity towards kubelets (logs), and the kubelet endpoint's own.
+        ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
+        if node_ips:
+            ca.issue(
+                "kubelet",
+                "ladle-node-agent",
+                server=True,
+                dns_names=("localhost",),
+                ips=tuple(node_ips),
+            )
+            ca.issue("node-agent", "ladle-node-agent", "system:masters")
         identities = {
             # The admin and kwok act as cluster-admins; the other two get their bootstrap roles.
             "admin": ("ladle-admin", "system:masters"),
@@ -495,6 +671,15 @@ class Cluster:
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--proxy-client-cert-file={p / 'front-proxy-client.crt'}",
             f"--proxy-client-key-file={p / 'front-proxy-client.key'}",
+            # `kubectl logs` goes through the local nodes' kubelet endpoint (the node agent),
+            # at the InternalIP each reports, with a certificate this CA verifies.
+            f"--kubelet-client-certificate={p / 'apiserver-kubelet-client.crt'}",
+            f"--kubelet-client-key={p / 'apiserver-kubelet-client.key'}",
+            f"--kubelet-certificate-authority={p / 'ca.crt'}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            # A namespace annotated for it puts its pods on the local nodes (node selector and
+            # toleration), so tests can run real pods beside kwok's fake ones.
+            "--enable-admission-plugins=PodNodeSelector,PodTolerationRestriction",
             "--profiling=false",
         ]
 

@@ -1,4 +1,5 @@
-"""Fake GPU nodes: Node objects that kwok keeps alive, labelled like GPU Feature Discovery would.
+"""GPU nodes for the local cluster: kwok's fake ones, and the labels the local node agent's
+real ones share with them.
 
 The labels match what NVIDIA's GPU Feature Discovery puts on real nodes, so a GPU pool's node
 selector written for production selects these nodes unchanged.
@@ -13,6 +14,21 @@ KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_SELECTOR = f"{KWOK_ANNOTATION}=fake"
 GPU_RESOURCE = "nvidia.com/gpu"
 NODE_PREFIX = "ladle-gpu-"
+LOCAL_NODE_PREFIX = "ladle-local-"
+# Local nodes (run by the node agent) carry this label; beside kwok nodes they also carry a
+# NoSchedule taint of the same key, so that only pods that ask for real processes get them.
+LOCAL_NODE_LABEL = "ladle.dev/local-node"
+H200_MEMORY_MIB = 143771
+
+
+def gfd_labels(product: str, gpus: int, gpu_memory_mib: int = H200_MEMORY_MIB) -> dict[str, str]:
+    """What NVIDIA GPU Feature Discovery labels a node with."""
+    return {
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": product,
+        "nvidia.com/gpu.count": str(gpus),
+        "nvidia.com/gpu.memory": str(gpu_memory_mib),
+    }
 
 
 def gpu_node(
@@ -20,7 +36,7 @@ def gpu_node(
     *,
     gpus: int = 8,
     product: str = "NVIDIA-H200",
-    gpu_memory_mib: int = 143771,
+    gpu_memory_mib: int = H200_MEMORY_MIB,
 ) -> dict[str, Any]:
     """A Node manifest whose status already carries ``nvidia.com/gpu`` capacity.
 
@@ -46,10 +62,7 @@ def gpu_node(
                 "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64",
                 "type": "kwok",
-                "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.product": product,
-                "nvidia.com/gpu.count": str(gpus),
-                "nvidia.com/gpu.memory": str(gpu_memory_mib),
+                **gfd_labels(product, gpus, gpu_memory_mib),
             },
         },
         "spec": {},

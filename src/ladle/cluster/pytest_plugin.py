@@ -13,7 +13,9 @@ Fixtures:
 - ``k8s_api`` (session): an admin ``kubernetes.client.ApiClient``.
 - ``k8s_env`` (session): environment with ``KUBECONFIG`` set and the binaries first on ``PATH``.
 - ``k8s_namespace`` (function): a fresh namespace whose ``default`` ServiceAccount exists;
-  deleted after the test.
+  deleted after the test. Its pods go to kwok's fake nodes.
+- ``local_namespace`` (function): the same, annotated so that every pod in it runs on the
+  local nodes, as real processes (``local_namespace_annotations``).
 - ``sa_kubeconfig`` (function): ``sa_kubeconfig(namespace, name) -> Path``, a kubeconfig that
   authenticates as that ServiceAccount (TokenRequest API), for running code under real RBAC.
 
@@ -24,6 +26,7 @@ instead of starting one, which makes the edit-test loop seconds shorter; it is l
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import subprocess
@@ -39,9 +42,20 @@ import yaml
 
 from ladle.cluster import build
 from ladle.cluster.control_plane import Cluster
+from ladle.cluster.nodes import LOCAL_NODE_LABEL
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
+
+
+def local_namespace_annotations() -> dict[str, str]:
+    """Namespace annotations that send all its pods to the local nodes: PodNodeSelector adds
+    the node selector, PodTolerationRestriction the toleration of their taint."""
+    toleration = {"key": LOCAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
+    return {
+        "scheduler.alpha.kubernetes.io/node-selector": f"{LOCAL_NODE_LABEL}=true",
+        "scheduler.alpha.kubernetes.io/defaultTolerations": json.dumps([toleration]),
+    }
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
@@ -205,16 +219,17 @@ def k8s_env(k8s_cluster: KubeCluster) -> dict[str, str]:
     return k8s_cluster.env()
 
 
-@pytest.fixture
-def k8s_namespace(request: pytest.FixtureRequest, k8s_api: ApiClient) -> Iterator[str]:
-    """A namespace named after the test; ready for pods (its ``default`` ServiceAccount exists)."""
+def _namespace(
+    request: pytest.FixtureRequest, k8s_api: ApiClient, annotations: dict[str, str] | None
+) -> Iterator[str]:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
     core = client.CoreV1Api(k8s_api)
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"t-{slug}-{uuid.uuid4().hex[:6]}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    meta = client.V1ObjectMeta(name=name, annotations=annotations)
+    core.create_namespace(client.V1Namespace(metadata=meta))
 
     def has_default_sa() -> bool:
         try:
@@ -229,6 +244,18 @@ def k8s_namespace(request: pytest.FixtureRequest, k8s_api: ApiClient) -> Iterato
     request.node.stash[_NAMESPACE_KEY] = name
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture
+def k8s_namespace(request: pytest.FixtureRequest, k8s_api: ApiClient) -> Iterator[str]:
+    """A namespace named after the test; ready for pods (its ``default`` ServiceAccount exists)."""
+    yield from _namespace(request, k8s_api, None)
+
+
+@pytest.fixture
+def local_namespace(request: pytest.FixtureRequest, k8s_api: ApiClient) -> Iterator[str]:
+    """A namespace whose pods run on the local nodes, as processes."""
+    yield from _namespace(request, k8s_api, local_namespace_annotations())
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""End-to-end tests: real pods on the local nodes, from kubectl apply to tokens."""

@@ -1,0 +1,194 @@
+"""Fixtures shared by every end-to-end test module in this package (``tests/e2e/``).
+
+The package (it has an ``__init__.py``, so ``scope="package"`` ends with it) shares one Helm
+install of the chart, whose operator runs as pods on the local nodes, and one namespace whose
+pods all run there as real processes. Other test packages never see this operator: it is
+uninstalled before they run, so their own operator processes reconcile alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client import ApiClient
+
+from ladle.cluster.agent import images
+from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ladle"
+EXAMPLES = ROOT / "examples"
+RELEASE = "ladle-e2e"
+SELECTOR = "ladle.dev/inferenceservice"
+
+
+@dataclass(frozen=True)
+class System:
+    """The chart's operator running as pods, and a namespace for InferenceServices."""
+
+    cluster: KubeCluster
+    api: ApiClient
+    system_namespace: str
+    namespace: str
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api)
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return self.cluster.run_kubectl(*args, stdin=stdin)
+
+    def apply(self, documents: list[dict[str, Any]]) -> None:
+        text = yaml.safe_dump_all(documents)
+        result = self.kubectl("apply", "-n", self.namespace, "-f", "-", stdin=text)
+        assert result.returncode == 0, result.stderr
+
+    def pods(self, isvc: str) -> list[dict[str, Any]]:
+        result = self.kubectl(
+            "get", "pods", "-n", self.namespace, "-l", f"{SELECTOR}={isvc}", "-o", "json"
+        )
+        assert result.returncode == 0, result.stderr
+        items: list[dict[str, Any]] = json.loads(result.stdout)["items"]
+        return items
+
+    def ready_pod(self, isvc: str, timeout: float = 240) -> dict[str, Any]:
+        """The Ready, not terminating pod of ``isvc``."""
+
+        def find() -> dict[str, Any] | None:
+            for pod in self.pods(isvc):
+                if pod["metadata"].get("deletionTimestamp"):
+                    continue
+                if self.condition(pod, "Ready") == "True":
+                    return pod
+            return None
+
+        pod: dict[str, Any] = wait_until(find, f"a Ready pod of {isvc}", timeout)
+        return pod
+
+    def isvc(self, name: str) -> dict[str, Any]:
+        result = self.kubectl(
+            "get", "lisvc", "-n", self.namespace, name, "-o", "json", "--show-managed-fields"
+        )
+        assert result.returncode == 0, result.stderr
+        obj: dict[str, Any] = json.loads(result.stdout)
+        return obj
+
+    @staticmethod
+    def condition(obj: dict[str, Any], kind: str) -> str:
+        """The status of condition ``kind`` ("True", "False", or "Unknown" when absent)."""
+        for item in (obj.get("status") or {}).get("conditions") or []:
+            if item["type"] == kind:
+                return str(item["status"])
+        return "Unknown"
+
+    @staticmethod
+    def example(name: str) -> list[dict[str, Any]]:
+        """The documents of ``examples/<name>``."""
+        return [doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc]
+
+    def container_record(self, pod: dict[str, Any], container: str = "runtime") -> dict[str, Any]:
+        """What the node agent recorded about a container: its pid and environment."""
+        path = (
+            self.cluster.cluster.agent_dir
+            / "pods"
+            / pod["metadata"]["uid"]
+            / "containers"
+            / container
+            / "record.json"
+        )
+        record: dict[str, Any] = json.loads(path.read_text())
+        return record
+
+
+def _namespace(api: ApiClient, prefix: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    meta = client.V1ObjectMeta(name=name, annotations=local_namespace_annotations())
+    client.CoreV1Api(api).create_namespace(client.V1Namespace(metadata=meta))
+    return name
+
+
+_SYSTEM_KEY = pytest.StashKey[System]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item,
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed end-to-end test shows its pods, their Events and the tail of each one's log."""
+    report = yield
+    system = item.config.stash.get(_SYSTEM_KEY, None)
+    if report.failed and system is not None:
+        for namespace in (system.namespace, system.system_namespace):
+            pods = system.kubectl("get", "pods", "-n", namespace, "-o", "wide")
+            events = system.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
+            report.sections.append((f"pods in {namespace}", pods.stdout + events.stdout[-6000:]))
+            names = system.kubectl("get", "pods", "-n", namespace, "-o", "name").stdout.split()
+            for name in names:
+                logs = system.kubectl("logs", "-n", namespace, name, "--tail=15")
+                report.sections.append((f"{name} log", logs.stdout + logs.stderr))
+    return report
+
+
+@pytest.fixture(scope="package")
+def default_model() -> Path:
+    """The converted default model on this machine (converted now if it never was)."""
+    model = images.DEFAULT_MODEL
+    if not model.present():
+        subprocess.run(model.prepare, check=True, timeout=900)
+    return model.host_path
+
+
+@pytest.fixture(scope="package")
+def ladle_system(
+    request: pytest.FixtureRequest,
+    k8s_cluster: KubeCluster,
+    k8s_api: ApiClient,
+    default_model: Path,
+) -> Iterator[System]:
+    """The chart installed with its defaults (two operator replicas, leader election), its
+    operator running as pods on the local nodes; and the GPUPool from examples/."""
+    system_namespace = _namespace(k8s_api, "ladle-e2e-system")
+    namespace = _namespace(k8s_api, "e2e")
+    system = System(k8s_cluster, k8s_api, system_namespace, namespace)
+    request.config.stash[_SYSTEM_KEY] = system
+    started = time.monotonic()
+    helm = subprocess.run(
+        [
+            str(k8s_cluster.helm), "upgrade", "--install", RELEASE, str(CHART),
+            "--namespace", system_namespace, "--wait", "--timeout", "180s",
+        ],
+        env=k8s_cluster.env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )  # fmt: skip
+    assert helm.returncode == 0, helm.stderr
+    print(f"\nchart operator Ready as pods in {time.monotonic() - started:.1f}s")
+    pool = system.kubectl("apply", "-f", str(EXAMPLES / "gpupool.yaml"))
+    assert pool.returncode == 0, pool.stderr
+    try:
+        yield system
+    finally:
+        del request.config.stash[_SYSTEM_KEY]
+        system.kubectl("delete", "lisvc", "--all", "-n", namespace, "--wait=false")
+        subprocess.run(
+            [str(k8s_cluster.helm), "uninstall", RELEASE, "-n", system_namespace, "--wait"],
+            env=k8s_cluster.env(),
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        system.kubectl("delete", "gpupool", "h200", "--wait=false")
+        for name in (namespace, system_namespace):
+            system.kubectl("delete", "namespace", name, "--wait=false")

@@ -1,0 +1,322 @@
+"""The whole system on the local nodes: the chart's operator (as pods) turns the examples into
+real runtime pods, and the official ``openai`` client talks to them at their pod addresses.
+
+All InferenceServices are applied at once, so their pods load side by side and the module pays
+for one model load per pod; the destructive tests (kill -9, deletion mid-stream) come last.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import psutil
+import pytest
+from kubernetes import client
+
+from ladle.cluster.pytest_plugin import wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+System = Any  # the `ladle_system` fixture's type lives in conftest.py
+API_KEY = "change-me"  # examples/image-model.yaml's Secret
+
+
+def link_tree(source: Path, target: Path) -> None:
+    """Hard-link a model folder (instant, no extra disk), copying where links cannot go."""
+    target.mkdir(parents=True)
+    for item in source.iterdir():
+        try:
+            os.link(item, target / item.name)
+        except OSError:
+            shutil.copy2(item, target / item.name)
+
+
+@pytest.fixture(scope="module")
+def services(
+    ladle_system: System, default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, dict[str, Any]]]:
+    """Every InferenceService of the module, applied at once: cpu.yaml and smollm2.yaml as
+    they are; image-model.yaml as it is (its image exists nowhere); pvc-model.yaml with its
+    volume pointed at a folder holding a model at the example's path, sized for this machine
+    and behind image-model.yaml's API key Secret."""
+    system = ladle_system
+    documents = [*system.example("cpu.yaml"), *system.example("smollm2.yaml")]
+    documents += system.example("image-model.yaml")
+    pv, claim, llama = system.example("pvc-model.yaml")
+    volume = tmp_path_factory.mktemp("models")
+    volume.chmod(0o755)  # pytest makes it 0700; the runtime runs as 10001
+    link_tree(default_model, volume / llama["spec"]["model"]["source"]["pvc"]["path"])
+    pv["metadata"]["name"] = f"{system.namespace}-models"  # PersistentVolumes are cluster-wide
+    pv["spec"]["hostPath"]["path"] = str(volume)
+    claim["spec"]["volumeName"] = pv["metadata"]["name"]
+    # An 8B model's settings, sized down for a 135M model on a shared 2-core machine: its
+    # 8192-token warm-up step alone would hold about 9 GB, and a GPU replica falling back to
+    # the CPU keeps the runtime's 4 GiB CPU KV cache (the CRD allows kvCacheMemory only with
+    # gpus: 0). Still long enough to move the engine flags into the operator's ConfigMap.
+    llama["spec"].pop("gpuPool")
+    llama["spec"].update(replicas=1, resources={"gpus": 0, "cpu": 1, "memory": "4Gi"})
+    llama["spec"]["engine"] = {
+        "maxModelLen": 2048,
+        "maxNumSeqs": 16,
+        "maxNumBatchedTokens": 512,
+        "kvCacheMemory": "512Mi",
+        "enablePrefixCaching": True,
+        "drainTimeoutSeconds": 60,
+    }
+    llama["spec"]["apiKeySecret"] = {"name": "qwen-api-key"}
+    documents += [pv, claim, llama]
+    system.apply(documents)
+    yield {d["metadata"]["name"]: d for d in documents if d["kind"] == "InferenceService"}
+    system.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false")
+
+
+def base_url(pod: dict[str, Any]) -> str:
+    return f"http://{pod['status']['podIP']}:8000/v1"
+
+
+def log_lines(system: System, pod: dict[str, Any]) -> list[dict[str, Any]]:
+    result = system.kubectl("logs", "-n", system.namespace, pod["metadata"]["name"])
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in lines]
+
+
+def seconds(timestamp: str) -> float:
+    return datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def model_name(services: dict[str, dict[str, Any]], name: str) -> str:
+    return str(services[name]["spec"]["model"]["name"])
+
+
+def test_the_charts_operator_runs_as_pods_and_reconciles(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+    operators = system.core.list_namespaced_pod(
+        system.system_namespace, label_selector="app.kubernetes.io/component=operator"
+    ).items
+    assert len(operators) == 2  # the chart's default: two replicas, one leading
+    for pod in operators:
+        assert pod.status.phase == "Running"
+        assert pod.spec.node_name.startswith("ladle-local-")
+        assert pod.status.pod_ip.startswith("127.")
+    for name in ("smollm2-cpu", "smollm2", "llama-8b"):
+        system.ready_pod(name)
+        obj = wait_until(
+            lambda n=name: (o := system.isvc(n)) and system.condition(o, "Ready") == "True" and o,
+            f"inferenceservice {name} to be Ready",
+            timeout=60,
+        )
+        managers = {
+            (f["manager"], f.get("subresource", "")) for f in obj["metadata"]["managedFields"]
+        }
+        assert ("ladle-operator", "status") in managers
+    # One of the two pods leads, logged in with its projected ServiceAccount token.
+    lease = client.CoordinationV1Api(system.api).read_namespaced_lease(
+        "ladle-operator", system.system_namespace
+    )
+    assert lease.spec.holder_identity in {p.metadata.name for p in operators}
+
+
+@pytest.mark.parametrize("name", ["smollm2-cpu", "smollm2"])
+def test_examples_serve_the_openai_client_from_their_pod_ip(
+    ladle_system: System, services: dict[str, dict[str, Any]], name: str
+) -> None:
+    pod = ladle_system.ready_pod(name)
+    llm = openai.OpenAI(base_url=base_url(pod), api_key="unused", timeout=120)
+    model = model_name(services, name)
+    assert [m.id for m in llm.models.list()] == [model]
+    reply = llm.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert reply.choices[0].message.content
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens > 0
+
+
+def test_a_pod_is_ready_only_after_health_ready_answers(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+    pod = system.ready_pod("smollm2-cpu")
+    ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
+    served = next(line for line in log_lines(system, pod) if line["message"] == "ready")
+    # The condition has second resolution; the runtime's line has microseconds.
+    assert seconds(ready["lastTransitionTime"]) >= int(seconds(served["time"]))
+    events = system.core.list_namespaced_event(
+        system.namespace, field_selector=f"involvedObject.name={pod['metadata']['name']}"
+    ).items
+    assert any(
+        e.reason == "Unhealthy" and e.message.startswith("Startup probe failed") for e in events
+    )
+
+
+def test_gpu_pods_get_their_devices_and_the_runtime_says_it_runs_on_the_cpu(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+    gpu_pod = system.ready_pod("smollm2")
+    devices = system.container_record(gpu_pod)["env"]["CUDA_VISIBLE_DEVICES"]
+    assert devices in {"0", "1", "2", "3"}
+    notice = [
+        line
+        for line in log_lines(system, gpu_pod)
+        if line["message"] == "no CUDA device: running on the CPU"
+    ]
+    assert len(notice) == 1
+    assert notice[0]["cuda_visible_devices"] == devices
+    cpu_pod = system.ready_pod("smollm2-cpu")
+    assert system.container_record(cpu_pod)["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_kubectl_logs_shows_the_runtimes_json_lines(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    lines = log_lines(ladle_system, ladle_system.ready_pod("smollm2-cpu"))  # each one parses
+    ready = next(line for line in lines if line["message"] == "engine ready")
+    assert ready["model"] == "/opt/ladle/models/SmolLM2-135M-Instruct"  # the baked model
+    assert ready["device"] == "cpu"
+    assert all({"level", "logger", "time"} <= line.keys() for line in lines)
+
+
+def test_the_pvc_example_serves_the_volumes_model_behind_its_api_key(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+    pod = system.ready_pod("llama-8b")
+    model = model_name(services, "llama-8b")
+    anonymous = openai.OpenAI(base_url=base_url(pod), api_key="wrong", timeout=60)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        anonymous.models.list()
+    assert refused.value.status_code == 401
+    keyed = openai.OpenAI(base_url=base_url(pod), api_key=API_KEY, timeout=120)
+    reply = keyed.completions.create(model=model, prompt="Hello", max_tokens=4)
+    assert reply.choices[0].text
+    engine = next(line for line in log_lines(system, pod) if line["message"] == "engine ready")
+    assert engine["model"] == "/models/meta-llama/Llama-3.1-8B-Instruct"
+    args = pod["spec"]["containers"][0]["args"]
+    assert "--config" in args  # the engine flags went through the operator's ConfigMap
+
+
+def test_an_unknown_image_waits_with_a_clear_reason(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+
+    def waiting() -> dict[str, Any] | None:
+        for pod in system.pods("qwen-0-5b"):
+            for status in pod["status"].get("containerStatuses") or []:
+                state = status.get("state", {}).get("waiting") or {}
+                if state.get("reason") == "ErrImageNeverPull":
+                    return pod
+        return None
+
+    pod = wait_until(waiting, "the qwen pod to wait on its image", timeout=60)
+    message = pod["status"]["containerStatuses"][0]["state"]["waiting"]["message"]
+    assert "registry.example.com/ladle-runtime-qwen:0.1.0" in message
+    assert "runs only ladle's own images" in message
+    assert system.condition(pod, "Ready") == "False"
+
+
+def test_kill_9_restarts_the_runtime_unready_in_between_and_it_serves_again(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+    pod = system.ready_pod("smollm2-cpu")
+    name = pod["metadata"]["name"]
+    pid = system.container_record(pod)["pid"]
+    os.kill(pid, signal.SIGKILL)
+
+    def status() -> dict[str, Any]:
+        current = next(p for p in system.pods("smollm2-cpu") if p["metadata"]["name"] == name)
+        return current
+
+    restarted = wait_until(
+        lambda: (s := status())["status"]["containerStatuses"][0]["restartCount"] == 1 and s,
+        "the runtime container to restart",
+        timeout=30,
+    )
+    assert system.condition(restarted, "Ready") == "False"
+    runtime = restarted["status"]["containerStatuses"][0]
+    assert runtime["lastState"]["terminated"]["exitCode"] == 137
+    assert runtime["lastState"]["terminated"]["reason"] == "Error"
+    again = system.ready_pod("smollm2-cpu", timeout=180)
+    assert again["metadata"]["name"] == name
+    assert again["status"]["containerStatuses"][0]["restartCount"] == 1
+    assert system.container_record(again)["pid"] != pid
+    assert not psutil.pid_exists(pid)
+    llm = openai.OpenAI(base_url=base_url(again), api_key="unused", timeout=120)
+    reply = llm.completions.create(
+        model=model_name(services, "smollm2-cpu"), prompt="Hello", max_tokens=4
+    )
+    assert reply.choices[0].text
+
+
+def test_deleting_the_service_mid_stream_drains_it_then_the_pod_goes(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    system = ladle_system
+    pod = system.ready_pod("smollm2")
+    name = pod["metadata"]["name"]
+    pid = system.container_record(pod)["pid"]
+    grace = pod["spec"]["terminationGracePeriodSeconds"]
+    model = model_name(services, "smollm2")
+    llm = openai.OpenAI(base_url=base_url(pod), api_key="unused", timeout=120)
+    # Size the stream to last about 10 s on this machine: past the 5 s preStop pause, so
+    # SIGTERM finds it running, and well inside the 30 s drain.
+    started = time.monotonic()
+    llm.completions.create(model=model, prompt="Hi", max_tokens=16, extra_body={"ignore_eos": True})
+    rate = 16 / (time.monotonic() - started)
+    max_tokens = max(24, min(300, int(rate * 10)))
+    stream = llm.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    first = next(chunks)
+    assert first.choices
+    outcome: dict[str, Any] = {}
+
+    def drink() -> None:
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                outcome["finish_reason"] = chunk.choices[0].finish_reason
+            if chunk.usage is not None:
+                outcome["tokens"] = chunk.usage.completion_tokens
+        outcome["ended"] = time.monotonic()
+
+    reader = threading.Thread(target=drink)
+    reader.start()
+    deleted = time.monotonic()
+    result = system.kubectl("delete", "lisvc", "smollm2", "-n", system.namespace, "--wait=false")
+    assert result.returncode == 0, result.stderr
+    reader.join(timeout=grace + 30)
+    wait_until(
+        lambda: name not in {p["metadata"]["name"] for p in system.pods("smollm2")},
+        "the pod object to go",
+        timeout=grace + 30,
+    )
+    gone = time.monotonic()
+    assert outcome.get("finish_reason") == "length", outcome
+    assert outcome.get("tokens") == max_tokens
+    assert outcome["ended"] - deleted > 5  # it outlived the preStop pause: drained after SIGTERM
+    assert gone - deleted < grace
+    assert not psutil.pid_exists(pid)
