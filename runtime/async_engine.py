@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine, PromptInput, Request
+from ladle.runtime.limits import RequestLimits
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 
@@ -24,6 +25,11 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; no request can complete."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (a bug, not the request's fault); the engine and
+    every other request go on."""
 
 
 @dataclass
@@ -47,8 +53,8 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
-        return cls(LLMEngine(args))
+    def from_engine_args(cls, args: EngineArgs, limits: RequestLimits | None = None) -> AsyncLLM:
+        return cls(LLMEngine(args, limits))
 
     @property
     def is_running(self) -> bool:
@@ -57,6 +63,11 @@ class AsyncLLM:
     def seconds_since_heartbeat(self) -> float:
         """How long the loop has been inside one step (or idle-waiting); for liveness probes."""
         return time.monotonic() - self.last_heartbeat
+
+    def seconds_without_progress(self) -> float:
+        """How long work has waited without a token computed or sampled (0 while idle): an
+        engine that steps but gets nowhere is as dead as one that hangs."""
+        return self.engine.seconds_without_progress()
 
     def _run(self) -> None:
         try:
@@ -69,7 +80,7 @@ class AsyncLLM:
                 except queue.Empty:
                     command = None
                 while command is not None:
-                    command()
+                    self._run_command(command)
                     try:
                         command = self._commands.get_nowait()
                     except queue.Empty:
@@ -83,6 +94,14 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.put(EngineDeadError(f"engine loop died: {exc!r}"))
             self._streams.clear()
+
+    @staticmethod
+    def _run_command(command: Callable[[], None]) -> None:
+        """An add or abort that fails is that request's problem, not the loop's."""
+        try:
+            command()
+        except Exception:
+            log.exception("an engine command failed")
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -103,9 +122,13 @@ class AsyncLLM:
         params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream outputs for one request; leaving the loop early aborts it in the engine."""
-        request: Request = self.engine.process_inputs(request_id, prompt, params, priority=priority)
+        """Stream outputs for one request; leaving the loop early aborts it in the engine. A
+        request that fails inside the engine raises :class:`RequestFailedError`."""
+        request: Request = self.engine.process_inputs(
+            request_id, prompt, params, priority=priority, deadline=deadline
+        )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
@@ -124,6 +147,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
         finally:
             if not finished:

@@ -28,17 +28,19 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from ladle.runtime.config import ConfigError, EngineArgs
+    from ladle.runtime.limits import RequestLimits
     from ladle.runtime.server.settings import ServerSettings
 
     resolved = args.layered.resolve(args)
     try:
         settings = ServerSettings.from_namespace(resolved)
         engine_args = EngineArgs.from_cli_args(resolved)
+        limits = RequestLimits.from_cli_args(resolved)
     except ConfigError as exc:
         raise SystemExit(f"ladle serve: {exc}") from None
     from ladle.runtime.server.main import serve
 
-    return serve(settings, engine_args)
+    return serve(settings, engine_args, limits)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
@@ -57,6 +59,7 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def add_parsers(sub: SubParsers) -> None:
     from ladle.runtime.bench.workloads import WORKLOADS
     from ladle.runtime.config import EngineArgs
+    from ladle.runtime.limits import RequestLimits
 
     generate = sub.add_parser("generate", help="chat once with a model, offline")
     generate.add_argument("prompt")
@@ -76,6 +79,7 @@ def add_parsers(sub: SubParsers) -> None:
     )
     add_server_args(serve)
     EngineArgs.add_cli_args(serve)
+    RequestLimits.add_cli_args(serve)
     serve.set_defaults(func=_serve, layered=LayeredOptions(serve))
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
@@ -90,6 +94,12 @@ def add_parsers(sub: SubParsers) -> None:
     throughput.add_argument("--kv-cache-memory", default="8GiB")
     throughput.add_argument("--seed", type=int, default=0)
     throughput.add_argument("--skip-transformers", action="store_true")
+    throughput.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="rounds of interleaved runs; the report gives the median and spread over them",
+    )
     throughput.add_argument("--json", help="also write the results to this file")
     throughput.add_argument(
         "--profile", action="store_true", help="then break a decode step down by where time goes"

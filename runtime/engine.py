@@ -1,4 +1,11 @@
-"""The synchronous engine: requests in, one scheduling step at a time, outputs out."""
+"""The synchronous engine: construction, and the step that ties its parts together.
+
+A request goes through the input processor (tokenize, validate, check the limits), the
+scheduler (which sequences run, and how many tokens each), the model runner (forward pass and
+sampling), the scheduler again (``update_from_output``: the one place scheduling state changes
+after a step) and the output processor (detokenization, stop strings, ``RequestOutput``s), as
+in vLLM v1.
+"""
 
 from __future__ import annotations
 
@@ -19,18 +26,23 @@ from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.errors import RequestError
 from ladle.runtime.input_processor import InputProcessor, PromptInput, Request
 from ladle.runtime.kv_cache.manager import KVCacheManager
-from ladle.runtime.model_runner import ModelRunner
+from ladle.runtime.limits import RequestLimits
+from ladle.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from ladle.runtime.models.config import ModelConfig, model_config_from_hf
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.models.loader import DEFAULT_MODEL_NAME, iter_safetensors, resolve_model
 from ladle.runtime.output_processor import OutputProcessor
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
-from ladle.runtime.scheduler import Scheduler
+from ladle.runtime.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineStats", "IterationStats", "LLMEngine", "PromptInput", "Request"]
+
+# A model step that fails for every sequence this many times in a row means the device, not a
+# request, is broken: the engine raises and its loop dies.
+_MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -39,6 +51,8 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
+    # Waiting sequences, counting those that waiting n>1 and beam requests will fork.
+    num_waiting_seqs: int
     kv_cache_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -83,8 +97,9 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, limits: RequestLimits | None = None) -> None:
         self.args = args
+        self.limits = limits or RequestLimits()
         self.device = _resolve_device(args.device)
         self.dtype = _resolve_dtype(args.dtype, self.device)
         torch.manual_seed(args.seed)
@@ -141,11 +156,16 @@ class LLMEngine:
             self.max_model_len,
             num_blocks,
             args.block_size,
+            args.max_num_seqs,
             args.max_num_batched_tokens,
+            args.scheduling_policy,
+            self.limits,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         # Called on the engine's thread after every step that ran the model.
         self.iteration_observers: list[Callable[[IterationStats], None]] = []
+        self.last_progress = time.monotonic()
+        self._failed_steps = 0
         log.info(
             "engine ready",
             extra={
@@ -186,6 +206,27 @@ class LLMEngine:
         return ids
 
     def _num_blocks(self, spec: KVCacheSpec) -> int:
+        """Blocks for the KV budget. One sequence of max_model_len tokens must fit (vLLM's
+        rule), or a long request could preempt itself for ever: an explicit max_model_len that
+        does not fit is an error; the model's own is lowered to what fits."""
+        num_blocks = self._kv_budget_blocks(spec)
+        if num_blocks < 1:
+            raise ConfigError("no memory is left for the KV cache; raise the memory budget")
+        capacity = num_blocks * self.args.block_size
+        if capacity < self.max_model_len:
+            if self.args.max_model_len is not None:
+                raise ConfigError(
+                    f"max_model_len {self.max_model_len} does not fit in the KV cache, which "
+                    f"holds {capacity} tokens; raise the KV cache memory or lower max_model_len"
+                )
+            log.warning(
+                "max_model_len lowered to what the KV cache holds",
+                extra={"max_model_len": capacity, "model_max": self.max_model_len},
+            )
+            self.max_model_len = capacity
+        return num_blocks
+
+    def _kv_budget_blocks(self, spec: KVCacheSpec) -> int:
         args = self.args
         if args.num_gpu_blocks_override is not None:
             return args.num_gpu_blocks_override
@@ -199,16 +240,7 @@ class LLMEngine:
             budget -= activations + logits
         else:
             budget = args.kv_cache_memory
-        num_blocks = budget // spec.bytes_per_block
-        min_blocks = -(-self.max_model_len // args.block_size)
-        if num_blocks < 1:
-            raise ConfigError("no memory is left for the KV cache; raise the memory budget")
-        if num_blocks < min_blocks:
-            log.warning(
-                "KV cache holds fewer tokens than max_model_len",
-                extra={"kv_tokens": num_blocks * args.block_size},
-            )
-        return int(num_blocks)
+        return int(budget // spec.bytes_per_block)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -219,9 +251,12 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> Request:
         """Tokenize and validate; safe to call from any thread, it changes no engine state."""
-        return self.input_processor.process(request_id, prompt, params, arrival_time, priority)
+        return self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, deadline
+        )
 
     def add_request(
         self,
@@ -229,22 +264,30 @@ class LLMEngine:
         prompt: PromptInput | Request,
         params: SamplingParams | BeamSearchParams | None = None,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> None:
+        """Admit a request; ``deadline`` (``time.monotonic()``) ends it with finish reason
+        "abort" if it is not done by then."""
         if isinstance(prompt, Request):
             request = prompt
         else:
             request = self.process_inputs(
-                request_id, prompt, params or SamplingParams(), priority=priority
+                request_id, prompt, params or SamplingParams(), priority=priority, deadline=deadline
             )
         if self.output_processor.has_request(request.request_id):
             raise RequestError(f"request id {request.request_id!r} is already in use")
+        if not self.has_unfinished_requests():
+            self.last_progress = time.monotonic()
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        updates = self.scheduler.finish_requests(ids, "abort")
+        return self._end(ids, "abort")
+
+    def _end(self, ids: list[str], reason: str, error: str | None = None) -> list[RequestOutput]:
+        updates = self.scheduler.finish_requests(ids, reason, error)
         return self.output_processor.process(updates).outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -254,10 +297,26 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return self.output_processor.num_requests
 
+    def has_request(self, request_id: str) -> bool:
+        return self.output_processor.has_request(request_id)
+
+    def seconds_without_progress(self) -> float:
+        """How long unfinished work has waited for a token to be computed or sampled (0 when
+        there is no work): what the liveness probe's watchdog reads, from any thread."""
+        if not self.has_unfinished_requests():
+            return 0.0
+        return time.monotonic() - self.last_progress
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``), e.g. between benchmark
+        runs, so that no run is served from another's cache."""
+        self.kv.pool.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=len(self.scheduler.running) + len(self.scheduler.parked),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_seqs=self.scheduler.num_waiting_seqs,
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
@@ -269,19 +328,65 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, and report every request that changed."""
+        """Schedule, run the model once, and report every request that changed.
+
+        A failure that belongs to one request ends that request alone, with an error in its
+        output, and the engine goes on; only a model runner that fails every sequence, step
+        after step, is taken to be broken and raises."""
+        outputs = self._end(self.scheduler.expire(time.monotonic()), "abort")
         out = self.scheduler.schedule()
         if out.is_empty:
             self.runner.release(out.finished_seq_ids)
-            return []
-        result = self.runner.execute(out)
+            return outputs
+        progress = self.scheduler.progress
+        result, failed = self._execute(out)
+        if failed:
+            out.scheduled = [i for i in out.scheduled if i.seq.request_id not in failed]
         updates = self.scheduler.update_from_output(out, result)
+        for request_id, message in failed.items():
+            updates += self.scheduler.finish_requests([request_id], "error", message)
         processed = self.output_processor.process(updates)
         for request_id, indexes in processed.stopped.items():
             self.scheduler.finish_seqs(request_id, indexes)
+        for request_id, message in processed.failed.items():
+            self.scheduler.finish_requests([request_id], "error", message)
+        if self.scheduler.progress > progress or processed.num_finished:
+            self.last_progress = time.monotonic()
         stats = IterationStats(
             out.num_batched_tokens, processed.num_prompt_tokens, len(result.sampled)
         )
         for observer in self.iteration_observers:
             observer(stats)
-        return processed.outputs
+        return outputs + processed.outputs
+
+    def _execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        """Run the step; if it fails, run each sequence alone, so that only the requests that
+        fail by themselves fail (rewriting a sequence's KV slots is harmless)."""
+        try:
+            result = self.runner.execute(out)
+        except Exception:
+            log.exception("a step failed; retrying its sequences one by one")
+        else:
+            self._failed_steps = 0
+            return result, {}
+        result = ModelRunnerOutput()
+        failed: dict[str, str] = {}
+        for item in out.scheduled:
+            single = SchedulerOutput([item], out.block_copies)
+            try:
+                part = self.runner.execute(single)
+            except Exception as exc:
+                log.exception(
+                    "a sequence failed on its own", extra={"request_id": item.seq.request_id}
+                )
+                failed[item.seq.request_id] = f"internal error in the model step: {exc!r}"
+                continue
+            result.sampled.update(part.sampled)
+            result.prompt_logprobs.update(part.prompt_logprobs)
+        everything = {i.seq.request_id for i in out.scheduled}
+        self._failed_steps = self._failed_steps + 1 if failed.keys() == everything else 0
+        if self._failed_steps >= _MAX_FAILED_STEPS:
+            raise RuntimeError(
+                f"the model step failed for every sequence {self._failed_steps} times in a row"
+            )
+        return result, failed

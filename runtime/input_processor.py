@@ -1,5 +1,11 @@
-"""Requests in: tokenize the prompt, check it and the parameters against the model and the
-engine, and hand the scheduler a :class:`Request` that cannot fail later for its own reasons."""
+"""Requests in: tokenize the prompt, check it and the parameters against the model, the engine
+and the request limits, and hand the scheduler a :class:`Request` that cannot fail later for
+its own reasons.
+
+Everything that could go wrong for one request inside a step is checked here, derived values
+included (fork seeds, beam candidates against the vocabulary, what a beam search holds in the
+KV cache), so that a bad request is a 400 at the door rather than a failure mid-step.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ladle.runtime.beam_search import BeamSearch
-from ladle.runtime.errors import RequestError
+from ladle.runtime.errors import RequestError, require_text
+from ladle.runtime.limits import RequestLimits
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 
 PromptInput = str | list[int] | dict[str, Any]
-# vLLM's default --max-logprobs.
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -28,6 +33,8 @@ class Request:
     priority: int = 0
     # Set for beam search; ``params`` then describes how each beam is stepped.
     beam_params: BeamSearchParams | None = None
+    # ``time.monotonic()`` after which the engine ends the request (finish reason "abort").
+    deadline: float | None = None
 
 
 class InputProcessor:
@@ -41,7 +48,10 @@ class InputProcessor:
         max_model_len: int,
         num_kv_blocks: int,
         block_size: int,
+        max_num_seqs: int,
         max_num_batched_tokens: int,
+        scheduling_policy: str,
+        limits: RequestLimits,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -49,7 +59,10 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.scheduling_policy = scheduling_policy
+        self.limits = limits
 
     def process(
         self,
@@ -58,30 +71,51 @@ class InputProcessor:
         params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        deadline: float | None = None,
     ) -> Request:
         text, ids = self._tokenize(prompt)
         self._check_prompt(ids)
-        beam_params = params if isinstance(params, BeamSearchParams) else None
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise RequestError(
+                f"priority: only --scheduling-policy priority orders requests by priority; "
+                f"this server schedules {self.scheduling_policy}, so priority must be 0",
+                "priority",
+            )
+        if isinstance(params, BeamSearchParams):
+            self._check_beam(params, len(ids))
+            bound = self._beam_step_params(params)
+        else:
+            self._check_sampling(params)
+            bound = params.bind(self.tokenizer, self.eos_token_ids, self.vocab_size)
         return Request(
             request_id,
             text,
             ids,
-            self._bind_params(params),
+            bound,
             time.monotonic() if arrival_time is None else arrival_time,
             priority,
-            beam_params,
+            params if isinstance(params, BeamSearchParams) else None,
+            deadline,
         )
+
+    # -- the prompt ---------------------------------------------------------------------
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, list(self.tokenizer.encode(require_text(prompt, "prompt")))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
-            raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-        return None, list(prompt)
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise RequestError("prompt: must be a string", "prompt")
+                return text, _token_ids(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                text = require_text(prompt["prompt"], "prompt")
+                return text, list(self.tokenizer.encode(text))
+            raise RequestError(
+                "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'", "prompt"
+            )
+        return None, _token_ids(prompt)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -95,33 +129,72 @@ class InputProcessor:
                 f"but the prompt has {len(ids)} tokens",
                 "prompt",
             )
-        needed = -(-(len(ids) + 1) // self.block_size)
-        if needed > self.num_kv_blocks:
-            raise RequestError(
-                f"the prompt needs {needed} KV blocks but the cache has "
-                f"{self.num_kv_blocks}; raise the KV cache memory",
-                "prompt",
-            )
 
-    def _bind_params(self, params: SamplingParams | BeamSearchParams) -> SamplingParams:
-        """Check the request's token ids against the model and add the tokenizer's data. A beam
-        search steps each beam greedily, reporting the top logprobs the search ranks."""
-        if isinstance(params, BeamSearchParams):
-            # All beams must fit in one step, or the last ones would never run with the others.
-            if params.beam_width > self.max_num_batched_tokens:
-                raise RequestError(
-                    f"beam_width: must be <= max_num_batched_tokens "
-                    f"({self.max_num_batched_tokens}), got {params.beam_width}",
-                    "beam_width",
-                )
-            eos = frozenset(self.eos_token_ids)
-            width = BeamSearch(params, eos, params.max_tokens).num_candidates
-            params = SamplingParams(
-                temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=width
-            )
-            return params.bind(self.tokenizer, self.eos_token_ids, self.vocab_size)
+    # -- parameters ---------------------------------------------------------------------
+
+    def _check_sampling(self, params: SamplingParams) -> None:
+        limits = self.limits
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise RequestError(f"{name}: must be <= {MAX_LOGPROBS}, got {value}", name)
-        return params.bind(self.tokenizer, self.eos_token_ids, self.vocab_size)
+            if value is not None and value > limits.max_logprobs:
+                raise RequestError(f"{name}: must be <= {limits.max_logprobs}, got {value}", name)
+        name = "best_of" if params.best_of is not None else "n"
+        _at_most(name, params.num_samples, limits.max_n, "--max-n")
+        _at_most(name, params.num_samples, self.max_num_seqs, "--max-num-seqs")
+        _at_most("stop", len(params.stop), limits.max_stop, "--max-stop", "strings")
+        _at_most("stop_token_ids", len(params.stop_token_ids), limits.max_stop, "--max-stop")
+        _at_most("bad_words", len(params.bad_words), limits.max_bad_words, "--max-bad-words")
+        _at_most(
+            "logit_bias", len(params.logit_bias or {}), limits.max_logit_bias, "--max-logit-bias"
+        )
+        _at_most(
+            "allowed_token_ids",
+            len(params.allowed_token_ids or []),
+            self.vocab_size,
+            "the vocabulary size",
+        )
+        for name, words in (("stop", params.stop), ("bad_words", params.bad_words)):
+            longest = max((len(w) for w in words), default=0)
+            _at_most(name, longest, limits.max_stop_length, "--max-stop-length", "characters long")
+
+    def _check_beam(self, params: BeamSearchParams, prompt_len: int) -> None:
+        """A beam search runs its beams in lockstep: all must fit in one step's token budget
+        and, unshared, in the KV cache, or the search could never finish."""
+        _at_most("beam_width", params.beam_width, self.limits.max_n, "--max-n")
+        _at_most("beam_width", params.beam_width, self.max_num_seqs, "--max-num-seqs")
+        _at_most(
+            "beam_width", params.beam_width, self.max_num_batched_tokens, "max_num_batched_tokens"
+        )
+        candidates = BeamSearch(params, frozenset(self.eos_token_ids), 1).num_candidates
+        _at_most("beam_width", candidates, self.vocab_size, "the vocabulary size", "candidates")
+        longest = min(prompt_len + params.max_tokens, self.max_model_len)
+        blocks = params.beam_width * -(-longest // self.block_size)
+        if blocks > self.num_kv_blocks:
+            raise RequestError(
+                f"beam_width: {params.beam_width} beams of up to {longest} tokens need "
+                f"{blocks} KV blocks and the cache has {self.num_kv_blocks}; lower beam_width "
+                f"or max_tokens",
+                "beam_width",
+            )
+
+    def _beam_step_params(self, params: BeamSearchParams) -> SamplingParams:
+        """A beam search steps each beam greedily, reporting the top logprobs it ranks."""
+        width = BeamSearch(params, frozenset(self.eos_token_ids), 1).num_candidates
+        step = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True, logprobs=width)
+        return step.bind(self.tokenizer, self.eos_token_ids, self.vocab_size)
+
+
+def _at_most(param: str, value: int, limit: int, source: str, what: str = "") -> None:
+    if value > limit:
+        unit = f" {what}" if what else ""
+        raise RequestError(
+            f"{param}: at most {limit}{unit} (set by {source}), got {value}{unit}", param
+        )
+
+
+def _token_ids(value: object) -> list[int]:
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise RequestError("prompt: must be a string or a list of integer token ids", "prompt")
+    return list(value)

@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from ladle.runtime.beam_search import BeamSearchOutput, BeamSearchSequence
 from ladle.runtime.config import EngineArgs
-from ladle.runtime.engine import LLMEngine, PromptInput
+from ladle.runtime.engine import LLMEngine, PromptInput, Request
+from ladle.runtime.limits import RequestLimits
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -33,8 +34,10 @@ class LLM:
     ``LLM()`` serves the embedded default model; keyword arguments are vLLM's engine arguments.
     """
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+    def __init__(
+        self, model: str | None = None, limits: RequestLimits | None = None, **engine_args: Any
+    ) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args), limits)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -55,13 +58,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(items):
                 raise ValueError("sampling_params must be one per prompt")
-        order: list[str] = []
-        for i, (prompt, p) in enumerate(zip(items, params, strict=True)):
-            rid = str(next(self._ids))
-            final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-            self.engine.add_request(rid, prompt, final, priority=priority[i] if priority else 0)
-            order.append(rid)
-        return self._run(order, use_tqdm)
+        requests = [
+            self.engine.process_inputs(
+                str(next(self._ids)),
+                prompt,
+                dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY),
+                priority=priority[i] if priority else 0,
+            )
+            for i, (prompt, p) in enumerate(zip(items, params, strict=True))
+        ]
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -98,14 +104,12 @@ class LLM:
         The beams of all prompts run batched in the engine and share KV blocks copy-on-write;
         the search matches transformers' ``generate(num_beams=..., do_sample=False)``.
         """
-        items = _as_prompt_list(prompts)
-        order: list[str] = []
-        for prompt in items:
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, params)
-            order.append(rid)
+        requests = [
+            self.engine.process_inputs(str(next(self._ids)), prompt, params)
+            for prompt in _as_prompt_list(prompts)
+        ]
         results = []
-        for output in self._run(order, use_tqdm):
+        for output in self._run(requests, use_tqdm):
             sequences = [
                 BeamSearchSequence(
                     tokens=output.prompt_token_ids + c.token_ids,
@@ -118,7 +122,17 @@ class LLM:
             results.append(BeamSearchOutput(sequences))
         return results
 
-    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Add requests that were all validated first (so a bad one adds none), then step
+        until every one is done. A request that fails inside the engine comes back finished
+        with ``error`` set."""
+        order = [r.request_id for r in requests]
+        try:
+            for request in requests:
+                self.engine.add_request(request.request_id, request)
+        except BaseException:
+            self.engine.abort_request(order)
+            raise
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():

@@ -8,6 +8,7 @@ scheduler, as vLLM's output processor aborts them in the engine core.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,8 @@ from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import RequestOutputKind
 from ladle.runtime.scheduler import RequestUpdate, SequenceUpdate
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class _SeqOutput:
@@ -36,7 +39,7 @@ class _SeqOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
     sent_tokens: int = 0
     sent_chars: int = 0
     sent_finish: bool = False
@@ -59,8 +62,12 @@ class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     # Sequences that a stop string ended, by request: the scheduler must free them.
     stopped: dict[str, list[int]] = field(default_factory=dict)
+    # Requests that failed here, with why: the scheduler must free them.
+    failed: dict[str, str] = field(default_factory=dict)
     # Prompt tokens of requests that got their first token (vLLM counts them then, once).
     num_prompt_tokens: int = 0
+    # Requests that ended without an error.
+    num_finished: int = 0
 
 
 class OutputProcessor:
@@ -86,16 +93,43 @@ class OutputProcessor:
         now = time.monotonic()
         result = ProcessedOutputs()
         for update in updates:
-            state = self._requests.get(update.request_id)
+            rid = update.request_id
+            state = self._requests.get(rid)
             if state is None:
                 continue
-            self._apply(state, update, now, result)
-            output = self._output(state)
+            try:
+                self._apply(state, update, now, result)
+                output = self._output(state)
+            except Exception as exc:
+                log.exception("processing a step's output failed", extra={"request_id": rid})
+                message = f"internal error while processing the output: {exc!r}"
+                result.failed[rid] = message
+                output = self._failure(state, message)
+            if output is not None and update.error is not None:
+                output.error = update.error
             if output is not None:
                 result.outputs.append(output)
             if state.finished:
-                del self._requests[update.request_id]
+                del self._requests[rid]
+                result.num_finished += output is None or output.error is None
         return result
+
+    def _failure(self, state: _RequestState, message: str) -> RequestOutput:
+        """The last output of a request that failed: what it had, finish reason "error"."""
+        state.finished = True
+        request = state.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+                for i in sorted(state.outs) or [0]
+            ],
+            finished=True,
+            metrics=state.metrics,
+            error=message,
+        )
 
     # -- applying a report --------------------------------------------------------------
 
@@ -216,7 +250,7 @@ class OutputProcessor:
         params = state.request.params
         outs = [state.outs[i] for i in sorted(state.outs)]
         if params.num_samples > params.n:
-            outs.sort(key=lambda o: o.cumulative_logprob, reverse=True)
+            outs.sort(key=lambda o: o.cumulative_logprob or 0.0, reverse=True)
             outs = outs[: params.n]
         completions = []
         for index, out in enumerate(outs):
@@ -250,6 +284,7 @@ class OutputProcessor:
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         """vLLM's per-position shape: the chosen token first, then the top-N by rank."""
+        assert lp.logprob is not None, "the sampler computes logprobs where they are asked for"
         ids = [lp.token_id, *lp.top_token_ids]
         texts = self._decode_tokens(ids)
         result = {lp.token_id: Logprob(lp.logprob, lp.rank, texts[0])}

@@ -43,9 +43,12 @@ class RequestMetrics:
 class CompletionOutput:
     """One sequence of a request (``index`` among the ``n``).
 
-    ``finish_reason`` is ``stop``, ``length`` or ``abort``; for ``stop``, ``stop_reason`` is the
-    stop string or stop token id that ended it (None for EOS). ``cumulative_logprob`` sums the
-    raw logprobs of ``token_ids``; ``logprobs`` is set when the request asked for them.
+    ``finish_reason`` is ``stop``, ``length``, ``abort`` (aborted, or past its deadline) or
+    ``error`` (failed inside the engine; the request's ``error`` says why). For ``stop``,
+    ``stop_reason`` is the stop string or stop token id that ended it (None for EOS).
+    ``cumulative_logprob`` sums the raw logprobs of ``token_ids`` when they were computed (the
+    request asked for logprobs, or best_of ranks by them), else it is None; ``logprobs`` is set
+    when the request asked for them.
     """
 
     index: int
@@ -79,3 +82,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    # Set when the request failed inside the engine (finish reason "error"): why.
+    error: str | None = None

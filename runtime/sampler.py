@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ladle.runtime.sampling_params import SamplingParams
 from ladle.runtime.sequence import Sequence
 
 _NEG_INF = float("-inf")
@@ -45,7 +46,8 @@ class TokenLogprobs:
     """
 
     token_id: int
-    logprob: float
+    # None where nobody asked for it (no logprobs requested, no best_of ranking).
+    logprob: float | None
     rank: int | None = None
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
@@ -99,18 +101,32 @@ class Sampler:
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
         if gen is None:
-            assert seq.params.seed is not None
-            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            assert seq.seed is not None
+            gen = torch.Generator(device=self.device).manual_seed(seq.seed)
             self._generators[seq.seq_id] = gen
         return gen
 
     def __call__(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> list[TokenLogprobs]:
-        """Sample one token per row of ``logits`` (one row per sequence, in order)."""
+        """Sample one token per row of ``logits`` (one row per sequence, in order).
+
+        The raw logits are copied only if a mask, bias or penalty will change them, and a
+        logprob is computed only for the rows that use it."""
         raw = logits.float()
-        tokens, rows, probs = self._select(raw.clone(), seqs)
+        edits = any(_edits_logits(s.params) for s in seqs)
+        tokens, rows, probs = self._select(raw.clone() if edits else raw, seqs)
         if rows:
             tokens[rows] = self._draw(probs, [seqs[i] for i in rows])
-        return token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+        need = [i for i, s in enumerate(seqs) if s.params.needs_logprob]
+        if len(need) == len(seqs):
+            return token_logprobs(raw, tokens, [s.params.logprobs for s in seqs])
+        results = [TokenLogprobs(t, None) for t in tokens.tolist()]
+        if need:
+            computed = token_logprobs(
+                raw[need], tokens[need], [seqs[i].params.logprobs for i in need]
+            )
+            for i, result in zip(need, computed, strict=True):
+                results[i] = result
+        return results
 
     def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         """The distribution each row's token is drawn from (one-hot for greedy rows), for
@@ -209,7 +225,7 @@ class Sampler:
         round the GEMMs differently; the race changes its pick only on a near-exact tie."""
         race = torch.empty_like(probs).exponential_()
         for j, seq in enumerate(seqs):
-            if seq.params.seed is not None:
+            if seq.seed is not None:
                 race[j].exponential_(generator=self._generator(seq))
         return probs.div_(race).argmax(dim=-1)
 
@@ -222,12 +238,18 @@ class Sampler:
         return probs.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * scale, 0.0)
 
     def _top_k(self, probs: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-        """Keep tokens at least as likely as the k-th (ties at the k-th are kept, as in vLLM)."""
+        """Keep tokens at least as likely as the k-th (ties at the k-th are kept, as in vLLM).
+        Only the rows with a k below the vocabulary take part: one row without top-k must not
+        turn the batch's top-k into a sort of the whole vocabulary."""
         vocab = probs.shape[-1]
-        k = [t if 0 < t < vocab else vocab for t in top_k]
-        ranked = probs.topk(max(k), dim=-1).values
-        kth = ranked.gather(-1, torch.tensor(k, device=self.device)[:, None] - 1)
-        return probs.masked_fill(probs < kth, 0.0)
+        rows = [i for i, t in enumerate(top_k) if 0 < t < vocab]
+        if not rows:
+            return probs
+        k = torch.tensor([top_k[i] for i in rows], device=self.device)
+        sub = probs[rows]
+        kth = sub.topk(int(k.max()), dim=-1).values.gather(-1, k[:, None] - 1)
+        probs[rows] = sub.masked_fill(sub < kth, 0.0)
+        return probs
 
     def _top_p(self, probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
         """Keep the smallest set of most likely tokens whose mass reaches p: a token stays when
@@ -256,6 +278,17 @@ class Sampler:
         mass = ordered.cumsum(dim=-1)
         ordered = ordered.masked_fill(mass - ordered >= target[:, None], 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, ordered)
+
+
+def _edits_logits(params: SamplingParams) -> bool:
+    """Whether masks, bias or penalties may change this row's logits."""
+    return bool(
+        params.allowed_token_ids
+        or params.bad_words_token_ids
+        or params.logit_bias
+        or params.min_tokens
+        or params.has_penalties
+    )
 
 
 def _banned_tokens(seq: Sequence) -> list[int]:

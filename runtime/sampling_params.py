@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ladle.runtime.errors import RequestError
+from ladle.runtime.errors import RequestError, require_text
 
 _GREEDY_EPS = 1e-5
 # OpenAI's documented ranges.
@@ -154,11 +154,23 @@ class SamplingParams:
                 "seed",
                 f"must be an integer in [0, 2**63), got {self.seed!r}",
             )
+            # Sample i of n (or best_of) draws from seed + i.
+            last = self.seed + self.num_samples - 1
+            _require(
+                last < 2**63,
+                "seed",
+                f"seed + {self.num_samples - 1} (one seed per sample) must be < 2**63, "
+                f"got {self.seed!r}",
+            )
         _require(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",
             "must be non-empty strings",
         )
+        for name in ("stop", "bad_words"):
+            for text in getattr(self, name):
+                if isinstance(text, str):
+                    require_text(text, name)
         _check_token_ids(self.stop_token_ids, "stop_token_ids")
         _require(
             all(isinstance(w, str) and w.strip() for w in self.bad_words),
@@ -203,6 +215,11 @@ class SamplingParams:
     def num_samples(self) -> int:
         """How many sequences run: ``best_of`` if set, else ``n``."""
         return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_logprob(self) -> bool:
+        """Whether the sampled token's logprob is used: reported, or ranking best_of."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def has_penalties(self) -> bool:

@@ -1,8 +1,15 @@
 """Continuous batching: which sequences run this step, and what a step's output changes.
 
 One token budget covers prefill chunks and decodes alike, so long prompts are chunked and
-share steps with running decodes. When blocks run out, the lowest-priority running sequence
-(the newest, under FCFS) is preempted and later recomputed.
+share steps with running decodes. When blocks run out, the lowest-priority sequence (the
+newest, under FCFS) is preempted and later recomputed.
+
+Every admitted request eventually runs alone if it must, so none waits for ever: the input
+processor refuses what could not fit in the whole cache (one sequence up to max_model_len,
+or all of a beam search's beams), a request takes seats under ``max_num_seqs`` for every
+sequence it will fork, and beams parked while their siblings catch up are preempted like
+running sequences (a waiting request may evict those of later requests too), so parked blocks
+never wait on a sequence that waits on them.
 
 As in vLLM v1, the scheduler is the one place where scheduling state changes after a step:
 :meth:`Scheduler.update_from_output` advances computed tokens, appends sampled tokens, checks
@@ -14,6 +21,7 @@ through :meth:`Scheduler.finish_seqs`, as it would abort a request.
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import time
 from collections.abc import Iterable
@@ -70,7 +78,7 @@ class SequenceUpdate:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -88,6 +96,8 @@ class RequestUpdate:
     finished: bool = False
     # Beam search, once finished: the hypotheses, best first (an aborted search: its beams).
     hypotheses: list[BeamHypothesis] | None = None
+    # Set when the request failed inside the engine; it is finished, its blocks freed.
+    error: str | None = None
 
 
 class Scheduler:
@@ -108,9 +118,16 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        # Beams that sampled this round and wait, with their blocks, for their siblings.
+        self.parked: list[Sequence] = []
         self.groups: dict[str, SequenceGroup] = {}
         self.num_preemptions = 0
+        # Tokens computed for the first time plus tokens sampled, over the scheduler's life:
+        # the engine's progress watchdog reads it (recomputation after preemption is not
+        # progress).
+        self.progress = 0
         self._freed: list[int] = []
+        self._deadlines: list[tuple[float, str]] = []
 
     # -- requests -----------------------------------------------------------------------
 
@@ -124,7 +141,13 @@ class Scheduler:
             request.arrival_time,
             request.priority,
         )
-        group = SequenceGroup(request.request_id, request.params, [seq], request.params.num_samples)
+        group = SequenceGroup(
+            request.request_id,
+            request.params,
+            [seq],
+            request.params.num_samples,
+            deadline=request.deadline,
+        )
         if request.beam_params is not None:
             bp = request.beam_params
             room = bp.max_tokens
@@ -133,6 +156,8 @@ class Scheduler:
             group.beam = BeamSearch(bp, self.eos_token_ids, max(room, 1))
             group.width = bp.beam_width
         self.groups[request.request_id] = group
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.request_id))
         self.add(seq)
 
     def add(self, seq: Sequence) -> None:
@@ -140,7 +165,10 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=self._rank)
 
     def add_running(self, seq: Sequence) -> None:
-        """Adopt a forked sequence that already has blocks (n>1, beam search)."""
+        """Adopt a forked sequence that already has blocks (n>1, beam search), or take a
+        parked beam back."""
+        if seq.status is SequenceStatus.PARKED:
+            self.parked.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -148,13 +176,28 @@ class Scheduler:
         """Stop scheduling a running beam but keep its blocks until its siblings sampled."""
         self.running.remove(seq)
         seq.status = SequenceStatus.PARKED
+        self.parked.append(seq)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.parked)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.groups)
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences waiting to be scheduled, counting those the waiting requests will fork.
+        Read by the server's admission and metrics from their own thread, so it works on a
+        snapshot and tolerates a request that ends meanwhile."""
+        total = 0
+        for seq in list(self.waiting):
+            group = self.groups.get(seq.request_id)
+            total += 1 if group is None or group.forked else group.width
+        return total
+
+    def _seats_in_use(self) -> int:
+        """Sequences admitted, counting those their requests have yet to fork."""
+        unforked = {s.request_id for s in self.running if not self.groups[s.request_id].forked}
+        reserved = sum(self.groups[rid].num_unforked for rid in unforked)
+        return len(self.running) + len(self.parked) + reserved
 
     def _rank(self, seq: Sequence) -> tuple[int, float, int]:
         """Lower ranks are served first; the highest-ranked running sequence is preempted."""
@@ -174,6 +217,7 @@ class Scheduler:
         if gone:
             self.running = [s for s in self.running if s.seq_id not in gone]
             self.waiting = [s for s in self.waiting if s.seq_id not in gone]
+            self.parked = [s for s in self.parked if s.seq_id not in gone]
             self._freed.extend(gone)
 
     def finish_seqs(self, request_id: str, indexes: Iterable[int]) -> None:
@@ -188,8 +232,11 @@ class Scheduler:
         self.finish(seqs)
         self._drop_if_done(group)
 
-    def finish_requests(self, request_ids: Iterable[str], reason: str) -> list[RequestUpdate]:
-        """End whole requests now (abort), freeing their blocks; returns their last reports."""
+    def finish_requests(
+        self, request_ids: Iterable[str], reason: str, error: str | None = None
+    ) -> list[RequestUpdate]:
+        """End whole requests now (abort, deadline, failure), freeing their blocks; returns
+        their last reports."""
         updates = []
         for rid in request_ids:
             group = self.groups.get(rid)
@@ -198,8 +245,16 @@ class Scheduler:
             live = group.live
             for seq in live:
                 seq.finish_reason = reason
-            self.finish(live)
-            update = RequestUpdate(rid, finished=True)
+            # A request that failed midway may have queued sequences its group does not list
+            # yet (a fork interrupted): sweep the queues too, so nothing of it stays behind.
+            listed = {s.seq_id for s in live}
+            strays = [
+                s
+                for s in (*self.running, *self.parked, *self.waiting)
+                if s.request_id == rid and s.seq_id not in listed
+            ]
+            self.finish([*live, *strays])
+            update = RequestUpdate(rid, finished=True, error=error)
             if group.beam is not None:
                 update.hypotheses = self._beam_results(group, reason)
             else:
@@ -207,13 +262,22 @@ class Scheduler:
                     SequenceUpdate(
                         s.index,
                         finish_reason=reason,
-                        cumulative_logprob=s.cumulative_logprob,
+                        cumulative_logprob=s.cumulative_logprob if s.params.needs_logprob else None,
                     )
                     for s in live
                 ]
             del self.groups[rid]
             updates.append(update)
         return updates
+
+    def expire(self, now: float) -> list[str]:
+        """Requests whose deadline has passed (still unfinished), for the engine to end."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, rid = heapq.heappop(self._deadlines)
+            if rid in self.groups:
+                expired.append(rid)
+        return expired
 
     def _drop_if_done(self, group: SequenceGroup) -> bool:
         if group.finished and group.request_id in self.groups:
@@ -224,65 +288,92 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------------------
 
     def _preempt(self, victim: Sequence) -> None:
-        self.running.remove(victim)
+        """Free the victim's blocks and queue it for recomputation (its tokens are kept). A
+        parked beam also drops its pending sample: it samples again once recomputed."""
+        if victim.status is SequenceStatus.PARKED:
+            self.parked.remove(victim)
+            self.groups[victim.request_id].pending.pop(victim.seq_id, None)
+        else:
+            self.running.remove(victim)
         self.kv.free(victim)
         victim.reset_for_recompute()
         self.add(victim)
         self.num_preemptions += 1
 
+    def _evict(
+        self, victim: Sequence, out: SchedulerOutput, scheduled: dict[int, ScheduledSequence]
+    ) -> int:
+        """Preempt ``victim``, taking it out of this step; returns the tokens refunded."""
+        self._preempt(victim)
+        out.preempted.append(victim)
+        undone = scheduled.pop(victim.seq_id, None)
+        if undone is None:
+            return 0
+        out.scheduled.remove(undone)
+        return undone.num_new_tokens
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: dict[int, ScheduledSequence] = {}
+        scheduled: dict[int, ScheduledSequence] = {}
 
+        # Running sequences first, in admission order; everything before index i is scheduled.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, num_new):
-                victim = max(self.running, key=self._rank)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                undone = scheduled_ids.pop(victim.seq_id, None)
-                if undone is not None:
-                    out.scheduled.remove(undone)
-                    budget += undone.num_new_tokens
-                    i -= 1
+                others_parked = [p for p in self.parked if p.request_id != seq.request_id]
+                victim = max([*self.running, *others_parked], key=self._rank)
+                was_scheduled = victim.seq_id in scheduled
+                budget += self._evict(victim, out, scheduled)
+                i -= int(was_scheduled)
                 if victim is seq:
                     break
             else:
                 item = ScheduledSequence(seq, num_new)
                 out.scheduled.append(item)
-                scheduled_ids[seq.seq_id] = item
+                scheduled[seq.seq_id] = item
                 budget -= num_new
                 i += 1
 
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-            and not out.preempted
-        ):
+        # A step that had to preempt running work admits nothing new.
+        blocked = bool(out.preempted)
+        while self.waiting and budget > 0 and not blocked:
             seq = self.waiting[0]
+            group = self.groups[seq.request_id]
+            seats = group.width if not group.forked else 1
+            if self._seats_in_use() + seats > self.max_num_seqs:
+                break
             cached = self.kv.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
-                refund = self._preempt_for(seq, out, scheduled_ids)
-                if refund is None:
+                evict = self._victim_for(seq)
+                if evict is None:
                     break
-                budget += refund
+                budget += self._evict(evict, out, scheduled)
                 continue
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             item = ScheduledSequence(seq, num_new)
             out.scheduled.append(item)
-            scheduled_ids[seq.seq_id] = item
+            scheduled[seq.seq_id] = item
             budget -= num_new
 
         out.block_copies = self.kv.take_pending_copies()
         self._stamp(out)
         return out
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """Whom the waiting head may evict to get blocks: parked beams of later requests
+        (their group waits behind the head, so they would hold their blocks for nothing) and,
+        under the priority policy, any less urgent running sequence."""
+        candidates = [p for p in self.parked if p.request_id != seq.request_id]
+        if self.policy == "priority":
+            candidates += self.running
+        later = [c for c in candidates if self._rank(c) > self._rank(seq)]
+        return max(later, key=self._rank) if later else None
 
     def _stamp(self, out: SchedulerOutput) -> None:
         """Note when each request first ran, and hand over the sequences freed since."""
@@ -293,79 +384,78 @@ class Scheduler:
                 group.first_scheduled_time = now
         out.finished_seq_ids, self._freed = self._freed, []
 
-    def _preempt_for(
-        self, seq: Sequence, out: SchedulerOutput, scheduled: dict[int, ScheduledSequence]
-    ) -> int | None:
-        """Under the priority policy a more urgent waiting sequence evicts the least urgent
-        running one, even if it was already scheduled in this step. Returns the tokens refunded
-        to the step's budget, or None when nothing may be evicted."""
-        if self.policy != "priority" or not self.running:
-            return None
-        victim = max(self.running, key=self._rank)
-        if self._rank(victim) <= self._rank(seq):
-            return None
-        self._preempt(victim)
-        undone = scheduled.pop(victim.seq_id, None)
-        if undone is None:
-            return 0
-        out.scheduled.remove(undone)
-        return undone.num_new_tokens
-
     # -- after a step -------------------------------------------------------------------
 
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Apply one step's results: the only place scheduling state changes after a step."""
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.kv.commit_computed(item.seq)
-        updates: dict[str, RequestUpdate] = {}
+        """Apply one step's results: the only place scheduling state changes after a step.
 
-        def update_for(group: SequenceGroup) -> RequestUpdate:
-            update = updates.get(group.request_id)
-            if update is None:
-                update = updates[group.request_id] = RequestUpdate(
-                    group.request_id,
-                    num_cached_tokens=group.seqs[0].num_cached_tokens,
-                    first_scheduled_time=group.first_scheduled_time,
-                )
-            return update
-
-        by_id = {item.seq.seq_id: item.seq for item in out.scheduled}
-        for seq_id, (first, lps) in result.prompt_logprobs.items():
-            update_for(self.groups[by_id[seq_id].request_id]).prompt_logprobs = (first, lps)
-        touched: dict[str, SequenceGroup] = {}
+        Each request is applied on its own: if anything fails for one, that request alone is
+        ended with an error (and its blocks freed), and the others go on."""
+        by_group: dict[str, list[ScheduledSequence]] = {}
         for item in out.scheduled:
+            by_group.setdefault(item.seq.request_id, []).append(item)
+        updates: list[RequestUpdate] = []
+        failed: dict[str, str] = {}
+        for rid, items in by_group.items():
+            group = self.groups[rid]
+            try:
+                update = self._apply(group, items, result)
+            except Exception as exc:
+                log.exception("applying a step's output failed", extra={"request_id": rid})
+                failed[rid] = f"internal error while applying the step: {exc!r}"
+                continue
+            if update is not None:
+                updates.append(update)
+        for rid, message in failed.items():
+            updates += self.finish_requests([rid], "error", message)
+        return updates
+
+    def _apply(
+        self, group: SequenceGroup, items: list[ScheduledSequence], result: ModelRunnerOutput
+    ) -> RequestUpdate | None:
+        update = RequestUpdate(
+            group.request_id,
+            num_cached_tokens=group.seqs[0].num_cached_tokens,
+            first_scheduled_time=group.first_scheduled_time,
+        )
+        changed = False
+        for item in items:
             seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.num_computed_tokens > seq.computed_high:
+                self.progress += seq.num_computed_tokens - seq.computed_high
+                seq.computed_high = seq.num_computed_tokens
+            self.kv.commit_computed(seq)
+            prompt_logprobs = result.prompt_logprobs.get(seq.seq_id)
+            if prompt_logprobs is not None:
+                update.prompt_logprobs = prompt_logprobs
+                changed = True
             sample = result.sampled.get(seq.seq_id)
             if sample is None:
                 continue
-            group = self.groups[seq.request_id]
-            touched[group.request_id] = group
-            update = update_for(group)
-            update.sampled = True
+            self.progress += 1
+            update.sampled = changed = True
             if group.beam is not None:
                 group.pending[seq.seq_id] = sample
                 self._park(seq)
-                continue
-            self._append(group, seq, sample, update)
-        for group in touched.values():
-            update = updates[group.request_id]
-            if group.beam is not None:
-                self._advance_beams(group, update)
             else:
-                ended = [s for s in group.seqs if s.finish_reason is not None and not s.is_finished]
-                self.finish(ended)
-            update.finished = self._drop_if_done(group)
-        return list(updates.values())
+                self._append(group, seq, sample, update)
+        if group.beam is not None:
+            self._advance_beams(group, update)
+        else:
+            self.finish([s for s in group.live if s.finish_reason is not None])
+        update.finished = self._drop_if_done(group)
+        return update if changed or update.finished else None
 
     def _append(
         self, group: SequenceGroup, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate
     ) -> None:
         """Take a sampled token: cumulative logprob, n>1 fork, token-level stop checks."""
         seq.append_token(sample.token_id)
-        seq.cumulative_logprob += sample.logprob
+        if sample.logprob is not None:
+            seq.cumulative_logprob += sample.logprob
         if not group.forked and len(group.seqs) < group.width:
             self._fork_samples(group, seq, update)
         group.forked = True
@@ -377,7 +467,7 @@ class Scheduler:
                 [sample] if seq.params.logprobs is not None else [],
                 seq.finish_reason,
                 seq.stop_reason,
-                seq.cumulative_logprob,
+                seq.cumulative_logprob if seq.params.needs_logprob else None,
             )
         )
 
@@ -388,17 +478,18 @@ class Scheduler:
         token, to draw their own first token (seeded children use ``seed + index``, as vLLM)."""
         params = parent.params
         for index in range(1, group.width):
-            child_params = params if params.seed is None else params.clone(seed=params.seed + index)
             child = Sequence(
                 parent.request_id,
                 parent.prompt_token_ids,
-                child_params,
+                params,
                 parent.arrival_time,
                 parent.priority,
                 index=index,
+                seed=None if params.seed is None else params.seed + index,
             )
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens - 1
+            child.computed_high = parent.computed_high
             child.num_cached_tokens = parent.num_cached_tokens
             group.seqs.append(child)
             self.add_running(child)
@@ -460,7 +551,9 @@ class Scheduler:
             child.token_ids = list(parent.token_ids)
             child.output_token_ids = list(parent.output_token_ids)
             child.num_cached_tokens = parent.num_cached_tokens
+            child.computed_high = parent.computed_high
             self.kv.fork(parent, child)
+            group.seqs.append(child)  # listed at once: an abort from here on frees it too
             survivors.append(child)
         for seq, c in zip(survivors, continuations, strict=True):
             seq.append_token(c.token_id)

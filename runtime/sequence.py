@@ -45,6 +45,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
+    # The most tokens ever computed at once: recomputation below it is not progress.
+    computed_high: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -53,9 +55,13 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # Chained content hashes of the full blocks seen so far, for prefix caching.
     block_hashes: list[bytes] = field(default_factory=list)
+    # This sequence's random stream: the request's seed, plus the sample's index for n > 1.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.seed is None:
+            self.seed = self.params.seed
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,9 @@
 
 Decode attention on a CPU is bound by memory traffic. The torch path gathers every decoding
 sequence's blocks into a workspace and then reads that copy in SDPA, so it moves the context
-three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks keep the
-torch path: they are GEMM-bound, and SDPA handles them well.
+three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks run in one
+C call for the whole step as well (varlen, straight from the cache), instead of one SDPA call
+per sequence.
 """
 
 from __future__ import annotations
@@ -36,14 +37,44 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ConfigError("attention backend 'cpu' needs a C compiler (see the log)")
         super().__init__(spec, device)
         self._lib: ctypes.CDLL = lib
+        self._prefill_starts = torch.zeros(1, dtype=torch.int32)
 
     def _store(
         self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> None:
         cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
 
-    def _begin_decodes(self, meta: AttentionMetadata) -> None:
-        """Nothing to gather: the kernel follows the block tables itself."""
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Nothing to gather or mask: the kernels follow the block tables themselves. The
+        prefill chunks' row offsets are taken relative to the first of them, once a step."""
+        nd = meta.num_decodes
+        self._prefill_starts = meta.query_start_loc[nd:] - meta.query_start_loc_cpu[nd]
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        nd = meta.num_decodes
+        if nd == meta.num_seqs:
+            return
+        start = meta.query_start_loc_cpu[nd]
+        cpu_kernels.paged_prefill_attention(
+            self._lib,
+            q[start:],
+            cache.key,
+            cache.value,
+            meta.block_tables[nd:],
+            meta.seq_lens[nd:],
+            self._prefill_starts,
+            scale,
+            out[start:],
+        )
 
     def _decode(
         self,

@@ -289,8 +289,10 @@ async def run_load(
     rng = np.random.default_rng(args.seed)
     gate = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
-        # One request first, as vllm bench does: a bad URL or model fails fast, untimed.
-        probe = BenchRequest(requests[0].prompt, requests[0].prompt_len, 4)
+        # One request first, as vllm bench does: a bad URL or model fails fast, untimed. Its
+        # prompt is none of the workload's, so no timed request finds it in a prefix cache.
+        text = "This request only checks the URL and the model."
+        probe = BenchRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), 4)
         check = await send(client, url, _payload(args, model, probe), probe, tokenizer)
         if not check.success:
             raise SystemExit(f"the test request failed: {check.error}")

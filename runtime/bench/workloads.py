@@ -25,7 +25,9 @@ class Workload:
     output_len: int
 
     def prompts(self, seed: int = 0) -> list[str]:
-        rng = random.Random(seed)
+        """The workload's prompts, drawn from a stream of its own: two workloads never share
+        prompts (so neither can be served from the other's prefix cache)."""
+        rng = random.Random(f"{self.name}/{seed}")
         return [
             " ".join(rng.choice(_WORDS) for _ in range(rng.randint(self.min_words, self.max_words)))
             for _ in range(self.num_requests)

@@ -194,3 +194,133 @@ int ladle_paged_decode_attention_f32(
     }
     return failed;
 }
+
+/* Prefill attention over the paged cache, for chunks of any length (varlen): each sequence's new
+ * tokens attend, causally, to its whole context (prefix-cache hits and earlier chunks included),
+ * read straight from the cache blocks the KV store has just written. One call covers every
+ * prefill chunk of a step, where the torch path made one SDPA call (and one gather of the
+ * context) per sequence.
+ *
+ * The work is split into (sequence, KV head, tile of query rows) tasks. A tile's query heads
+ * that share a KV head read each key and value row once: scores for the whole tile first, then
+ * softmax per row (AVX2 exp where there is one), then the weighted values.
+ *
+ * Layouts: q and out start at the first prefill token; q's rows are q_stride floats apart, out
+ * is contiguous [tokens, num_heads, head_dim]; query_start [num_seqs + 1] offsets the sequences'
+ * rows from there; seq_lens count each sequence's context including its new tokens. */
+#define PREFILL_TILE 16
+
+static float exp_sum_in_place(float *x, int n, float max) {
+    float sum = 0.0f;
+    int t = 0;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 m = _mm256_set1_ps(max);
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), m));
+        _mm256_storeu_ps(x + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; t < n; t++) {
+        x[t] = expf(x[t] - max);
+        sum += x[t];
+    }
+    return sum;
+}
+
+int ladle_paged_prefill_attention_f32(
+    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+    const int32_t *query_start, float *out, int32_t num_seqs, int32_t num_heads,
+    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+    int32_t num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t block_stride = token_stride * block_size;
+    /* Tasks are numbered per sequence: tiles x KV heads, from a prefix sum. */
+    int64_t *first_task = malloc(sizeof(int64_t) * ((size_t)num_seqs + 1));
+    if (first_task == NULL) return 1;
+    first_task[0] = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int q_len = query_start[s + 1] - query_start[s];
+        const int tiles = (q_len + PREFILL_TILE - 1) / PREFILL_TILE;
+        first_task[s + 1] = first_task[s] + (int64_t)tiles * num_kv_heads;
+    }
+    const int64_t num_tasks = first_task[num_seqs];
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t task = 0; task < num_tasks; task++) {
+        int s = 0;
+        while (first_task[s + 1] <= task) s++;
+        const int64_t local = task - first_task[s];
+        const int kv_head = (int)(local % num_kv_heads);
+        const int tile = (int)(local / num_kv_heads);
+        const int q_len = query_start[s + 1] - query_start[s];
+        const int first_pos = seq_lens[s] - q_len; /* absolute position of the chunk's row 0 */
+        const int row0 = tile * PREFILL_TILE;
+        const int rows = q_len - row0 < PREFILL_TILE ? q_len - row0 : PREFILL_TILE;
+        const int num_keys = first_pos + row0 + rows; /* the tile's last row sees these */
+        const int32_t *table = block_tables + (int64_t)s * table_stride;
+        const int vectors = rows * group;
+        /* scores[(r * group + g) * num_keys + t], then one normalizer per query vector */
+        float *scores = malloc(sizeof(float) * (size_t)vectors * ((size_t)num_keys + 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *inv_sum = scores + (size_t)vectors * num_keys;
+        const int64_t token0 = query_start[s] + row0;
+
+        for (int t = 0; t < num_keys; t++) {
+            const float *k = key_cache + (int64_t)table[t / block_size] * block_stride +
+                             (int64_t)(t % block_size) * token_stride + (int64_t)kv_head * head_dim;
+            /* Row r (position first_pos + row0 + r) sees key t when t <= its position. */
+            const int r_first = t - first_pos - row0 > 0 ? t - first_pos - row0 : 0;
+            for (int r = r_first; r < rows; r++) {
+                for (int g = 0; g < group; g++) {
+                    const float *qv = q + (token0 + r) * q_stride +
+                                      (int64_t)(kv_head * group + g) * head_dim;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int d = 0; d < head_dim; d++) acc += qv[d] * k[d];
+                    scores[(size_t)(r * group + g) * num_keys + t] = acc * scale;
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const int len = first_pos + row0 + r + 1;
+            for (int g = 0; g < group; g++) {
+                float *row = scores + (size_t)(r * group + g) * num_keys;
+                float max = -INFINITY;
+                for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
+                inv_sum[r * group + g] = 1.0f / exp_sum_in_place(row, len, max);
+                float *o = out + ((token0 + r) * num_heads + kv_head * group + g) * head_dim;
+                for (int d = 0; d < head_dim; d++) o[d] = 0.0f;
+            }
+        }
+        for (int t = 0; t < num_keys; t++) {
+            const float *v = value_cache + (int64_t)table[t / block_size] * block_stride +
+                             (int64_t)(t % block_size) * token_stride +
+                             (int64_t)kv_head * head_dim;
+            const int r_first = t - first_pos - row0 > 0 ? t - first_pos - row0 : 0;
+            for (int r = r_first; r < rows; r++) {
+                for (int g = 0; g < group; g++) {
+                    const float p =
+                        scores[(size_t)(r * group + g) * num_keys + t] * inv_sum[r * group + g];
+                    float *o = out + ((token0 + r) * num_heads + kv_head * group + g) * head_dim;
+#pragma omp simd
+                    for (int d = 0; d < head_dim; d++) o[d] += p * v[d];
+                }
+            }
+        }
+        free(scores);
+    }
+    free(first_task);
+    return failed;
+}

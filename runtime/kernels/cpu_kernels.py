@@ -40,6 +40,10 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ladle_rope_f32": (None, [_P, _I32, _I64, _P, _I32, _I64, _P, _P, _I64, _I32, _I32]),
     "ladle_store_kv_f32": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32]),
     "ladle_silu_and_mul_f32": (None, [_P, _P, _I64, _I32, _I32]),
+    "ladle_paged_prefill_attention_f32": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
+    ),
 }
 
 
@@ -238,3 +242,49 @@ def paged_decode_attention(
     )
     if failed:
         raise MemoryError("CPU decode attention could not allocate its score buffer")
+
+
+def paged_prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of every prefill chunk of a step over its whole paged context.
+
+    q/out: the chunks' tokens [T, num_heads, head_dim] fp32 (q may be rows of the QKV output);
+    block_tables, seq_lens (context including the chunk) and query_start ([num_seqs + 1], row
+    offsets into q from 0) describe the same sequences; int32.
+    """
+    for t in (key_cache, value_cache, out, seq_lens, query_start):
+        assert t.is_contiguous()
+    assert q.stride()[1:] == (q.shape[2], 1)
+    assert block_tables.stride(1) == 1
+    assert block_tables.dtype == seq_lens.dtype == query_start.dtype == torch.int32
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    failed = lib.ladle_paged_prefill_attention_f32(
+        q.data_ptr(),
+        q.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start.data_ptr(),
+        out.data_ptr(),
+        seq_lens.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("CPU prefill attention could not allocate its score buffer")

@@ -23,6 +23,11 @@ class KVCacheManager:
     Invariants: a block referenced by several sequences is full or is never written again
     without a copy first (copy-on-write), and a block's hash is registered only once all of its
     slots hold computed KV.
+
+    A copy-on-write keeps its source block referenced until the copies are handed to the model
+    runner, so that nothing allocated in the same schedule can take it; a sequence freed in
+    that schedule (preempted, finished) takes its pending copies with it, since their
+    destination is one of its own blocks, now free for someone else.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
@@ -31,8 +36,9 @@ class KVCacheManager:
         self.block_tables: dict[int, list[int]] = {}
         # How many leading blocks of each sequence are already published in the prefix cache.
         self._num_published: dict[int, int] = {}
-        # (src, dst) block copies that the model runner must perform before the next forward.
-        self.pending_copies: list[tuple[int, int]] = []
+        # (src, dst) block copies that the model runner must perform before the next forward,
+        # by the sequence that owns dst.
+        self.pending_copies: dict[int, list[tuple[int, int]]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -93,7 +99,7 @@ class KVCacheManager:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += start
         if cow:
-            self._copy_on_write(table, start // self.block_size)
+            self._copy_on_write(seq, table, start // self.block_size)
         for _ in range(needed):
             table.append(self.pool.allocate())
         return True
@@ -102,12 +108,12 @@ class KVCacheManager:
         index = first_slot // self.block_size
         return index < len(table) and self.pool.ref_counts[table[index]] > 1
 
-    def _copy_on_write(self, table: list[int], index: int) -> None:
+    def _copy_on_write(self, seq: Sequence, table: list[int], index: int) -> None:
+        """Point the table at a fresh block; the reference to the shared one becomes a pin on
+        the copy's source, dropped when the copies are taken."""
         shared = table[index]
-        fresh = self.pool.allocate()
-        self.pool.release([shared])
-        table[index] = fresh
-        self.pending_copies.append((shared, fresh))
+        table[index] = self.pool.allocate()
+        self.pending_copies.setdefault(seq.seq_id, []).append((shared, table[index]))
 
     def commit_computed(self, seq: Sequence) -> None:
         """Register blocks that became full of computed KV, so later requests can reuse them."""
@@ -133,11 +139,17 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         table = self.block_tables.pop(seq.seq_id, None)
         self._num_published.pop(seq.seq_id, None)
+        cancelled = self.pending_copies.pop(seq.seq_id, [])
         if table is not None:
             self.pool.release(table)
+        self.pool.release([src for src, _ in cancelled])
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
+        """The copies to perform before the next forward; their sources are unpinned now,
+        after which nothing is allocated until the copies are done."""
+        copies = [c for pending in self.pending_copies.values() for c in pending]
+        self.pending_copies = {}
+        self.pool.release([src for src, _ in copies])
         return copies
 
     def num_allocated_blocks(self) -> int:

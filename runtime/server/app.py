@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ladle import __version__
 from ladle.runtime.async_engine import AsyncLLM
-from ladle.runtime.errors import RequestError
+from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.server.errors import APIError, install_handlers
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.middleware import ServerMiddleware
@@ -91,9 +91,8 @@ def create_app(state: ServerState) -> FastAPI:
                 request.chat_template_kwargs,
             )
         else:
-            ids = list(
-                tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-            )
+            prompt = require_text(request.prompt, "prompt")
+            ids = list(tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens))
         strs = list(tokenizer.convert_ids_to_tokens(ids)) if request.return_token_strs else None
         return TokenizeResponse(
             count=len(ids), max_model_len=llm.engine.max_model_len, tokens=ids, token_strs=strs

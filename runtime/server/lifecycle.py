@@ -49,7 +49,8 @@ class ServerState:
         self._http_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._engine_requests: set[str] = set()
+        # Engine requests in flight, with the sequences each runs.
+        self._engine_requests: dict[str, int] = {}
 
     # -- startup ------------------------------------------------------------------------
 
@@ -91,15 +92,22 @@ class ServerState:
     # -- probes -------------------------------------------------------------------------
 
     def liveness(self) -> str | None:
-        """Why the process should be restarted, or None while it is healthy."""
+        """Why the process should be restarted, or None while it is healthy: the engine loop
+        died, hangs inside one step, or steps without getting anywhere while work waits (a
+        watchdog on progress: tokens computed or sampled, requests finished)."""
         llm = self.llm
         if llm is None:
             return None  # still loading; the startup probe owns this phase
         if not llm.is_running:
             return f"the engine loop stopped: {llm.error!r}"
+        timeout = self.settings.liveness_timeout
         stuck = llm.seconds_since_heartbeat()
-        if stuck > self.settings.liveness_timeout:
+        if stuck > timeout:
             return f"the engine loop has been inside one step for {stuck:.0f} s"
+        idle = llm.seconds_without_progress()
+        if idle > timeout:
+            waiting = llm.engine.num_unfinished_requests
+            return f"the engine has made no progress for {idle:.0f} s with {waiting} requests open"
         return None
 
     def readiness(self) -> str | None:
@@ -112,8 +120,8 @@ class ServerState:
 
     # -- admission ----------------------------------------------------------------------
 
-    def admit(self) -> AsyncLLM:
-        """The engine, if a new generation request may start now; otherwise the error to send."""
+    def engine(self) -> AsyncLLM:
+        """The engine, if generation requests are taken now; otherwise the 503 to send."""
         if self.draining:
             self._reject("draining")
             raise APIError(
@@ -130,23 +138,42 @@ class ServerState:
             raise APIError(
                 503, "the engine has stopped; this replica will restart", code="engine_dead"
             )
+        return llm
+
+    def admit(self, llm: AsyncLLM, num_seqs: int) -> None:
+        """Backpressure, counted in sequences: a request whose ``num_seqs`` would take the
+        waiting sequences past --max-waiting-requests gets 429, and one that could never fit
+        gets 400."""
         limit = self.settings.max_waiting_requests
-        if limit is not None and self.num_waiting(llm) >= limit:
+        if limit is None:
+            return
+        if num_seqs > limit:
+            raise APIError(
+                400,
+                f"this request runs {num_seqs} sequences (prompts times n, best_of or beams) "
+                f"but the server lets at most {limit} wait; send fewer",
+                code="invalid_parameter",
+                param="n",
+            )
+        waiting = self.num_waiting(llm)
+        if waiting + num_seqs > limit:
             self._reject("queue_full")
             raise APIError(
                 429,
-                f"the server has {limit} requests waiting; retry later",
+                f"the server has {waiting} sequences waiting (at most {limit}); retry later",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
-        return llm
 
     def num_waiting(self, llm: AsyncLLM) -> int:
-        """Requests not yet scheduled: the engine's queue plus those handed to its thread but
-        not yet added (the thread picks up new requests only between steps)."""
+        """Sequences not yet scheduled: the engine's queue (counting the sequences waiting
+        requests will fork) plus those of requests handed to its thread but not yet added (the
+        thread picks up new requests only between steps)."""
         engine = llm.engine
-        not_added = len(self._engine_requests) - engine.num_unfinished_requests
-        return engine.stats().num_waiting + max(0, not_added)
+        not_added = sum(
+            seqs for rid, seqs in list(self._engine_requests.items()) if not engine.has_request(rid)
+        )
+        return engine.stats().num_waiting_seqs + not_added
 
     def _reject(self, reason: str) -> None:
         if self.metrics is not None:
@@ -163,11 +190,11 @@ class ServerState:
         if self._http_in_flight == 0:
             self._idle.set()
 
-    def engine_request_started(self, request_id: str) -> None:
-        self._engine_requests.add(request_id)
+    def engine_request_started(self, request_id: str, num_seqs: int) -> None:
+        self._engine_requests[request_id] = num_seqs
 
     def engine_request_finished(self, request_id: str) -> None:
-        self._engine_requests.discard(request_id)
+        self._engine_requests.pop(request_id, None)
 
     async def drain(self) -> None:
         """Refuse new work, let in-flight requests finish, abort what is left at the timeout."""

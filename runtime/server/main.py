@@ -11,6 +11,7 @@ import uvicorn
 
 from ladle.runtime.async_engine import AsyncLLM
 from ladle.runtime.config import EngineArgs
+from ladle.runtime.limits import RequestLimits
 from ladle.runtime.server.app import create_app
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.logs import configure_logging
@@ -57,11 +58,11 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(settings: ServerSettings, engine_args: EngineArgs) -> int:
+def serve(settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimits) -> int:
     configure_logging(settings.log_level)
     # vLLM does the same: ``*_created`` series double the scrape size and nobody reads them.
     prometheus_client.disable_created_metrics()
-    state = ServerState(settings, lambda: AsyncLLM.from_engine_args(engine_args))
+    state = ServerState(settings, lambda: AsyncLLM.from_engine_args(engine_args, limits))
     config = uvicorn.Config(
         create_app(state),
         host=settings.host,

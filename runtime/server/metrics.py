@@ -63,6 +63,8 @@ class RequestRecord:
     params: dict[str, Any]
     prompt: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # Sequences the request runs (n, best_of or beam width): what admission counts.
+    num_seqs: int = 1
     first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None

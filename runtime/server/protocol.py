@@ -49,6 +49,9 @@ class _GenerationRequest(BaseModel):
     user: str | None = None
     # vLLM: scheduling priority (lower runs first) under --scheduling-policy priority.
     priority: int = 0
+    # Ladle: seconds from arrival after which the request is aborted and its blocks freed
+    # (default: the server's --request-timeout).
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class CompletionRequest(_GenerationRequest):

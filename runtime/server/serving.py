@@ -1,8 +1,8 @@
 """The generation endpoints: OpenAI requests in, engine streams through, OpenAI bodies out.
 
 Every request runs in the engine as ``DELTA`` outputs, streamed or not, so the server sees
-each step's tokens as they come (for inter-token latency) and a non-streamed body is simply
-the deltas joined.
+each step's tokens as they come (for inter-token latency), and one rendering path
+(``rendering.py``) turns them into chunks or, joined, into a body.
 """
 
 from __future__ import annotations
@@ -11,23 +11,25 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import AsyncGenerator, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ladle.runtime.async_engine import AsyncLLM, EngineDeadError
-from ladle.runtime.errors import RequestError
-from ladle.runtime.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from ladle.runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
+from ladle.runtime.errors import RequestError, require_text
+from ladle.runtime.outputs import PromptLogprobs, RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from ladle.runtime.server import rendering
 from ladle.runtime.server.errors import APIError, error_body, from_validation_errors
 from ladle.runtime.server.lifecycle import ServerState
+from ladle.runtime.server.logs import request_id_var
 from ladle.runtime.server.metrics import RequestRecord
 from ladle.runtime.server.protocol import (
     AssistantMessage,
@@ -35,20 +37,16 @@ from ladle.runtime.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatMessage,
     ChatStreamChoice,
-    ChatTokenLogprob,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    PromptLogprob,
-    TopLogprob,
     UsageInfo,
     _GenerationRequest,
 )
+from ladle.runtime.server.rendering import ChoiceState, Echo, Shown
 from ladle.runtime.server.streaming import (
     DONE,
     ClientDisconnected,
@@ -78,14 +76,13 @@ _SERVER_FIELDS = frozenset(
         "continue_final_message",
         "chat_template_kwargs",
         "use_beam_search",
+        "timeout",
     }
 )
 # Accepted for client compatibility; they do not change what is generated.
 _IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # The completions API's default length (chat's is "until the context is full").
 _COMPLETIONS_MAX_TOKENS = 16
-# JSON cannot carry -inf; OpenAI and vLLM clamp to this.
-_MIN_LOGPROB = -9999.0
 
 
 @functools.cache
@@ -176,26 +173,8 @@ class _Prompt:
     token_ids: list[int]
 
 
-@dataclass
-class _Choice:
-    """One choice as it accumulates across deltas."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    text_offset: int = 0
-    started: bool = False
-
-    def add(self, completion: CompletionOutput) -> None:
-        self.text.append(completion.text)
-        self.token_ids.extend(completion.token_ids)
-        if completion.logprobs:
-            self.logprobs.extend(completion.logprobs)
-        if completion.finish_reason is not None:
-            self.finish_reason = completion.finish_reason
-            self.stop_reason = completion.stop_reason
+# A choice's key: (prompt index, choice index within the prompt).
+_Key = tuple[int, int]
 
 
 class OpenAIServing:
@@ -220,10 +199,11 @@ class OpenAIServing:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | BeamSearchParams,
+        priority: int,
     ) -> _Prompt:
         """Tokenize and validate now, so that a bad prompt is a 400 before any stream starts."""
         engine = llm.engine
-        checked = engine.process_inputs(request_id, prompt, params)
+        checked = engine.process_inputs(request_id, prompt, params, priority=priority)
         ids = checked.prompt_token_ids
         if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
             raise RequestError(
@@ -259,8 +239,17 @@ class OpenAIServing:
             raise RequestError(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from None
-        text = str(rendered)
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        if not isinstance(rendered, str):
+            raise RequestError("chat_template_kwargs: the template must render text", "messages")
+        require_text(rendered, "messages")
+        return rendered, list(tokenizer.encode(rendered, add_special_tokens=False))
+
+    def _deadline(self, request: _GenerationRequest, raw: Request, arrival: float) -> float | None:
+        """Seconds from arrival: the body's ``timeout`` or the gateway's ``x-ladle-timeout``
+        header (the shorter, when both are sent), else the server's --request-timeout."""
+        given = [t for t in (request.timeout, _header_timeout(raw)) if t is not None]
+        timeout = min(given) if given else self.state.settings.request_timeout
+        return None if timeout is None else arrival + timeout
 
     async def _run(
         self,
@@ -269,13 +258,14 @@ class OpenAIServing:
         prompt: _Prompt,
         params: SamplingParams | BeamSearchParams,
         priority: int,
+        deadline: float | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine request; however it ends, its record is finished, counted and logged."""
         metrics = self.state.metrics
-        self.state.engine_request_started(record.engine_request_id)
+        self.state.engine_request_started(record.engine_request_id, record.num_seqs)
         inputs = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
         try:
-            stream = llm.generate(inputs, params, record.engine_request_id, priority)
+            stream = llm.generate(inputs, params, record.engine_request_id, priority, deadline)
             async with contextlib.aclosing(stream) as outputs:
                 async for output in outputs:
                     gap = record.on_output(output, time.monotonic())
@@ -325,6 +315,10 @@ class OpenAIServing:
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         request_id: str = raw.state.request_id
         public = _public_params(params)
+        deadline = self._deadline(request, raw, arrival)
+        if deadline is not None:
+            public["timeout"] = round(deadline - arrival, 3)
+        width = _width(params)
         streams = []
         for i, prompt in enumerate(prompts):
             record = RequestRecord(
@@ -336,8 +330,9 @@ class OpenAIServing:
                 params=public,
                 prompt=prompt.text if self.state.settings.log_prompts else None,
                 arrival=arrival,
+                num_seqs=width,
             )
-            streams.append(self._run(llm, record, prompt, params, request.priority))
+            streams.append(self._run(llm, record, prompt, params, request.priority, deadline))
         return streams
 
     @staticmethod
@@ -345,8 +340,9 @@ class OpenAIServing:
         return request.stream_options is not None and request.stream_options.include_usage
 
     @staticmethod
-    def _usage(prompts: list[_Prompt], completion_tokens: int) -> UsageInfo:
+    def _usage(prompts: list[_Prompt], choices: dict[_Key, ChoiceState]) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        completion_tokens = sum(c.num_tokens for c in choices.values())
         return UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -361,145 +357,114 @@ class OpenAIServing:
             return Response(status_code=499)
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
+        except RequestFailedError:
+            raise _request_failed(raw.state.request_id) from None
         return JSONResponse(result.model_dump(mode="json"))
 
-    # -- logprobs -----------------------------------------------------------------------
-
-    @staticmethod
-    def _token_text(llm: AsyncLLM, token_id: int, entry: Logprob) -> str:
-        if entry.decoded_token is not None:
-            return entry.decoded_token
-        return decode(llm.engine.tokenizer, [token_id])
-
-    def _chat_logprobs(
-        self, llm: AsyncLLM, token_ids: list[int], logprobs: list[dict[int, Logprob]], top: int
-    ) -> ChatLogprobs:
-        content = []
-        for token_id, entries in zip(token_ids, logprobs, strict=True):
-            ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank))
-            alternatives = []
-            for alt_id, alt in ranked[:top]:
-                text = self._token_text(llm, alt_id, alt)
-                alternatives.append(
-                    TopLogprob(
-                        token=text,
-                        logprob=max(alt.logprob, _MIN_LOGPROB),
-                        bytes=list(text.encode()),
-                    )
-                )
-            chosen = entries[token_id]
-            text = self._token_text(llm, token_id, chosen)
-            content.append(
-                ChatTokenLogprob(
-                    token=text,
-                    logprob=max(chosen.logprob, _MIN_LOGPROB),
-                    bytes=list(text.encode()),
-                    top_logprobs=alternatives,
-                )
-            )
-        return ChatLogprobs(content=content)
-
-    def _completion_logprobs(
+    async def _shown(
         self,
-        llm: AsyncLLM,
-        choice: _Choice,
-        token_ids: list[int],
-        logprobs: list[dict[int, Logprob]],
-    ) -> CompletionLogprobs:
-        """OpenAI's legacy shape: the sampled token plus the top ``logprobs`` at each step."""
-        result = CompletionLogprobs()
-        for token_id, entries in zip(token_ids, logprobs, strict=True):
-            text = self._token_text(llm, token_id, entries[token_id])
-            result.tokens.append(text)
-            result.token_logprobs.append(max(entries[token_id].logprob, _MIN_LOGPROB))
-            result.top_logprobs.append(
-                {
-                    self._token_text(llm, alt_id, alt): max(alt.logprob, _MIN_LOGPROB)
-                    for alt_id, alt in entries.items()
-                }
-            )
-            result.text_offset.append(choice.text_offset)
-            choice.text_offset += len(text)
-        return result
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        choices: dict[_Key, ChoiceState],
+        new_choice: Callable[[_Key], ChoiceState],
+        stream: bool,
+    ) -> AsyncIterator[list[tuple[_Key, Shown]]]:
+        """The one path from engine deltas to what a response shows: streamed, whatever each
+        output makes showable; otherwise, everything at once when all streams are done."""
+        prompt_logprobs: dict[int, PromptLogprobs] = {}
+        async for i, output in merge(streams):
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[i] = output.prompt_logprobs
+            ready = []
+            for completion in output.outputs:
+                key = (i, completion.index)
+                choice = choices.get(key)
+                if choice is None:
+                    choice = choices[key] = new_choice(key)
+                choice.add(completion)
+                if stream and choice.ready:
+                    ready.append((key, choice.take(prompt_logprobs.get(i))))
+            if ready:
+                yield ready
+        if not stream:
+            yield [(k, c.take(prompt_logprobs.get(k[0]))) for k, c in sorted(choices.items())]
 
-    @staticmethod
-    def _prompt_logprobs(prompt_logprobs: PromptLogprobs | None) -> list[Any] | None:
-        if prompt_logprobs is None:
-            return None
-        return [
-            None
-            if entries is None
-            else {
-                token_id: PromptLogprob(
-                    logprob=max(e.logprob, _MIN_LOGPROB), rank=e.rank, decoded_token=e.decoded_token
-                )
-                for token_id, e in entries.items()
-            }
-            for entries in prompt_logprobs
-        ]
+    def _decoder(self, llm: AsyncLLM) -> Callable[[int], str]:
+        tokenizer = llm.engine.tokenizer
+        return lambda token_id: decode(tokenizer, [token_id])
 
     # -- /v1/completions ----------------------------------------------------------------
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        llm = self.state.admit()
+        llm = self.state.engine()
         self.check_model(llm, request.model)
         if request.suffix:
             raise RequestError("suffix: not supported by this server", "suffix")
+        texts_or_ids = _completion_prompts(request.prompt, llm.engine.limits.max_prompts)
+        # OpenAI's echo with max_tokens 0 scores the prompt alone; one token still runs it.
+        echo_only = request.echo and request.max_tokens == 0
         params: SamplingParams | BeamSearchParams
         if _beam_search(request):
-            max_tokens = request.max_tokens
+            max_tokens = 1 if echo_only else request.max_tokens
             params = build_beam_params(request, max_tokens, _COMPLETIONS_MAX_TOKENS)
         else:
-            overrides = {} if request.logprobs is None else {"logprobs": request.logprobs}
+            overrides: dict[str, Any] = {}
+            if request.logprobs is not None:
+                overrides["logprobs"] = request.logprobs
+                if request.echo and "prompt_logprobs" not in (request.model_extra or {}):
+                    # vLLM's rule: echoed prompt tokens get the same number of top logprobs.
+                    overrides["prompt_logprobs"] = request.logprobs
+            if echo_only:
+                overrides["max_tokens"] = 1
             params = build_sampling_params(request, overrides)
-        if request.echo and request.logprobs is not None:
-            raise RequestError("echo: not supported together with logprobs", "echo")
         response_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = [
-            self._prepare(llm, f"{response_id}-{i}", p, params)
-            for i, p in enumerate(_completion_prompts(request.prompt))
+            self._prepare(llm, f"{response_id}-{i}", p, params, request.priority)
+            for i, p in enumerate(texts_or_ids)
         ]
+        self.state.admit(llm, len(prompts) * _width(params))
         streams = self._streams(
             llm, raw, "/v1/completions", response_id, prompts, params, request, arrival
         )
         model = llm.engine.served_model_name
-        choices: dict[tuple[int, int], _Choice] = defaultdict(_Choice)
+        tokenizer = llm.engine.tokenizer
+        want_logprobs = request.logprobs is not None and isinstance(params, SamplingParams)
+
+        def new_choice(key: _Key) -> ChoiceState:
+            prompt = prompts[key[0]]
+            echo = None
+            if request.echo:
+                text = prompt.text
+                if text is None:
+                    text = decode(tokenizer, prompt.token_ids, skip_special_tokens=False)
+                echo = Echo(text, prompt.token_ids)
+            return ChoiceState(
+                key[0] * request.n + key[1], want_logprobs, echo, drop_generated=echo_only
+            )
+
+        choices: dict[_Key, ChoiceState] = {}
+        shown = self._shown(streams, choices, new_choice, request.stream)
         if request.stream:
             return SSEResponse(
-                self._completion_events(llm, request, response_id, model, prompts, streams, choices)
+                self._completion_events(llm, request, response_id, model, prompts, shown, choices)
             )
         return await self._respond(
-            raw,
-            self._completion_body(llm, request, response_id, model, prompts, streams, choices),
+            raw, self._completion_body(llm, response_id, model, prompts, shown, choices)
         )
 
     def _completion_choice(
-        self,
-        llm: AsyncLLM,
-        request: CompletionRequest,
-        prompts: list[_Prompt],
-        choice: _Choice,
-        prompt_index: int,
-        completion: CompletionOutput,
-        prompt_logprobs: PromptLogprobs | None,
+        self, llm: AsyncLLM, choice: ChoiceState, shown: Shown
     ) -> CompletionChoice:
-        text = completion.text
-        if request.echo and not choice.started:
-            text = (prompts[prompt_index].text or "") + text
-        choice.started = True
         logprobs = None
-        if request.logprobs is not None and completion.logprobs is not None:
-            logprobs = self._completion_logprobs(
-                llm, choice, completion.token_ids, completion.logprobs
-            )
+        if shown.logprobs is not None:
+            logprobs = rendering.completion_logprobs(choice, shown, self._decoder(llm))
         return CompletionChoice(
-            index=prompt_index * request.n + completion.index,
-            text=text,
+            index=shown.index,
+            text=shown.text,
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-            prompt_logprobs=self._prompt_logprobs(prompt_logprobs),
+            finish_reason=shown.finish_reason,
+            stop_reason=shown.stop_reason,
+            prompt_logprobs=rendering.prompt_logprobs(shown.prompt_logprobs),
         )
 
     async def _completion_events(
@@ -509,31 +474,22 @@ class OpenAIServing:
         response_id: str,
         model: str,
         prompts: list[_Prompt],
-        streams: list[AsyncGenerator[RequestOutput, None]],
-        choices: dict[tuple[int, int], _Choice],
+        shown: AsyncIterator[list[tuple[_Key, Shown]]],
+        choices: dict[_Key, ChoiceState],
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
-        completion_tokens = 0
         try:
-            async for i, output in merge(streams):
-                for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
-                    choice = choices[(i, completion.index)]
-                    if not (completion.text or completion.finish_reason or request.echo):
-                        continue
+            async for batch in shown:
+                for key, part in batch:
                     chunk = CompletionResponse(
                         id=response_id,
                         created=created,
                         model=model,
-                        choices=[
-                            self._completion_choice(
-                                llm, request, prompts, choice, i, completion, output.prompt_logprobs
-                            )
-                        ],
+                        choices=[self._completion_choice(llm, choices[key], part)],
                     )
                     yield sse(chunk)
             if self._include_usage(request):
-                usage = self._usage(prompts, completion_tokens)
+                usage = self._usage(prompts, choices)
                 yield sse(
                     CompletionResponse(
                         id=response_id, created=created, model=model, choices=[], usage=usage
@@ -546,51 +502,34 @@ class OpenAIServing:
     async def _completion_body(
         self,
         llm: AsyncLLM,
-        request: CompletionRequest,
         response_id: str,
         model: str,
         prompts: list[_Prompt],
-        streams: list[AsyncGenerator[RequestOutput, None]],
-        choices: dict[tuple[int, int], _Choice],
+        shown: AsyncIterator[list[tuple[_Key, Shown]]],
+        choices: dict[_Key, ChoiceState],
     ) -> CompletionResponse:
-        prompt_logprobs: dict[int, PromptLogprobs] = {}
-        async for i, output in merge(streams):
-            if output.prompt_logprobs is not None:
-                prompt_logprobs[i] = output.prompt_logprobs
-            for completion in output.outputs:
-                choices[(i, completion.index)].add(completion)
-        result = []
-        for (i, j), choice in sorted(choices.items()):
-            final = CompletionOutput(
-                index=j,
-                text="".join(choice.text),
-                token_ids=choice.token_ids,
-                finish_reason=choice.finish_reason,
-                stop_reason=choice.stop_reason,
-                logprobs=choice.logprobs or None,
-            )
-            result.append(
-                self._completion_choice(
-                    llm, request, prompts, _Choice(), i, final, prompt_logprobs.get(i)
-                )
-            )
-        completion_tokens = sum(len(c.token_ids) for c in choices.values())
+        result = [
+            self._completion_choice(llm, choices[key], part)
+            async for batch in shown
+            for key, part in batch
+        ]
         return CompletionResponse(
-            id=response_id,
-            model=model,
-            choices=result,
-            usage=self._usage(prompts, completion_tokens),
+            id=response_id, model=model, choices=result, usage=self._usage(prompts, choices)
         )
 
     # -- /v1/chat/completions -----------------------------------------------------------
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        llm = self.state.admit()
+        llm = self.state.engine()
         self.check_model(llm, request.model)
         overrides: dict[str, Any] = {}
+        top = request.top_logprobs or 0
         if request.logprobs:
-            overrides["logprobs"] = request.top_logprobs or 0
+            limit = llm.engine.limits.max_logprobs
+            if top > limit:
+                raise RequestError(f"top_logprobs: must be <= {limit}, got {top}", "top_logprobs")
+            overrides["logprobs"] = top
         elif request.top_logprobs:
             raise RequestError("top_logprobs: requires logprobs to be true", "top_logprobs")
         # Chat's default is "until the context is full", not the completions API's 16.
@@ -620,19 +559,27 @@ class OpenAIServing:
         ):
             raise RequestError("prompt_logprobs: not supported when streaming chat", "stream")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt = _Prompt(text, self._prepare(llm, response_id, ids, params).token_ids)
+        prompt = _Prompt(
+            text, self._prepare(llm, response_id, ids, params, request.priority).token_ids
+        )
+        self.state.admit(llm, _width(params))
         streams = self._streams(
             llm, raw, "/v1/chat/completions", response_id, [prompt], params, request, arrival
         )
         model = llm.engine.served_model_name
-        choices: dict[int, _Choice] = defaultdict(_Choice)
-        top = request.top_logprobs or 0
+        want_logprobs = request.logprobs and isinstance(params, SamplingParams)
+
+        def new_choice(key: _Key) -> ChoiceState:
+            return ChoiceState(key[1], bool(want_logprobs))
+
+        choices: dict[_Key, ChoiceState] = {}
+        shown = self._shown(streams, choices, new_choice, request.stream)
         if request.stream:
             return SSEResponse(
-                self._chat_events(llm, request, response_id, model, prompt, streams, choices, top)
+                self._chat_events(llm, request, response_id, model, prompt, shown, choices, top)
             )
         return await self._respond(
-            raw, self._chat_body(llm, request, response_id, model, prompt, streams, choices, top)
+            raw, self._chat_body(llm, response_id, model, prompt, shown, choices, top)
         )
 
     async def _chat_events(
@@ -642,11 +589,12 @@ class OpenAIServing:
         response_id: str,
         model: str,
         prompt: _Prompt,
-        streams: list[AsyncGenerator[RequestOutput, None]],
-        choices: dict[int, _Choice],
+        shown: AsyncIterator[list[tuple[_Key, Shown]]],
+        choices: dict[_Key, ChoiceState],
         top: int,
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
+        decoder = self._decoder(llm)
 
         def chunk(*items: ChatStreamChoice, usage: UsageInfo | None = None) -> str:
             return sse(
@@ -655,33 +603,27 @@ class OpenAIServing:
                 )
             )
 
-        completion_tokens = 0
         try:
             for index in range(request.n):
                 yield chunk(
                     ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
                 )
-            async for _, output in merge(streams):
-                for completion in output.outputs:
-                    completion_tokens += len(completion.token_ids)
-                    if not (completion.text or completion.finish_reason):
-                        continue
+            async for batch in shown:
+                for _, part in batch:
                     logprobs = None
-                    if request.logprobs and completion.logprobs is not None:
-                        logprobs = self._chat_logprobs(
-                            llm, completion.token_ids, completion.logprobs, top
-                        )
+                    if part.logprobs is not None:
+                        logprobs = rendering.chat_logprobs(part, top, decoder)
                     yield chunk(
                         ChatStreamChoice(
-                            index=completion.index,
-                            delta=DeltaMessage(content=completion.text or None),
+                            index=part.index,
+                            delta=DeltaMessage(content=part.text or None),
                             logprobs=logprobs,
-                            finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason,
+                            finish_reason=part.finish_reason,
+                            stop_reason=part.stop_reason,
                         )
                     )
             if self._include_usage(request):
-                yield chunk(usage=self._usage([prompt], completion_tokens))
+                yield chunk(usage=self._usage([prompt], choices))
         except Exception as exc:
             yield _stream_error(exc)
         yield DONE
@@ -689,41 +631,36 @@ class OpenAIServing:
     async def _chat_body(
         self,
         llm: AsyncLLM,
-        request: ChatCompletionRequest,
         response_id: str,
         model: str,
         prompt: _Prompt,
-        streams: list[AsyncGenerator[RequestOutput, None]],
-        choices: dict[int, _Choice],
+        shown: AsyncIterator[list[tuple[_Key, Shown]]],
+        choices: dict[_Key, ChoiceState],
         top: int,
     ) -> ChatCompletionResponse:
-        prompt_logprobs = None
-        async for _, output in merge(streams):
-            if output.prompt_logprobs is not None:
-                prompt_logprobs = output.prompt_logprobs
-            for completion in output.outputs:
-                choices[completion.index].add(completion)
+        decoder = self._decoder(llm)
         result = []
-        for index, choice in sorted(choices.items()):
-            logprobs = None
-            if request.logprobs:
-                logprobs = self._chat_logprobs(llm, choice.token_ids, choice.logprobs, top)
-            result.append(
-                ChatChoice(
-                    index=index,
-                    message=AssistantMessage(content="".join(choice.text)),
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason,
-                    stop_reason=choice.stop_reason,
+        prompt_logprobs = None
+        async for batch in shown:
+            for _, part in batch:
+                prompt_logprobs = prompt_logprobs or part.prompt_logprobs
+                result.append(
+                    ChatChoice(
+                        index=part.index,
+                        message=AssistantMessage(content=part.text),
+                        logprobs=None
+                        if part.logprobs is None
+                        else rendering.chat_logprobs(part, top, decoder),
+                        finish_reason=part.finish_reason,
+                        stop_reason=part.stop_reason,
+                    )
                 )
-            )
-        completion_tokens = sum(len(c.token_ids) for c in choices.values())
         return ChatCompletionResponse(
             id=response_id,
             model=model,
             choices=result,
-            usage=self._usage([prompt], completion_tokens),
-            prompt_logprobs=self._prompt_logprobs(prompt_logprobs),
+            usage=self._usage([prompt], choices),
+            prompt_logprobs=rendering.prompt_logprobs(prompt_logprobs),
         )
 
 
@@ -731,7 +668,14 @@ def _beam_search(request: _GenerationRequest) -> bool:
     return bool((request.model_extra or {}).get("use_beam_search", False))
 
 
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+def _width(params: SamplingParams | BeamSearchParams) -> int:
+    """Sequences one prompt runs: its n or best_of samples, or its beams."""
+    return params.beam_width if isinstance(params, BeamSearchParams) else params.num_samples
+
+
+def _completion_prompts(
+    prompt: str | list[str] | list[int] | list[list[int]], limit: int
+) -> list[Any]:
     """The API's four prompt shapes as a list of prompts (text, or token ids)."""
     if isinstance(prompt, str):
         return [prompt]
@@ -739,7 +683,37 @@ def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -
         raise RequestError("prompt: must not be empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [prompt]
+    if len(prompt) > limit:
+        raise RequestError(
+            f"prompt: at most {limit} prompts per request (set by --max-prompts), "
+            f"got {len(prompt)}",
+            "prompt",
+        )
     return list(prompt)
+
+
+def _header_timeout(raw: Request) -> float | None:
+    header = raw.headers.get("x-ladle-timeout")
+    if header is None:
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < math.inf:
+        raise RequestError(
+            f"x-ladle-timeout: must be a positive number of seconds, got {header!r}",
+            "x-ladle-timeout",
+        )
+    return seconds
+
+
+def _request_failed(request_id: str) -> APIError:
+    return APIError(
+        500,
+        f"the request failed inside the engine (request id {request_id}); the server goes on",
+        code="request_failed",
+    )
 
 
 def _stream_error(exc: Exception) -> str:
@@ -748,13 +722,16 @@ def _stream_error(exc: Exception) -> str:
         body = error_body(400, str(exc), "invalid_parameter", exc.param)
     elif isinstance(exc, EngineDeadError):
         body = error_body(503, str(exc), "engine_dead")
+    elif isinstance(exc, RequestFailedError):
+        failed = _request_failed(request_id_var.get() or "unknown")
+        body = error_body(500, failed.message, failed.code)
     else:
         log.exception("error while streaming")
         body = error_body(500, "internal server error while streaming", "internal_error")
     return sse(body)
 
 
-def decode(tokenizer: Any, token_ids: list[int]) -> str:
-    text = tokenizer.decode(token_ids)
+def decode(tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
     assert isinstance(text, str)
     return text

@@ -35,6 +35,7 @@ class ServerSettings:
     log_level: str = "info"
     max_request_size: int = 8 << 20
     liveness_timeout: float = 60.0
+    request_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -43,6 +44,8 @@ class ServerSettings:
             raise ConfigError(f"drain-timeout must be >= 0; got {self.drain_timeout}")
         if self.liveness_timeout <= 0:
             raise ConfigError(f"liveness-timeout must be > 0; got {self.liveness_timeout}")
+        if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
+            raise ConfigError(f"request-timeout must be > 0; got {self.request_timeout}")
         self.max_request_size = parse_memory_size(self.max_request_size)
 
     @classmethod
@@ -58,6 +61,7 @@ class ServerSettings:
             log_level=args.log_level,
             max_request_size=args.max_request_size,
             liveness_timeout=args.liveness_timeout,
+            request_timeout=args.request_timeout,
         )
 
 
@@ -78,7 +82,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-waiting-requests",
         type=int,
-        help="answer 429 while this many requests wait to be scheduled (default: no limit)",
+        help="answer 429 when admitting a request would leave more than this many sequences "
+        "waiting to be scheduled; n, best_of, beams and prompts each count (default: no limit)",
     )
     group.add_argument(
         "--drain-timeout",
@@ -98,7 +103,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--liveness-timeout",
         type=float,
         default=60.0,
-        help="/health/live fails once one engine step runs longer than this many seconds",
+        help="/health/live fails once one engine step runs longer than this many seconds, or "
+        "work has waited this long without a token computed",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        help="abort a request this many seconds after it arrived, freeing its KV blocks; a "
+        "request's own 'timeout' field overrides it (default: none)",
     )
 
 

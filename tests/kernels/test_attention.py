@@ -484,6 +484,42 @@ def test_cpu_decode_kernel_matches_dense_reference(
     assert rel_err(out, dense_reference(batch, scale)) < 1e-5
 
 
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "block_size", "seqs"),
+    [
+        # GQA 3; a whole prompt, a chunk after 16 cached tokens, one token after a long context.
+        ((9, 3), 64, 16, [(40, 40), (21, 37), (1, 70), (17, 17)]),
+        ((4, 4), 32, 4, [(3, 3), (33, 50)]),
+    ],
+)
+def test_cpu_prefill_kernel_matches_dense_reference(
+    heads: tuple[int, int], head_dim: int, block_size: int, seqs: list[tuple[int, int]]
+) -> None:
+    """Every prefill chunk of a step in one call, causal over its whole paged context, q as
+    rows of a wider QKV output (the ladle_paged_prefill_attention_f32 kernel)."""
+    lib = cpu_kernels.load()
+    assert lib is not None
+    torch.manual_seed(len(seqs))
+    batch = paged_batch(seqs, heads, head_dim, block_size, torch.float32)
+    scale = head_dim**-0.5
+    rows, width = batch.q.shape[0], heads[0] * head_dim
+    qkv = torch.randn(rows, width + 2 * heads[1] * head_dim)
+    qkv[:, :width] = batch.q.cpu().reshape(rows, width)
+    out = torch.full_like(batch.q, float("nan"))
+    cpu_kernels.paged_prefill_attention(
+        lib,
+        qkv[:, :width].view_as(batch.q),
+        batch.key_cache.cpu(),
+        batch.value_cache.cpu(),
+        batch.block_tables.cpu(),
+        batch.seq_lens.cpu(),
+        batch.query_start_loc.cpu(),
+        scale,
+        out,
+    )
+    assert rel_err(out, dense_reference(batch, scale)) < 1e-5
+
+
 def test_cpu_backend_matches_torch_backend_over_mixed_steps() -> None:
     heads, head_dim, block_size = (6, 2), 64, 4
     spec = KVCacheSpec(1, heads[1], head_dim, block_size, torch.float32)

@@ -103,3 +103,28 @@ def test_fork_shares_blocks_and_copies_on_first_write() -> None:
     kv.free(parent)
     kv.free(child)
     assert kv.num_allocated_blocks() == 0
+
+
+def test_copy_on_write_of_a_sequence_freed_in_the_same_schedule_is_cancelled() -> None:
+    """A sequence that copied a shared block and is then preempted before the copies run must
+    take its copy with it: the destination is free again and may be handed out at once."""
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    parent = make_seq(list(range(6)))
+    assert kv.allocate_slots(parent, 6, [])
+    compute_all(kv, parent)
+    child = make_seq(list(range(6)))
+    kv.fork(parent, child)
+    parent.append_token(7)
+    child.append_token(8)
+    assert kv.allocate_slots(parent, 1)
+    partial = kv.block_tables[child.seq_id][1]
+    # Until the copy is handed over, its source stays referenced (nothing can take it).
+    assert kv.pool.ref_counts[partial] == 2
+    kv.free(parent)
+    assert kv.take_pending_copies() == []
+    assert kv.pool.ref_counts[partial] == 1  # the child alone: it writes in place
+    assert kv.allocate_slots(child, 1)
+    assert kv.block_tables[child.seq_id][1] == partial
+    assert kv.take_pending_copies() == []
+    kv.free(child)
+    assert kv.num_allocated_blocks() == 0

@@ -255,5 +255,7 @@ def test_beams_that_miss_a_step_rerun_with_their_siblings(
     crowded = outputs["beam-full"].outputs
     assert [c.token_ids for c in crowded] == [s.tokens[len(PROMPTS[1]) :] for s in alone.sequences]
     assert_no_blocks_leaked(engine)
-    with pytest.raises(RequestError, match="beam_width: must be <= max_num_batched_tokens"):
+    with pytest.raises(
+        RequestError, match=r"beam_width: at most 6 \(set by max_num_batched_tokens\)"
+    ):
         engine.add_request("wide", PROMPTS[1], BeamSearchParams(beam_width=7, max_tokens=2))

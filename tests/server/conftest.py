@@ -1,20 +1,33 @@
-"""A real ``ladle serve`` process on 127.0.0.1, and helpers to read its /metrics."""
+"""A real ``ladle serve`` process on 127.0.0.1, helpers to read its /metrics, and the app in
+this process under uvicorn (a thread) around an engine the tests can reach into."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+
+from ladle.runtime import AsyncLLM, EngineArgs
+from ladle.runtime.engine import LLMEngine
+from ladle.runtime.models.loader import resolve_model
+from ladle.runtime.models.random_weights import save_random_model, tiny_config
+from ladle.runtime.server.app import create_app
+from ladle.runtime.server.lifecycle import ServerState
+from ladle.runtime.server.settings import ServerSettings
 
 # Small enough to start fast, large enough for 16 concurrent short requests without preemption.
 BASE_FLAGS = ("--kv-cache-memory", "64MiB", "--max-model-len", "512")
@@ -103,3 +116,58 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("serve"))
     yield srv
     assert srv.stop() == 0, "\n".join(srv.log_lines()[-30:])
+
+
+@dataclass
+class InProcess:
+    url: str
+    state: ServerState
+
+    @property
+    def engine(self) -> LLMEngine:
+        assert self.state.llm is not None
+        return self.state.llm.engine
+
+
+@contextlib.contextmanager
+def serve_in_thread(engine: LLMEngine, **settings: Any) -> Iterator[InProcess]:
+    """The app around ``engine`` under uvicorn in a thread, ready when this yields."""
+    config = ServerSettings(port=free_port(), **settings)
+    state = ServerState(config, lambda: AsyncLLM(engine))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host="127.0.0.1", port=config.port, log_config=None)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not state.ready:
+        assert thread.is_alive(), "the server thread died"
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.05)
+    try:
+        yield InProcess(f"http://127.0.0.1:{config.port}", state)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer: real text, fast steps."""
+    default = resolve_model(None)
+    folder = tmp_path_factory.mktemp("tiny-server")
+    return save_random_model(tiny_config("llama", 49152), folder, default)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_path: Path) -> Iterator[InProcess]:
+    """The tiny model behind the real app, without prefix caching, so that the same request
+    twice runs the same computation (streamed and non-streamed responses compare exactly)."""
+    args = EngineArgs(
+        model=str(tiny_model_path),
+        kv_cache_memory=16 << 20,
+        max_model_len=256,
+        enable_prefix_caching=False,
+    )
+    with serve_in_thread(LLMEngine(args)) as srv:
+        yield srv

@@ -85,6 +85,15 @@ def test_body_limit_from_environment_is_413(guarded: Server, key_file: Path) -> 
     assert response.json()["error"]["code"] == "request_too_large"
 
 
+def test_admission_counts_sequences(guarded: Server, key_file: Path) -> None:
+    """Two prompts are two sequences: more than --max-waiting-requests (1) could ever admit,
+    so a 400 rather than a 429 to retry."""
+    key = key_file.read_text().split()[0]
+    response = complete(guarded, key, prompt=["Hi", "Ho"])
+    assert response.status_code == 400
+    assert "2 sequences" in response.json()["error"]["message"]
+
+
 def test_full_waiting_queue_is_429_with_retry_after(guarded: Server, key_file: Path) -> None:
     """max-num-seqs 1: one request runs, one waits, the next is refused."""
     key = key_file.read_text().split()[0]

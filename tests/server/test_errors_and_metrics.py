@@ -14,7 +14,12 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def post(server: Server, path: str, body: Any, **kwargs: Any) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=120, **kwargs)
+    """JSON with non-ASCII escaped, so that lone surrogates can be sent as clients send them."""
+    headers = {"Content-Type": "application/json", **kwargs.pop("headers", {})}
+    content = json.dumps(body)
+    return httpx.post(
+        f"{server.url}{path}", content=content, headers=headers, timeout=120, **kwargs
+    )
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -41,6 +46,18 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ({"max_tokens": 3}, "prompt"),
         ({"prompt": "word " * 600}, "prompt"),
         ({"prompt": "x", "max_tokens": 600}, "max_tokens"),
+        # Limits, each with vLLM-like defaults (--max-n 128, --max-prompts 256, ...).
+        ({"prompt": "x", "n": 129}, "n"),
+        ({"prompt": ["x"] * 257}, "prompt"),
+        ({"prompt": "x", "stop": ["s"] * 65}, "stop"),
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "n": 2, "seed": 2**63 - 1}, "seed"),
+        ({"prompt": "x", "priority": 1}, "priority"),
+        ({"prompt": "x", "timeout": 0}, "timeout"),
+        # JSON may carry lone surrogates; no tokenizer can encode them.
+        ({"prompt": "a \ud800 b"}, "prompt"),
+        ({"prompt": "x", "bad_words": ["\udfff"]}, "bad_words"),
     ],
 )
 def test_bad_completion_parameters_are_400(
@@ -52,6 +69,9 @@ def test_bad_completion_parameters_are_400(
 
 def test_chat_errors_are_400(server: Server) -> None:
     assert_error(post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
+    lone = {"messages": [{"role": "user", "content": "\ud83d"}]}
+    assert_error(post(server, "/v1/chat/completions", lone), 400, "messages")
+    assert_error(post(server, "/tokenize", {"prompt": "\ud83d"}), 400, "prompt")
     bad_role = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     assert_error(post(server, "/v1/chat/completions", bad_role), 400)
     only_top = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
@@ -114,6 +134,26 @@ def test_non_streaming_client_disconnect_frees_blocks(server: Server) -> None:
     server.wait_metric("ladle:num_requests_running", 0, timeout=30)
     assert server.metric("ladle:kv_cache_usage_perc") == 0
     assert server.metric("ladle:request_success_total", finished_reason="abort") == aborted + 1
+
+
+@pytest.mark.parametrize("how", ["body", "header"])
+def test_request_timeout_aborts_and_frees_blocks(server: Server, how: str) -> None:
+    """The body's timeout, or the gateway's x-ladle-timeout header, in seconds."""
+    body: dict[str, Any] = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "ignore_eos": True}
+    headers = {}
+    if how == "body":
+        body["timeout"] = 1
+    else:
+        headers["x-ladle-timeout"] = "1"
+    response = post(server, "/v1/completions", body, headers=headers)
+    assert response.status_code == 200
+    result = response.json()
+    assert result["choices"][0]["finish_reason"] == "abort"
+    assert 0 < result["usage"]["completion_tokens"] < 400
+    server.wait_metric("ladle:num_requests_running", 0, timeout=30)
+    assert server.metric("ladle:kv_cache_usage_perc") == 0
+    bad = post(server, "/v1/completions", {"prompt": "x"}, headers={"x-ladle-timeout": "soon"})
+    assert_error(bad, 400, "x-ladle-timeout")
 
 
 def test_metrics_count_what_was_sent(server: Server) -> None:

@@ -1,5 +1,6 @@
 """Failures a healthy process cannot show: an unexpected exception (500 with the request id,
-and the server keeps serving), and an engine loop that hangs or dies (liveness fails).
+and the server keeps serving), one request failing inside the engine (500 for it alone), and
+an engine loop that hangs, spins without progress or dies (liveness fails).
 
 The app runs in this process under uvicorn, around an engine whose methods the tests break.
 """
@@ -13,15 +14,13 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 
-from ladle.runtime import AsyncLLM, EngineArgs
+from ladle.runtime import EngineArgs
 from ladle.runtime.engine import LLMEngine
-from ladle.runtime.server.app import create_app
-from ladle.runtime.server.lifecycle import ServerState
-from ladle.runtime.server.settings import ServerSettings
+from ladle.runtime.scheduler import SchedulerOutput
+from ladle.runtime.sequence import Sequence
 
-from .conftest import free_port
+from .conftest import serve_in_thread
 
 BODY = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -33,25 +32,8 @@ def engine() -> LLMEngine:
 
 @contextmanager
 def running(engine: LLMEngine, liveness_timeout: float = 60.0) -> Iterator[str]:
-    settings = ServerSettings(port=free_port(), liveness_timeout=liveness_timeout)
-    state = ServerState(settings, lambda: AsyncLLM(engine))
-    config = uvicorn.Config(
-        create_app(state), host="127.0.0.1", port=settings.port, log_config=None
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{settings.port}"
-    deadline = time.monotonic() + 120
-    while not state.ready:
-        assert thread.is_alive(), "the server thread died"
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.05)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    with serve_in_thread(engine, liveness_timeout=liveness_timeout) as srv:
+        yield srv.url
 
 
 def wait_status(url: str, status: int, timeout: float = 30.0) -> httpx.Response:
@@ -109,6 +91,53 @@ def test_hung_engine_step_fails_liveness(
         release.set()
         request.join()
         wait_status(f"{url}/health/live", 200)
+
+
+def test_engine_without_progress_fails_liveness(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog: a loop that keeps stepping (its heartbeat is fresh) but schedules nothing
+    while a request waits turns /health/live red, and green again once work moves."""
+    with running(engine, liveness_timeout=0.5) as url:
+        monkeypatch.setattr(engine.scheduler, "schedule", SchedulerOutput)
+        request = threading.Thread(
+            target=httpx.post, args=(f"{url}/v1/completions",), kwargs={"json": BODY, "timeout": 60}
+        )
+        request.start()
+        stuck = wait_status(f"{url}/health/live", 503)
+        assert "no progress" in stuck.json()["status"]
+        monkeypatch.undo()
+        request.join()
+        wait_status(f"{url}/health/live", 200)
+
+
+def test_a_request_failing_in_the_engine_is_500_alone(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check_stop = engine.scheduler._check_stop
+
+    def check(seq: Sequence, token: int) -> None:
+        if seq.params.max_tokens == 3:  # the poisoned request
+            raise RuntimeError("scheduler bug")
+        check_stop(seq, token)
+
+    monkeypatch.setattr(engine.scheduler, "_check_stop", check)
+    with running(engine) as url:
+        failed = httpx.post(
+            f"{url}/v1/completions", json={**BODY, "max_tokens": 3}, headers={"X-Request-Id": "p1"}
+        )
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["code"] == "request_failed"
+        assert "p1" in error["message"]
+        streamed = httpx.post(
+            f"{url}/v1/completions", json={**BODY, "max_tokens": 3, "stream": True}
+        ).text
+        assert '"code":"request_failed"' in streamed
+        assert streamed.endswith("data: [DONE]\n\n")
+        assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 200
+        assert httpx.get(f"{url}/health/live").status_code == 200
+        assert engine.kv.num_allocated_blocks() == 0
 
 
 def test_dead_engine_loop_fails_liveness_and_refuses_requests(

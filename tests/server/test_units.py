@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ladle.runtime.bench import throughput
 from ladle.runtime.bench.serve import RequestResult, parse_slos, summarize
+from ladle.runtime.bench.workloads import WORKLOADS
 from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.sampling_params import RequestOutputKind
 from ladle.runtime.server.auth import ApiKeys
@@ -147,3 +149,33 @@ def test_bench_statistics_follow_vllm_definitions() -> None:
     assert summary["mean_e2el_ms"] == pytest.approx(1250)
     with pytest.raises(SystemExit):
         parse_slos(["latency:5"])
+
+
+def test_throughput_workloads_draw_distinct_prompts() -> None:
+    """Workload B must not start with A's prompts, or B would run on A's prefix cache."""
+    a, b = WORKLOADS["A"].prompts(0), WORKLOADS["B"].prompts(0)
+    assert len(set(a)) == len(a)
+    assert len(set(b)) == len(b)
+    assert not set(a) & set(b)
+    assert WORKLOADS["A"].prompts(0) == a  # reproducible
+    assert WORKLOADS["A"].prompts(1) != a
+
+
+def test_throughput_ratios_are_taken_within_rounds() -> None:
+    """A round where the VM ran slow for both systems must not count as a slow engine: the
+    ratio is per round, then the median and spread over rounds."""
+    results = [
+        throughput.Result("A", "ceiling", 0, 10.0, 100),
+        throughput.Result("A", "ladle", 0, 12.5, 100),
+        throughput.Result("A", "ceiling", 1, 20.0, 100),  # a slow minute for both
+        throughput.Result("A", "ladle", 1, 25.0, 100),
+        throughput.Result("A", "ceiling", 2, 10.0, 100),
+        throughput.Result("A", "ladle", 2, 11.0, 100),
+    ]
+    summary = throughput.summarize(results)["A"]
+    ratio = summary["ladle/ceiling"]
+    assert ratio["median"] == pytest.approx(0.8)
+    assert (ratio["min"], ratio["max"]) == pytest.approx((0.8, 10 / 11))
+    assert summary["ladle"]["median"] == pytest.approx(100 / 12.5)
+    assert "ladle/transformers" not in summary
+    assert "80% [80%-91%]" in throughput.format_summary({"A": summary})
