@@ -11,6 +11,8 @@ reports, against the targets:
 - the operator's peak RSS (VmHWM).
 
 Run: .venv/bin/python bench/operator_scale.py [--services 500] [--nodes 100] [--rate 10]
+With ``--runs 3 --with-baseline`` it alternates baseline and operator runs, each on a fresh
+cluster, and prints the median and range of each measure beside the targets.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,10 +41,12 @@ from ladle.cluster.control_plane import Cluster, Options
 from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator.api import parse_isvc
 from ladle.operator.config import OperatorConfig
-from ladle.operator.desired import desired_children
-from ladle.operator.testing import OperatorProcess, wait_for
+from ladle.operator.desired import desired_children, desired_service
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT / "tests"))
+from kube_harness import OperatorProcess, wait_for  # noqa: E402  (test helpers, by path)
+
 NAMESPACE = "bench"
 SYSTEM = "ladle-system"
 TARGET_P99_SECONDS = 1.0
@@ -223,11 +228,13 @@ def measure(
         # What the operator would create, posted directly: the cluster's own cost.
         body = isvc(index)
         body["metadata"].update(uid="none", generation=1)
-        children = desired_children(parse_isvc(body), None, 1, OperatorConfig())
-        for child in (children.deployment, children.service):
+        parsed = parse_isvc(body)
+        deployment = desired_children(parsed, None, 1, OperatorConfig()).deployment
+        service = desired_service(parsed)
+        for child in (deployment, service):
             del child["metadata"]["ownerReferences"]
-        apps.create_namespaced_deployment(NAMESPACE, children.deployment)
-        core.create_namespaced_service(NAMESPACE, children.service)
+        apps.create_namespaced_deployment(NAMESPACE, deployment)
+        core.create_namespaced_service(NAMESPACE, service)
 
     what = "InferenceServices" if operator else "Deployments and Services (no operator)"
     print(f"creating {args.services} {what} at {args.rate}/s ...", flush=True)
@@ -398,14 +405,58 @@ def main() -> int:
         help="no operator: create the same Deployments and Services directly, to measure the "
         "cluster's own share",
     )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="repeat, each on a fresh cluster (default: 1)"
+    )
+    parser.add_argument(
+        "--with-baseline",
+        action="store_true",
+        help="alternate a --baseline run before each operator run",
+    )
     args = parser.parse_args()
     if build.missing():
         raise SystemExit("cluster binaries missing: run `ladle cluster build`")
-    with tempfile.TemporaryDirectory(prefix="ladle-bench-") as tmp:
-        result = run(args, Path(tmp))
+    modes = [True, False] if args.with_baseline else [args.baseline]
+    results: list[dict[str, Any]] = []
+    ok = True
+    for index in range(args.runs):
+        for baseline in modes:
+            print(f"\n== run {index + 1}/{args.runs}: {'baseline' if baseline else 'operator'}")
+            with tempfile.TemporaryDirectory(prefix="ladle-bench-") as tmp:
+                result = run(argparse.Namespace(**{**vars(args), "baseline": baseline}), Path(tmp))
+            ok = report(result) and ok
+            results.append(result)
+    if len(results) > 1:
+        summarize(results)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if report(result) else 1
+        args.json.write_text(json.dumps(results if len(results) > 1 else results[0], indent=2))
+    return 0 if ok else 1
+
+
+SUMMARY = (
+    ("apply_to_deployment_p50_seconds", "p50 apply -> Deployment (s)", None),
+    ("apply_to_deployment_p99_seconds", "p99 apply -> Deployment (s)", TARGET_P99_SECONDS),
+    ("all_ready_seconds", "all Ready after first apply (s)", TARGET_ALL_READY_SECONDS),
+    ("operator_peak_rss_mb", "operator peak RSS (MB)", TARGET_RSS_MB),
+    ("operator_cpu_seconds", "operator CPU (s)", None),
+)
+
+
+def summarize(results: list[dict[str, Any]]) -> None:
+    """Median and range of each measure, per mode, beside the targets."""
+    print("\nmedian [min-max] over runs")
+    print(f"  {'measure':34s} {'operator':>24s} {'baseline':>24s}  target")
+    for key, label, target in SUMMARY:
+        cells = []
+        for mode in ("operator", "baseline"):
+            values = sorted(r[key] for r in results if r["mode"] == mode and key in r)
+            if values:
+                median = statistics.median(values)
+                cells.append(f"{median:.3g} [{values[0]:.3g}-{values[-1]:.3g}]")
+            else:
+                cells.append("")
+        goal = f"< {target:g}" if target is not None else ""
+        print(f"  {label:34s} {cells[0]:>24s} {cells[1]:>24s}  {goal}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ LABEL_VARIANT = "ladle.dev/variant"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "ladle-operator"
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+# On runtime pods: the GPUPool whose quota they count against, so that pods still draining
+# after their InferenceService is gone keep counting.
+LABEL_POOL = "ladle.dev/gpupool"
+# Keeps a GPUPool that InferenceServices still use from being deleted under them.
+POOL_FINALIZER = "ladle.dev/in-use"
 
 # The node label NVIDIA GPU feature discovery sets; GPUPool.spec.product selects on it.
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -100,6 +105,7 @@ class ObjectMeta:
     generation: int
     created: str
     deleting: bool
+    finalizers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,54 @@ class InferenceService:
     def key(self) -> tuple[str, str]:
         return (self.meta.namespace, self.meta.name)
 
+    @property
+    def requested_replicas(self) -> int:
+        """The replicas this service asks its pool for: spec.replicas today, the scaling
+        loop's decision once autoscaling sets one."""
+        return self.spec.replicas
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One ``matchExpressions`` entry of a metav1.LabelSelector."""
+
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.operator == "Exists":
+            return self.key in labels
+        if self.operator == "DoesNotExist":
+            return self.key not in labels
+        inside = labels.get(self.key) in self.values
+        return inside if self.operator == "In" else not inside
+
+
+@dataclass(frozen=True)
+class LabelSelector:
+    """metav1.LabelSelector: every label and every expression must match (empty: everything)."""
+
+    match_labels: Mapping[str, str]
+    expressions: tuple[Requirement, ...] = ()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
+            r.matches(labels) for r in self.expressions
+        )
+
+    def __str__(self) -> str:
+        parts = [f"{k}={v}" for k, v in sorted(self.match_labels.items())]
+        for r in self.expressions:
+            if r.operator == "Exists":
+                parts.append(r.key)
+            elif r.operator == "DoesNotExist":
+                parts.append(f"!{r.key}")
+            else:
+                word = "in" if r.operator == "In" else "notin"
+                parts.append(f"{r.key} {word} ({','.join(sorted(r.values))})")
+        return ",".join(parts) or "(everything)"
+
 
 @dataclass(frozen=True)
 class GPUPoolSpec:
@@ -120,6 +174,8 @@ class GPUPoolSpec:
     resource_name: str = DEFAULT_GPU_RESOURCE
     product: str | None = None
     quota_gpus: int | None = None
+    # Which namespaces may run InferenceServices in the pool (None: every namespace).
+    namespace_selector: LabelSelector | None = None
 
     def scheduling_selector(self) -> dict[str, str]:
         """The nodeSelector a runtime pod gets: the pool's own plus its GPU product."""
@@ -145,6 +201,7 @@ def _meta(obj: Mapping[str, Any]) -> ObjectMeta:
         generation=int(meta.get("generation") or 0),
         created=str(meta.get("creationTimestamp") or ""),
         deleting=bool(meta.get("deletionTimestamp")),
+        finalizers=tuple(str(f) for f in meta.get("finalizers") or ()),
     )
 
 
@@ -219,6 +276,20 @@ def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:
     )
 
 
+def parse_selector(raw: Mapping[str, Any] | None) -> LabelSelector | None:
+    if raw is None:
+        return None
+    return LabelSelector(
+        match_labels={str(k): str(v) for k, v in (raw.get("matchLabels") or {}).items()},
+        expressions=tuple(
+            Requirement(
+                str(e["key"]), e["operator"], frozenset(str(v) for v in e.get("values") or ())
+            )
+            for e in raw.get("matchExpressions") or ()
+        ),
+    )
+
+
 def parse_pool(obj: Mapping[str, Any]) -> GPUPool:
     spec = obj.get("spec") or {}
     quota = spec.get("quota") or {}
@@ -230,6 +301,7 @@ def parse_pool(obj: Mapping[str, Any]) -> GPUPool:
             resource_name=str(spec.get("resourceName") or DEFAULT_GPU_RESOURCE),
             product=_opt_str(spec.get("product")),
             quota_gpus=_opt_int(quota.get("gpus")),
+            namespace_selector=parse_selector(spec.get("namespaceSelector")),
         ),
         status=dict(obj.get("status") or {}),
     )

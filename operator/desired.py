@@ -20,6 +20,7 @@ from ladle.operator.api import (
     JSON,
     LABEL_ISVC,
     LABEL_MANAGED_BY,
+    LABEL_POOL,
     LABEL_VARIANT,
     MANAGED_BY,
     STABLE,
@@ -44,6 +45,27 @@ EXIT_SLACK_SECONDS = 10
 STARTUP_PROBE_PERIOD_SECONDS = 10
 RUNTIME_UID = 10001
 CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
+# On the Deployment (not its pods): a digest of the pod template it was last given, so that
+# any leader can tell from the live object whether a rollout of the current spec is due.
+TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One Deployment's worth of an InferenceService: its name and replica count.
+
+    Today there is one, the stable variant. Canary rollouts add a second (with its own
+    quantization) and split the granted replicas between them; the reconciler and the applier
+    handle any number of variants."""
+
+    name: str
+    replicas: int
+
+
+def plan_variants(isvc: InferenceService, granted: int) -> list[Variant]:
+    """The variants to run and their replicas, given the replicas the pool granted."""
+    del isvc  # the rollout state machine of canary variants will read the spec and status
+    return [Variant(STABLE, granted)]
 
 
 def variant_name(isvc_name: str, variant: str) -> str:
@@ -149,7 +171,6 @@ class Children:
     None below two replicas, where a budget that allows one disruption protects nothing."""
 
     deployment: JSON
-    service: JSON
     pdb: JSON | None
     config_map: JSON | None
     pdb_name: str
@@ -159,7 +180,7 @@ class Children:
         """Every child to exist, the ConfigMap first: pods mount it."""
         optional = [self.pdb] if self.pdb is not None else []
         head = [self.config_map] if self.config_map is not None else []
-        return [*head, self.deployment, self.service, *optional]
+        return [*head, self.deployment, *optional]
 
     def absent(self) -> list[tuple[str, str]]:
         """(kind, name) of the optional children that must not exist."""
@@ -200,12 +221,27 @@ def _probe(path: str, period: int, timeout: int, failures: int) -> JSON:
     }
 
 
+def rollout_strategy(surge: bool) -> JSON:
+    """Surge when the pool has room for a spare replica: a replica is only retired once its
+    successor has loaded the model. Without that room, a surge pod could never be scheduled
+    (or would break the quota), so replace one replica at a time instead."""
+    if surge:
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def template_hash(deployment: JSON) -> str:
+    return str(deployment["metadata"].get("annotations", {}).get(TEMPLATE_HASH_ANNOTATION, ""))
+
+
 def desired_children(
     isvc: InferenceService,
     pool: GPUPoolSpec | None,
     replicas: int,
     config: OperatorConfig,
     variant: str = STABLE,
+    *,
+    surge: bool = True,
 ) -> Children:
     """Build the children of one variant running ``replicas`` pods (already quota-limited)."""
     spec = isvc.spec
@@ -213,6 +249,7 @@ def desired_children(
     namespace = isvc.meta.namespace
     owner = [owner_reference(isvc)]
     labels = common_labels(name, variant)
+    pod_labels = {**labels, **({LABEL_POOL: spec.gpu_pool} if spec.gpu_pool else {})}
     gpu_resource = pool.resource_name if pool is not None else config.default_gpu_resource
 
     engine = engine_config(isvc)
@@ -321,6 +358,10 @@ def desired_children(
         if pool.tolerations:
             pod_spec["tolerations"] = [dict(t) for t in pool.tolerations]
 
+    template: JSON = {
+        "metadata": {"labels": pod_labels, "annotations": template_annotations},
+        "spec": pod_spec,
+    }
     deployment: JSON = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -328,6 +369,7 @@ def desired_children(
             "name": variant_name(name, variant),
             "namespace": namespace,
             "labels": labels,
+            "annotations": {TEMPLATE_HASH_ANNOTATION: object_digest(template)},
             "ownerReferences": owner,
         },
         "spec": {
@@ -335,33 +377,8 @@ def desired_children(
             "selector": {"matchLabels": selector_labels(name, variant)},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 120,
-            # Surge rather than unavailability: a replica is only retired once its successor
-            # has loaded the model, at the cost of one spare GPU set during a rollout.
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
-            "template": {
-                "metadata": {"labels": labels, "annotations": template_annotations},
-                "spec": pod_spec,
-            },
-        },
-    }
-    service: JSON = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": common_labels(name),
-            "ownerReferences": owner,
-        },
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(name),
-            "ports": [
-                {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
-            ],
+            "strategy": rollout_strategy(surge),
+            "template": template,
         },
     }
     pdb: JSON | None = {
@@ -382,9 +399,30 @@ def desired_children(
     }
     return Children(
         deployment=deployment,
-        service=service,
         pdb=pdb if replicas >= 2 else None,
         config_map=config_map,
         pdb_name=variant_name(name, variant),
         config_map_name=cm_name,
     )
+
+
+def desired_service(isvc: InferenceService) -> JSON:
+    """The Service behind status.url; it selects the pods of every variant."""
+    name = isvc.meta.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": isvc.meta.namespace,
+            "labels": common_labels(name),
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }

@@ -7,6 +7,7 @@ neither the ``kubernetes`` package nor threads.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -47,8 +48,13 @@ class ApiError(Exception):
         self.message = message
 
 
+class Fenced(Exception):
+    """A write refused or cut off because this instance may no longer act as the leader."""
+
+
 # What a request can fail with; callers retry these rather than crash.
-REQUEST_ERRORS = (ApiError, aiohttp.ClientError, OSError, TimeoutError)
+REQUEST_ERRORS = (ApiError, Fenced, aiohttp.ClientError, OSError, TimeoutError)
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 def resource_path(
@@ -106,10 +112,14 @@ class KubeClient:
         login_fn: Callable[[], kopf.ConnectionInfo] = login,
         timeout_seconds: float = 60.0,
         observe: Callable[[str, float], None] | None = None,
+        fence: Callable[[], float] | None = None,
     ) -> None:
         self.field_manager = field_manager
         # Called with (HTTP method, seconds) after every request, for the latency metric.
         self._observe = observe
+        # The time.monotonic() deadline for writes (the leader's term); none after it, and a
+        # write still in flight at it is cut off.
+        self._fence = fence
         self._login = login_fn
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._info = login_fn()
@@ -139,7 +149,16 @@ class KubeClient:
         data = None if body is None else json.dumps(body)
         started = time.perf_counter()
         try:
-            return await self._send(method, path, params, data, content_type)
+            if self._fence is None or method not in WRITES:
+                return await self._send(method, path, params, data, content_type)
+            left = self._fence() - time.monotonic()
+            if left <= 0:
+                raise Fenced(f"not the leader: {method} {path} not sent")
+            try:
+                async with asyncio.timeout(left):
+                    return await self._send(method, path, params, data, content_type)
+            except TimeoutError as err:
+                raise Fenced(f"leadership ended during {method} {path}") from err
         finally:
             if self._observe is not None:
                 self._observe(method, time.perf_counter() - started)
@@ -179,6 +198,15 @@ class KubeClient:
         path = object_path(obj) + (f"/{subresource}" if subresource else "")
         params = {"fieldManager": self.field_manager, "force": str(force).lower()}
         return await self.request("PATCH", path, params=params, body=obj, content_type=APPLY_PATCH)
+
+    async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> JSON:
+        return await self.request(
+            "PATCH",
+            path,
+            params={"fieldManager": self.field_manager},
+            body=patch,
+            content_type="application/merge-patch+json",
+        )
 
     async def get(self, path: str) -> JSON | None:
         try:

@@ -3,6 +3,14 @@
 kopf's own peering pauses every instance that sees a peer of equal or higher priority, so two
 identical replicas of one Deployment would both pause. A Lease gives exactly one active replica
 with no extra CRD, and needs only get/create/update on one object in the operator's namespace.
+
+Two leaders must never act at once. A standby takes the Lease ``lease_seconds`` after it last
+saw it change; the leader may act only until ``renew_deadline_seconds`` after it *sent* its last
+successful renewal, a moment no later than any standby's observation. ``valid_until`` is that
+moment, and it holds whatever the network does: every renewal attempt is cut off when it
+would pass it, ``hold`` returns at it rather than after a request that may hang, and the
+client refuses writes at and after it (``KubeClient(fence=...)``). The gap between the two
+durations (5 s by default) is the margin for writes already on the wire.
 """
 
 from __future__ import annotations
@@ -30,14 +38,32 @@ def micro_time(now: datetime | None = None) -> str:
 class ElectionTiming:
     # A standby takes over once the holder has not renewed for this long.
     lease_seconds: int = 15
-    # The leader steps down if it could not renew for this long (< lease_seconds, so that it
-    # stops before anybody else may start).
+    # The leader stops acting this long after its last successful renewal was sent (<
+    # lease_seconds, so that it stops before anybody else may start).
     renew_deadline_seconds: float = 10.0
     retry_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retry_seconds < self.renew_deadline_seconds < self.lease_seconds:
+            raise ValueError(
+                "leader election needs retry period < renew deadline < lease duration, got "
+                f"{self.retry_seconds:g} s, {self.renew_deadline_seconds:g} s and "
+                f"{self.lease_seconds} s"
+            )
+
+    @property
+    def attempt_seconds(self) -> float:
+        """The longest one acquire or renew attempt may take: half the renew deadline, so
+        that a hung request leaves room for another try before the deadline."""
+        return self.renew_deadline_seconds / 2
 
 
 class LeadershipLost(Exception):
     """The Lease could not be renewed within the renew deadline."""
+
+
+class LeaseNamespaceMissing(Exception):
+    """The Lease's namespace does not exist, so no replica can ever lead."""
 
 
 class LeaderElector:
@@ -61,7 +87,16 @@ class LeaderElector:
         # holder's clock: clocks of two nodes need not agree.
         self._observed: tuple[str | None, str | None] | None = None
         self._observed_at = 0.0
-        self.is_leader = False
+        # The monotonic time until which this instance may act as the leader.
+        self.valid_until = float("-inf")
+
+    @property
+    def is_leader(self) -> bool:
+        return self._clock() < self.valid_until
+
+    def fence(self) -> float:
+        """The deadline for writes (for ``KubeClient``): until the leadership may be lost."""
+        return self.valid_until
 
     async def try_acquire_or_renew(self) -> bool:
         lease = await self.client.get(self.path)
@@ -78,6 +113,8 @@ class LeaderElector:
             except ApiError as err:
                 if err.status == 409:
                     return False
+                if err.status == 404 and "namespaces" in err.message:
+                    raise LeaseNamespaceMissing(self._namespace) from err
                 raise
             return True
 
@@ -111,50 +148,65 @@ class LeaderElector:
             "leaseTransitions": transitions,
         }
 
-    async def _attempt(self) -> bool:
+    async def _attempt(self, limit: float) -> bool:
+        """One bounded try; on success, extend ``valid_until`` from when the try began."""
+        started = self._clock()
         try:
-            return await self.try_acquire_or_renew()
+            async with asyncio.timeout(max(limit, 0.0)):
+                won = await self.try_acquire_or_renew()
+        except TimeoutError:
+            log.warning("lease request timed out", extra={"after_seconds": round(limit, 2)})
+            return False
         except REQUEST_ERRORS as err:
             log.warning("lease request failed", extra={"error": str(err)})
             return False
+        if won:
+            self.valid_until = started + self.timing.renew_deadline_seconds
+        return won
 
     async def acquire(self) -> None:
         """Return once this instance holds the Lease."""
         log.info("waiting for leadership", extra={"lease": self._name, "identity": self.identity})
-        while not await self._attempt():
+        while not await self._attempt(self.timing.attempt_seconds):
             await asyncio.sleep(self.timing.retry_seconds * (1 + random.random() * 0.2))
-        self.is_leader = True
         log.info("became leader", extra={"lease": self._name, "identity": self.identity})
 
     async def hold(self) -> None:
-        """Renew until a renewal misses the deadline, then raise LeadershipLost."""
-        last_renewal = self._clock()
+        """Renew every retry period; raise LeadershipLost the moment ``valid_until`` passes,
+        whether or not a renewal is still in flight."""
         while True:
-            await asyncio.sleep(self.timing.retry_seconds)
-            if await self._attempt():
-                last_renewal = self._clock()
-            elif self._clock() - last_renewal > self.timing.renew_deadline_seconds:
-                self.is_leader = False
-                log.error("lost leadership", extra={"lease": self._name})
-                raise LeadershipLost(self._name)
+            left = self.valid_until - self._clock()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(self.timing.retry_seconds, left))
+            left = self.valid_until - self._clock()
+            if left <= 0:
+                break
+            await self._attempt(min(self.timing.attempt_seconds, left))
+        log.error("lost leadership", extra={"lease": self._name, "identity": self.identity})
+        raise LeadershipLost(self._name)
 
     async def release(self) -> None:
         """Hand the Lease over at once on a clean shutdown, so a standby need not wait."""
         if not self.is_leader:
             return
-        self.is_leader = False
+        self.valid_until = float("-inf")
         try:
-            lease = await self.client.get(self.path)
-            if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.identity:
-                return
-            now = micro_time()
-            lease["spec"] = {
-                **lease["spec"],
-                "holderIdentity": "",
-                "leaseDurationSeconds": 1,
-                "renewTime": now,
-            }
-            await self.client.replace(self.path, lease)
+            async with asyncio.timeout(self.timing.attempt_seconds):
+                lease = await self.client.get(self.path)
+                if (
+                    lease is None
+                    or (lease.get("spec") or {}).get("holderIdentity") != self.identity
+                ):
+                    return
+                now = micro_time()
+                lease["spec"] = {
+                    **lease["spec"],
+                    "holderIdentity": "",
+                    "leaseDurationSeconds": 1,
+                    "renewTime": now,
+                }
+                await self.client.replace(self.path, lease)
             log.info("released leadership", extra={"lease": self._name})
-        except REQUEST_ERRORS as err:
+        except (TimeoutError, *REQUEST_ERRORS) as err:
             log.warning("could not release the lease", extra={"error": str(err)})

@@ -1,30 +1,44 @@
-"""``ladle operator``: leader election around one kopf operator and the reconcile workers.
+"""``ladle operator``: leader election around the reconcile workers, fed by one kopf operator.
 
-Every leadership term starts from empty caches and a fresh kopf registry, so losing the Lease
-(an apiserver outage longer than the renew deadline, say) returns the process to standby
-cleanly instead of killing it, and it competes for the Lease again.
+Every leadership term starts from a new controller with an empty store, primed by listing the
+cluster, so losing the Lease (an apiserver outage longer than the renew deadline, say) returns
+the process to standby cleanly instead of killing it, and it competes for the Lease again.
+
+kopf starts with the first term and then runs for the life of the process, its events routed to
+whichever controller leads (and dropped while none does). Stopping kopf at the end of a term
+is not safe: after a freeze or an outage, aiohttp can turn kopf's cancellation into a timeout
+that kopf retries, and its watchers then never stop (seen after an API server restart).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import kopf
 
 from ladle.operator.config import OperatorConfig
-from ladle.operator.controller import Controller, build_registry, build_settings
+from ladle.operator.controller import Controller
 from ladle.operator.kube import REQUEST_ERRORS, KubeClient, login
-from ladle.operator.leader import ElectionTiming, LeaderElector, LeadershipLost
+from ladle.operator.leader import (
+    ElectionTiming,
+    LeaderElector,
+    LeadershipLost,
+    LeaseNamespaceMissing,
+)
 from ladle.operator.telemetry import Health, Metrics, build_app, configure_logging, serve
+from ladle.operator.watch import build_registry, build_settings
 
 log = logging.getLogger("ladle.operator")
 
 State = Literal["starting", "standby", "priming", "leading", "stopping"]
+# How long kopf may take to finish its watches when the process stops.
+KOPF_EXIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -33,7 +47,7 @@ class Options:
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 8080
     leader_elect: bool = True
-    lease_namespace: str = "default"
+    lease_namespace: str = "ladle-system"
     lease_name: str = "ladle-operator"
     identity: str = "ladle-operator"
     timing: ElectionTiming = field(default_factory=ElectionTiming)
@@ -42,16 +56,34 @@ class Options:
     log_level: str = "INFO"
 
 
+class Router:
+    """Where kopf's events go: the leading term's controller, or nowhere."""
+
+    def __init__(self) -> None:
+        self.controller: Controller | None = None
+
+    def observe(self, kind: str, event_type: str | None, obj: Mapping[str, Any]) -> None:
+        if self.controller is not None:
+            self.controller.observe(kind, event_type, obj)
+
+
 class Operator:
     def __init__(self, options: Options) -> None:
         self.options = options
         self.metrics = Metrics()
         self.state: State = "starting"
         self.stop = asyncio.Event()
+        self.router = Router()
+        self.kopf_stop = asyncio.Event()
+        self.kopf_task: asyncio.Task[None] | None = None
+        self.failed = False
 
     def ready(self) -> bool:
         # A standby is ready too: it is healthy, and a rolling update must be able to proceed.
         return self.state in ("standby", "leading")
+
+    def _observe_request(self, method: str, seconds: float) -> None:
+        self.metrics.api_latency.labels(method).observe(seconds)
 
     def _install_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -64,17 +96,32 @@ class Operator:
         runner = await serve(
             build_app(self.metrics, Health(self.ready)), opts.metrics_host, opts.metrics_port
         )
-        client = KubeClient(
-            opts.config.field_manager,
-            observe=lambda method, seconds: self.metrics.api_latency.labels(method).observe(
-                seconds
-            ),
-        )
-        elector = (
-            LeaderElector(client, opts.lease_namespace, opts.lease_name, opts.identity, opts.timing)
+        observe = self._observe_request
+        # The Lease has a client of its own: its requests never queue behind the reconcilers'
+        # connections, and none outlives one renewal attempt.
+        lease_client = (
+            KubeClient(
+                opts.config.field_manager,
+                timeout_seconds=opts.timing.attempt_seconds,
+                observe=observe,
+            )
             if opts.leader_elect
             else None
         )
+        elector = (
+            LeaderElector(
+                lease_client, opts.lease_namespace, opts.lease_name, opts.identity, opts.timing
+            )
+            if lease_client is not None
+            else None
+        )
+        # Every write stops at the end of the leader's term (see leader.py).
+        client = KubeClient(
+            opts.config.field_manager,
+            observe=observe,
+            fence=elector.fence if elector is not None else None,
+        )
+        code = 0
         try:
             while not self.stop.is_set():
                 if elector is not None:
@@ -85,15 +132,60 @@ class Operator:
                     await self._lead(client, elector)
                 except LeadershipLost:
                     log.warning("stepped down; competing for the lease again")
+        except LeaseNamespaceMissing as missing:
+            log.error(
+                f"the Lease namespace {missing} does not exist: create it, or pass "
+                "--lease-namespace (LADLE_OPERATOR_LEASE_NAMESPACE)"
+            )
+            code = 2
         finally:
             self.state = "stopping"
             self.metrics.leader.set(0)
             if elector is not None:
                 await elector.release()
+            await self._stop_kopf()
             await client.close()
+            if lease_client is not None:
+                await lease_client.close()
             await runner.cleanup()
         log.info("operator stopped")
-        return 0
+        return 1 if self.failed and code == 0 else code
+
+    async def _start_kopf(self) -> None:
+        """Start kopf once; take SIGTERM/SIGINT back from it, since it stops only when told."""
+        if self.kopf_task is not None:
+            return
+        started = asyncio.Event()
+        self.kopf_task = asyncio.create_task(
+            kopf.operator(
+                registry=build_registry(self.router.observe, login),
+                settings=build_settings(self.options.workers),
+                clusterwide=True,
+                standalone=True,
+                stop_flag=self.kopf_stop,
+                ready_flag=started,
+            ),
+            name="kopf",
+        )
+        self.kopf_task.add_done_callback(self._kopf_ended)
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait({waiter, self.kopf_task}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        self._install_signals()
+
+    def _kopf_ended(self, task: asyncio.Task[None]) -> None:
+        if not self.kopf_stop.is_set():
+            log.error("kopf stopped by itself; shutting down")
+            self.failed = True
+            self.stop.set()
+
+    async def _stop_kopf(self) -> None:
+        if self.kopf_task is None:
+            return
+        self.kopf_stop.set()
+        done, _ = await asyncio.wait({self.kopf_task}, timeout=KOPF_EXIT_SECONDS)
+        if not done:
+            log.warning("kopf did not stop in time; exiting without it")
 
     async def _until_stopped(self, coro: Coroutine[Any, Any, object]) -> bool:
         """Run ``coro`` unless a stop arrives first; True if it finished."""
@@ -133,52 +225,46 @@ class Operator:
             resync_seconds=opts.resync_seconds,
         )
         holder = asyncio.create_task(elector.hold()) if elector is not None else None
-        if not await self._until_stopped(self._prime(controller)) or self.stop.is_set():
-            if holder is not None:
+        # Events from now on reach the new store; priming lists what came before.
+        self.router.controller = controller
+        try:
+            if not await self._until_stopped(self._prime(controller)) or self.stop.is_set():
+                return
+            await self._start_kopf()
+            workers = asyncio.create_task(controller.run(), name="reconcilers")
+            stopper = asyncio.create_task(self.stop.wait(), name="stop")
+            self.state = "leading"
+            self.metrics.leader.set(1)
+            log.info("reconciling", extra={"workers": opts.workers, "identity": opts.identity})
+            watched = {workers, stopper} | ({holder} if holder else set())
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            self.metrics.leader.set(0)
+            for task in (workers, stopper):
+                if task not in done:
+                    task.cancel()
+            await asyncio.gather(workers, stopper, return_exceptions=True)
+            if holder is not None and holder in done:
+                holder.result()  # raises LeadershipLost
+            if workers in done:
+                workers.result()
+        finally:
+            self.router.controller = None
+            self.metrics.leader.set(0)
+            self.metrics.forget_objects()
+            controller.stop()
+            if holder is not None and not holder.done():
                 holder.cancel()
                 await asyncio.gather(holder, return_exceptions=True)
-            return
-        kopf_stop = asyncio.Event()
-        kopf_task = asyncio.create_task(
-            kopf.operator(
-                registry=build_registry(controller, login),
-                settings=build_settings(opts.workers),
-                clusterwide=True,
-                standalone=True,
-                stop_flag=kopf_stop,
-            ),
-            name="kopf",
-        )
-        workers = asyncio.create_task(controller.run(), name="reconcilers")
-        stopper = asyncio.create_task(self.stop.wait(), name="stop")
-        self.state = "leading"
-        self.metrics.leader.set(1)
-        log.info("reconciling", extra={"workers": opts.workers, "identity": opts.identity})
-        watched = {kopf_task, workers, stopper} | ({holder} if holder else set())
-        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-
-        self.metrics.leader.set(0)
-        self.metrics.forget_objects()
-        kopf_stop.set()
-        for task in (workers, stopper, holder):
-            if task is not None and task not in done:
-                task.cancel()
-        await asyncio.gather(kopf_task, workers, stopper, return_exceptions=True)
-        if holder is not None:
-            await asyncio.gather(holder, return_exceptions=True)
-        controller.queue.close()
-        # kopf takes over SIGTERM/SIGINT while it runs: take them back, and if kopf exited on
-        # its own, that was a signal meant for us.
-        self._install_signals()
-        if kopf_task in done and not self.stop.is_set():
-            log.info("kopf stopped; shutting down")
-            self.stop.set()
-        if holder is not None and holder in done:
-            holder.result()  # raises LeadershipLost
-        if workers in done:
-            workers.result()
 
 
 def run(options: Options) -> int:
     configure_logging(options.log_level)
-    return asyncio.run(Operator(options).run())
+    operator = Operator(options)
+    with asyncio.Runner() as runner:
+        code = runner.run(operator.run())
+        if operator.kopf_task is not None and not operator.kopf_task.done():
+            # kopf's watchers would not stop (see the module docstring): closing the loop
+            # would wait for them for ever. The Lease is released already.
+            logging.shutdown()
+            os._exit(code)
+    return code

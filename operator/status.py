@@ -1,11 +1,22 @@
-"""Children → status: pure derivation of InferenceService and GPUPool status.
+"""Observations → status: pure derivation of InferenceService and GPUPool status.
 
-Conditions follow metav1.Condition and the Ready/Progressing/Degraded trio that Argo CD reads:
-Ready means the desired state is reached, Progressing means a rollout is under way, Degraded
-means something needs a human (with the reason and the scheduler's own words). kstatus (Flux,
-kpt) reads Reconciling and Stalled: Reconciling always agrees with Progressing, and Stalled says
-that progress needs someone to act (a missing pool, someone else's object in the way, a rollout
-past its deadline, a Service the API server refuses, nothing granted); never both True.
+Conditions follow metav1.Condition. The five InferenceService conditions and what they promise
+(docs/operator.md has the table):
+
+- **Ready**: the current generation is applied, the Service behind ``status.url`` exists, and
+  the service serves at the replica count its pool granted (from old and new pods together
+  while a rollout with ``maxUnavailable: 0`` runs), or it is scaled to zero. Never True while
+  Stalled.
+- **Progressing** (Deployment-style, read by Argo CD) and **Reconciling** (kstatus) always
+  agree: True while the operator still expects to reach the desired state by itself.
+- **Stalled** (kstatus): progress needs someone to act (a missing pool, a refused apply, a
+  rollout past its deadline, pods that cannot start, nothing granted). Never True together
+  with Reconciling.
+- **Degraded**: something needs a human, including what does not stop the service (a quota
+  cap, pods waiting for GPUs); every Stalled reason is also Degraded.
+
+``observedGeneration`` is always the generation these conditions were computed for; kstatus
+reads it with Reconciling and Stalled (Current, InProgress or Failed).
 """
 
 from __future__ import annotations
@@ -14,20 +25,43 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.operator.api import JSON, GPUPool, GPUPoolSpec, InferenceService
-from ladle.operator.quantity import quantity_to_int
+from ladle.operator.api import JSON, GPUPool, InferenceService
 from ladle.operator.quota import PoolPlan
+from ladle.operator.store import NodeInfo, node_matches
 
 READY = "Ready"
 PROGRESSING = "Progressing"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 DEGRADED = "Degraded"
-OPERATOR_CONDITIONS = frozenset({READY, PROGRESSING, RECONCILING, STALLED, DEGRADED})
-# status.gateway, and any condition of another type (the gateway's ModelNameConflict), belong
-# to the gateway's field manager: the operator never writes them and compares its own status
-# without them, so a gateway's write never makes the operator write.
-GATEWAY_STATUS = "gateway"
+ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED)
+POOL_CONDITIONS = (READY, DEGRADED)
+# The status fields the operator writes; other field managers (the gateway) own the rest.
+ISVC_STATUS_FIELDS = (
+    "observedGeneration",
+    "replicas",
+    "readyReplicas",
+    "availableReplicas",
+    "updatedReplicas",
+    "selector",
+    "url",
+    "variants",
+)
+POOL_STATUS_FIELDS = (
+    "observedGeneration",
+    "nodes",
+    "capacity",
+    "allocatable",
+    "held",
+    "claimed",
+    "requested",
+    "inferenceServices",
+)
+
+# Container waiting reasons that need a change by someone (a Secret or ConfigMap to create, an
+# image name to fix); others (an image pull, a crash loop) may pass and stall only at the
+# Deployment's progress deadline.
+STALLING_WAITS = frozenset({"CreateContainerConfigError", "InvalidImageName"})
 # What a scaled-to-zero service does with the next request, in words.
 SCALED_TO_ZERO_MESSAGE = (
     "scaled to zero replicas (spec.replicas is 0): the gateway holds each request up to "
@@ -36,12 +70,8 @@ SCALED_TO_ZERO_MESSAGE = (
 )
 
 
-def operator_status(status: Mapping[str, Any]) -> JSON:
-    """The part of a stored status that the operator writes."""
-    own = {k: v for k, v in status.items() if k != GATEWAY_STATUS}
-    if "conditions" in own:
-        own["conditions"] = [c for c in own["conditions"] if c.get("type") in OPERATOR_CONDITIONS]
-    return own
+def plural(count: int, word: str, words: str | None = None) -> str:
+    return f"{count} {word if count == 1 else (words or word + 's')}"
 
 
 @dataclass(frozen=True)
@@ -75,6 +105,15 @@ def merge_conditions(
                 "observedGeneration": generation,
             }
         )
+    return out
+
+
+def owned_status(status: Mapping[str, Any], fields: Sequence[str], types: Sequence[str]) -> JSON:
+    """The part of a status that the operator writes, to compare with what it would write."""
+    out: JSON = {key: status[key] for key in fields if key in status}
+    conditions = [c for c in status.get("conditions") or () if c.get("type") in types]
+    if conditions:
+        out["conditions"] = conditions
     return out
 
 
@@ -120,9 +159,12 @@ def read_rollout(deployment: Mapping[str, Any] | None, want: int) -> Rollout:
 
 
 @dataclass(frozen=True)
-class UnschedulablePod:
-    name: str
-    # The scheduler's FailedScheduling event message (or the pod condition's, as a fallback).
+class PodProblem:
+    """Why one runtime pod does not serve: the scheduler's words, or its container's."""
+
+    pod: str
+    # "Unschedulable", or a container's waiting reason such as CreateContainerConfigError.
+    reason: str
     message: str
 
 
@@ -136,7 +178,7 @@ class VariantObservation:
     requested_replicas: int
     granted_replicas: int
     gpu_resource: str
-    unschedulable: tuple[UnschedulablePod, ...] = ()
+    pod_problems: tuple[PodProblem, ...] = ()
     # Why granted < requested, in words, when a GPUPool quota caps this variant.
     quota_note: str | None = None
     rollout: Rollout = field(init=False)
@@ -145,17 +187,54 @@ class VariantObservation:
         object.__setattr__(self, "rollout", read_rollout(self.deployment, self.granted_replicas))
 
 
-def _scheduling_problem(v: VariantObservation) -> tuple[str, str] | None:
-    if not v.unschedulable:
-        return None
-    first = v.unschedulable[0]
-    insufficient = any(f"Insufficient {v.gpu_resource}" in p.message for p in v.unschedulable)
-    reason = "InsufficientGPUs" if insufficient else "Unschedulable"
-    count = len(v.unschedulable)
-    pods = "pod" if count == 1 else "pods"
-    return reason, (
-        f"{count} {pods} of Deployment {v.deployment_name} cannot be scheduled: {first.message}"
+@dataclass(frozen=True)
+class Problem:
+    reason: str
+    message: str
+    # It will not go away without someone acting (kstatus Stalled).
+    stalls: bool = False
+
+
+def _pod_problems(v: VariantObservation) -> list[Problem]:
+    problems = []
+    unschedulable = [p for p in v.pod_problems if p.reason == "Unschedulable"]
+    if unschedulable:
+        first = unschedulable[0]
+        insufficient = any(f"Insufficient {v.gpu_resource}" in p.message for p in unschedulable)
+        problems.append(
+            Problem(
+                "InsufficientGPUs" if insufficient else "Unschedulable",
+                f"{plural(len(unschedulable), 'pod')} of Deployment {v.deployment_name} "
+                f"cannot be scheduled: {first.message}",
+            )
+        )
+    waiting: dict[str, list[PodProblem]] = {}
+    for p in v.pod_problems:
+        if p.reason != "Unschedulable":
+            waiting.setdefault(p.reason, []).append(p)
+    for reason, pods in waiting.items():
+        problems.append(
+            Problem(
+                reason,
+                f"{plural(len(pods), 'pod')} of Deployment {v.deployment_name} cannot start: "
+                f"{reason}: {pods[0].message}",
+                stalls=reason in STALLING_WAITS,
+            )
+        )
+    return problems
+
+
+def _progress(v: VariantObservation) -> str:
+    r, want = v.rollout, v.granted_replicas
+    if not r.exists:
+        return f"{v.deployment_name}: not created yet"
+    text = (
+        f"{v.deployment_name}: {min(r.updated, want)}/{want} replicas updated, "
+        f"{min(r.available, want)}/{want} available"
     )
+    if r.replicas > want:
+        text += f"; scaling down from {r.replicas}"
+    return text
 
 
 def derive_isvc_status(
@@ -166,113 +245,108 @@ def derive_isvc_status(
     selector: str,
     now: str,
     previous: Mapping[str, Any] | None = None,
-    pool_problem: str | None = None,
+    blockers: Sequence[Problem] = (),
     service_exists: bool = True,
     service_error: str | None = None,
-    conflict: str | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
 
-    Ready promises a working URL, so it also waits for the Service behind ``url``;
-    ``service_error`` is why its last create failed. ``conflict`` names a child that could not
-    be applied because someone else's object holds its name."""
-    service_pending = None
-    if not service_exists:
-        service_pending = f"Service {isvc.meta.name} " + (
-            f"could not be created: {service_error}" if service_error else "is being created"
+    ``blockers`` are why the current generation's children could not be applied (a missing
+    GPUPool, someone else's object holding a child's name, a refused apply): the live children
+    may still run an older generation, so nothing may read as Ready. ``service_error`` is why
+    the last create of the Service failed."""
+    problems: list[Problem] = list(blockers)
+    if not service_exists and service_error:
+        problems.append(
+            Problem(
+                "ServiceNotCreated",
+                f"Service {isvc.meta.name} could not be created: {service_error}",
+                stalls=True,
+            )
         )
-    problems: list[tuple[str, str]] = []
-    if pool_problem:
-        problems.append(("GPUPoolNotFound", pool_problem))
-    if conflict:
-        problems.append(("ChildConflict", conflict))
     for v in variants:
-        sched = _scheduling_problem(v)
-        if sched:
-            problems.append(sched)
+        problems.extend(_pod_problems(v))
         if v.rollout.stalled:
             problems.append(
-                ("ProgressDeadlineExceeded", f"{v.deployment_name}: {v.rollout.stalled}")
+                Problem(
+                    "ProgressDeadlineExceeded",
+                    f"{v.deployment_name}: {v.rollout.stalled}",
+                    stalls=True,
+                )
             )
         if v.rollout.failure:
-            problems.append(("ReplicaFailure", f"{v.deployment_name}: {v.rollout.failure}"))
-    if service_pending and service_error:
-        problems.append(("ServiceNotCreated", service_pending))
-    blocking = problems[0] if problems else None
-    for v in variants:
-        if v.quota_note:
-            problems.append(("QuotaExceeded", v.quota_note))
+            problems.append(Problem("ReplicaFailure", f"{v.deployment_name}: {v.rollout.failure}"))
 
     granted = sum(v.granted_replicas for v in variants)
     requested = sum(v.requested_replicas for v in variants)
-    if blocking is None and granted == 0 < requested:
-        # Nothing may run at all: that, not the rollout, is why the service is not ready.
-        blocking = next((p for p in problems if p[0] == "QuotaExceeded"), None)
     available = sum(v.rollout.available for v in variants)
     updated = sum(v.rollout.updated for v in variants)
-    complete = all(v.rollout.complete for v in variants) and bool(variants)
-    stalled = next((v for v in variants if v.rollout.stalled), None)
+    complete = bool(variants) and all(v.rollout.complete for v in variants)
+    notes = [v.quota_note for v in variants if v.quota_note]
+    if notes:
+        problems.append(Problem("QuotaExceeded", "; ".join(notes), stalls=granted == 0))
+    stall = next((p for p in problems if p.stalls), None)
+    progress = ", ".join(_progress(v) for v in variants)
+    service_pending = None if service_exists else f"Service {isvc.meta.name} is being created"
 
-    if complete and service_pending:
+    blocker = blockers[0] if blockers else None
+    if stall is not None:
+        ready = Condition(READY, False, stall.reason, stall.message)
+    elif blocker is not None:
+        ready = Condition(READY, False, blocker.reason, blocker.message)
+    elif service_pending:
         ready = Condition(READY, False, "ServiceNotCreated", service_pending)
-        progressing = Condition(PROGRESSING, True, "CreatingService", service_pending)
-    elif complete:
-        capped = (
-            f" (quota allows {granted} of {requested} requested)" if granted < requested else ""
-        )
-        if granted > 0:
+    elif requested == 0:
+        ready = Condition(READY, True, "ScaledToZero", SCALED_TO_ZERO_MESSAGE)
+    elif available >= granted:
+        serving = f"{available}/{granted} replicas available"
+        if not complete:
             ready = Condition(
-                READY, True, "Available", f"{available}/{granted} replicas available{capped}"
+                READY, True, "RollingOut", f"serving {serving} while rolling out: {progress}"
             )
-        elif requested > 0:
-            note = next((v.quota_note for v in variants if v.quota_note), "no replicas granted")
-            ready = Condition(READY, False, "QuotaExceeded", note)
+        elif granted < requested:
+            ready = Condition(
+                READY,
+                True,
+                "QuotaCapped",
+                f"{serving}; the GPUPool quota allows {granted} of {requested} requested",
+            )
         else:
-            ready = Condition(READY, True, "ScaledToZero", SCALED_TO_ZERO_MESSAGE)
+            ready = Condition(READY, True, "Available", serving)
+    else:
+        pod_problem = next((p for p in problems if p.reason != "QuotaExceeded"), None)
+        reason, message = (
+            (pod_problem.reason, pod_problem.message) if pod_problem else ("RollingOut", progress)
+        )
+        ready = Condition(READY, False, reason, message)
+
+    if stall is not None:
+        progressing = Condition(PROGRESSING, False, stall.reason, stall.message)
+    elif blocker is not None:  # a passing error: the work queue retries
+        progressing = Condition(PROGRESSING, True, blocker.reason, blocker.message)
+    elif service_pending:
+        progressing = Condition(PROGRESSING, True, "CreatingService", service_pending)
+    elif not complete:
+        progressing = Condition(PROGRESSING, True, "RollingOut", progress)
+    else:
         progressing = Condition(
             PROGRESSING, False, "RolloutComplete", f"{updated}/{granted} replicas up to date"
         )
-    else:
-        waiting = ", ".join(
-            f"{v.deployment_name}: {v.rollout.updated}/{v.granted_replicas} updated, "
-            f"{v.rollout.available} available"
-            if v.rollout.exists
-            else f"{v.deployment_name}: not created yet"
-            for v in variants
-        )
-        reason, message = blocking if blocking else ("RollingOut", waiting)
-        ready = Condition(READY, False, reason, message)
-        if stalled is not None:
-            progressing = Condition(
-                PROGRESSING, False, "ProgressDeadlineExceeded", str(stalled.rollout.stalled)
-            )
-        elif pool_problem and not any(v.rollout.exists for v in variants):
-            progressing = Condition(PROGRESSING, False, "GPUPoolNotFound", pool_problem)
-        else:
-            progressing = Condition(PROGRESSING, True, "RollingOut", waiting)
-    stalls = [
-        (reason, message)
-        for reason, message in problems
-        if reason in ("GPUPoolNotFound", "ChildConflict", "ProgressDeadlineExceeded")
-        or (reason == "ServiceNotCreated" and service_error)
-        or (reason == "QuotaExceeded" and granted == 0 < requested)
-    ]
-    if stalls:
-        progressing = Condition(PROGRESSING, False, *stalls[0])
     reconciling = Condition(
         RECONCILING, progressing.status, progressing.reason, progressing.message
     )
-    stall = (
-        Condition(STALLED, True, stalls[0][0], "; ".join(m for _, m in stalls))
-        if stalls
+    stalled = (
+        Condition(STALLED, True, stall.reason, "; ".join(p.message for p in problems if p.stalls))
+        if stall is not None
         else Condition(STALLED, False, "AsExpected")
     )
     degraded = (
-        Condition(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
+        Condition(DEGRADED, True, problems[0].reason, "; ".join(p.message for p in problems))
         if problems
         else Condition(DEGRADED, False, "AsExpected")
     )
+
     generation = isvc.meta.generation
     return {
         "observedGeneration": generation,
@@ -284,7 +358,7 @@ def derive_isvc_status(
         "url": url,
         "conditions": merge_conditions(
             (isvc.status if previous is None else previous).get("conditions") or (),
-            [ready, progressing, degraded, reconciling, stall],
+            [ready, progressing, reconciling, stalled, degraded],
             generation,
             now,
         ),
@@ -307,86 +381,85 @@ def derive_isvc_status(
 
 
 @dataclass(frozen=True)
-class NodeInfo:
-    """The parts of a Node that pool accounting reads (kept small: nodes heartbeat often)."""
+class PoolFacts:
+    """What a GPUPool's status reports besides its nodes and its plan."""
 
-    name: str
-    labels: Mapping[str, str]
-    ready: bool
-    unschedulable: bool
-    capacity: Mapping[str, str]
-    allocatable: Mapping[str, str]
-
-    @classmethod
-    def from_node(cls, node: Mapping[str, Any]) -> NodeInfo:
-        meta = node.get("metadata") or {}
-        status = node.get("status") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or ()
-        )
-        return cls(
-            name=str(meta.get("name")),
-            labels=dict(meta.get("labels") or {}),
-            ready=ready,
-            unschedulable=bool((node.get("spec") or {}).get("unschedulable")),
-            capacity=dict(status.get("capacity") or {}),
-            allocatable=dict(status.get("allocatable") or {}),
-        )
-
-
-def node_matches(pool: GPUPoolSpec, node: NodeInfo) -> bool:
-    selector = pool.scheduling_selector()
-    if any(node.labels.get(k) != v for k, v in selector.items()):
-        return False
-    return quantity_to_int(node.capacity.get(pool.resource_name, "0")) > 0
+    services: int
+    # Other pools whose nodes overlap this one's: name → shared node count.
+    overlaps: Mapping[str, int] = field(default_factory=dict)
+    # InferenceServices (namespace/name) that keep a deleted pool alive.
+    blocking_deletion: tuple[str, ...] = ()
 
 
 def derive_pool_status(
     pool: GPUPool,
     nodes: Sequence[NodeInfo],
     plan: PoolPlan[Any],
-    services: int,
+    facts: PoolFacts,
     now: str,
     previous: Mapping[str, Any] | None = None,
 ) -> JSON:
     resource = pool.spec.resource_name
     matching = [n for n in nodes if node_matches(pool.spec, n)]
     schedulable = [n for n in matching if n.ready and not n.unschedulable]
-    capacity = sum(quantity_to_int(n.capacity.get(resource, "0")) for n in matching)
-    allocatable = sum(quantity_to_int(n.allocatable.get(resource, "0")) for n in schedulable)
+    capacity = sum(n.gpus(resource) for n in matching)
+    allocatable = sum(n.gpus(resource, allocatable=True) for n in schedulable)
 
     if allocatable > 0:
         ready = Condition(
             READY,
             True,
             "NodesAvailable",
-            f"{len(schedulable)} schedulable nodes offer {allocatable} {resource}",
+            f"{plural(len(schedulable), 'schedulable node')} "
+            f"{'offers' if len(schedulable) == 1 else 'offer'} {allocatable} {resource}",
         )
     elif matching:
         ready = Condition(
             READY,
             False,
             "NoSchedulableNodes",
-            f"{len(matching)} nodes match but none is ready and schedulable",
+            f"{plural(len(matching), 'node')} "
+            f"{'matches' if len(matching) == 1 else 'match'} but none is ready and schedulable",
         )
     else:
         ready = Condition(READY, False, "NoMatchingNodes", f"no node matches and offers {resource}")
 
     problems: list[tuple[str, str]] = []
+    if facts.blocking_deletion:
+        problems.append(
+            (
+                "DeletionBlocked",
+                f"deletion waits for {plural(len(facts.blocking_deletion), 'InferenceService')} "
+                f"that still use this pool: {', '.join(facts.blocking_deletion[:10])}",
+            )
+        )
     if plan.requested_gpus > plan.claimed_gpus:
+        withheld = plan.requested_gpus - plan.claimed_gpus
         problems.append(
             (
                 "QuotaExceeded",
-                f"InferenceServices request {plan.requested_gpus} GPUs but the quota is "
-                f"{plan.quota_gpus}; {plan.requested_gpus - plan.claimed_gpus} GPUs are withheld",
+                f"InferenceServices request {plural(plan.requested_gpus, 'GPU')} but the quota "
+                f"is {plan.quota_gpus}; {plural(withheld, 'GPU is', 'GPUs are')} withheld",
             )
         )
     if plan.claimed_gpus > allocatable:
         problems.append(
             (
                 "OverCommitted",
-                f"{plan.claimed_gpus} GPUs are claimed but only {allocatable} are allocatable",
+                f"{plural(plan.claimed_gpus, 'GPU is', 'GPUs are')} claimed but only "
+                f"{allocatable} {'is' if allocatable == 1 else 'are'} allocatable",
+            )
+        )
+    if facts.overlaps:
+        shared = ", ".join(
+            f"{plural(count, 'node')} with GPUPool {name}"
+            for name, count in sorted(facts.overlaps.items())
+        )
+        problems.append(
+            (
+                "OverlappingPools",
+                f"shares {shared}: their GPUs are counted in each pool, and the quotas do not "
+                "add up",
             )
         )
     degraded = (
@@ -400,9 +473,10 @@ def derive_pool_status(
         "nodes": len(matching),
         "capacity": capacity,
         "allocatable": allocatable,
+        "held": plan.held_gpus,
         "claimed": plan.claimed_gpus,
         "requested": plan.requested_gpus,
-        "inferenceServices": services,
+        "inferenceServices": facts.services,
         "conditions": merge_conditions(
             (pool.status if previous is None else previous).get("conditions") or (),
             [ready, degraded],

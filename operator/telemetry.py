@@ -214,8 +214,12 @@ def configure_logging(level: str) -> None:
     """JSON lines on stderr for the operator and for kopf alike (kopf's own formatter)."""
     import kopf
 
+    level = level.upper()
     kopf.configure(
         debug=level == "DEBUG", quiet=level in ("WARNING", "ERROR"), log_format=kopf.LogFormat.JSON
     )
-    # Per-object handler chatter from kopf is noise at scale; our reconcilers log what matters.
-    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # Per-object handler chatter and "Activity ... succeeded" from kopf are noise; the
+    # reconcilers log what matters. Both stay visible at debug.
+    if level != "DEBUG":
+        for name in ("kopf.objects", "kopf.activities"):
+            logging.getLogger(name).setLevel(logging.WARNING)

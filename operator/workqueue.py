@@ -6,6 +6,10 @@ event for a key in progress marks it dirty, and it is queued again when the work
 
 Keys in the urgent lane go first. The controller puts spec changes there, so that a new or
 edited InferenceService is not stuck behind hundreds of status refreshes of others.
+
+A key that failed waits out its backoff whatever events arrive meanwhile (the retry is level-
+based, so it sees them all), except an urgent one: a spec change may be the fix, so it is
+tried at once (the failure count stays, so a fix that fails too waits longer next time).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class WorkQueue(Generic[K]):
         self._processing: set[K] = set()
         self._dirty: dict[K, int] = {}
         self._timers: dict[K, asyncio.TimerHandle] = {}
+        # Keys waiting out a failure's backoff (their timer is in _timers).
+        self._backing_off: set[K] = set()
         self._failures: dict[K, int] = {}
         self._base = base_delay
         self._max = max_delay
@@ -47,8 +53,11 @@ class WorkQueue(Generic[K]):
         return len(self._queued)
 
     def add(self, key: K, urgent: bool = False) -> None:
-        """Queue now (an event supersedes any pending retry of the same key)."""
+        """Queue now, unless the key is backing off from a failure and this is not urgent."""
         lane = URGENT if urgent else NORMAL
+        if key in self._backing_off and not urgent:
+            return
+        self._backing_off.discard(key)
         timer = self._timers.pop(key, None)
         if timer is not None:
             timer.cancel()
@@ -74,6 +83,7 @@ class WorkQueue(Generic[K]):
 
     def _fire(self, key: K) -> None:
         self._timers.pop(key, None)
+        self._backing_off.discard(key)
         self.add(key)
 
     def backoff(self, failures: int) -> float:
@@ -85,11 +95,17 @@ class WorkQueue(Generic[K]):
         failures = self._failures.get(key, 0) + 1
         self._failures[key] = failures
         delay = self.backoff(failures)
-        self.add_after(key, delay)
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        if self._dirty.get(key) == NORMAL:
+            del self._dirty[key]  # events during the failed try wait for the retry too
+        self._backing_off.add(key)
+        self._timers[key] = asyncio.get_running_loop().call_later(delay, self._fire, key)
         return delay
 
     def forget(self, key: K) -> None:
-        """Reset the backoff of a key after a successful reconcile."""
+        """Reset the backoff of a key after a successful reconcile, or once it is gone."""
         self._failures.pop(key, None)
 
     async def get(self, urgent_only: bool = False) -> K:
@@ -122,3 +138,4 @@ class WorkQueue(Generic[K]):
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
+        self._backing_off.clear()

@@ -13,13 +13,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from kube_harness import wait_for
 from kubernetes import client
 
 from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.gateway.kube import KubeApi
 from ladle.gateway.routes import parse_pod
 from ladle.gateway.watch import Informer
-from ladle.operator.testing import wait_for
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle, start_runtime
 

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from kube_harness import Kube, OperatorProcess, wait_for
 
 from ladle.cluster.pytest_plugin import KubeCluster
-from ladle.operator.testing import Kube, OperatorProcess, wait_for
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle
 

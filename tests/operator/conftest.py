@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import signal
 import subprocess
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from kube_harness import Kube, OperatorFactory, OperatorProcess
 
 from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator.api import API_VERSION
-from ladle.operator.testing import Kube, OperatorFactory, OperatorProcess
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -169,24 +171,32 @@ LEASE = "ladle-operator"
 
 
 @pytest.fixture(scope="module")
-def operator_factory(
+def operator_kubeconfig(
     k8s_cluster: KubeCluster, ladle_chart: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[OperatorFactory]:
-    """``start(identity)``: an operator authenticated as the chart's ServiceAccount."""
+) -> Path:
+    """A kubeconfig for the chart's ServiceAccount: operators run under exactly its RBAC."""
     folder = tmp_path_factory.mktemp("operator")
-    kubeconfig = k8s_cluster.service_account_kubeconfig(
+    return k8s_cluster.service_account_kubeconfig(
         ladle_chart, SERVICE_ACCOUNT, folder / "operator.kubeconfig"
     )
+
+
+@pytest.fixture(scope="module")
+def operator_factory(operator_kubeconfig: Path, ladle_chart: str) -> Iterator[OperatorFactory]:
+    """``start(identity, kubeconfig=None, extra_args=())``: an operator process authenticated
+    as the chart's ServiceAccount (or through ``kubeconfig``, a relay's, say)."""
     started: list[OperatorProcess] = []
 
-    def start(identity: str) -> OperatorProcess:
+    def start(
+        identity: str, kubeconfig: Path | None = None, extra_args: Sequence[str] = ()
+    ) -> OperatorProcess:
         op = OperatorProcess(
-            kubeconfig,
-            folder / f"{identity}.log",
+            kubeconfig or operator_kubeconfig,
+            operator_kubeconfig.parent / f"{identity}.log",
             lease_namespace=ladle_chart,
             lease=LEASE,
             identity=identity,
-            extra_args=["--runtime-image", TEST_RUNTIME_IMAGE],
+            extra_args=["--runtime-image", TEST_RUNTIME_IMAGE, *extra_args],
         )
         started.append(op)
         _RUNNING.append(op)
@@ -194,6 +204,9 @@ def operator_factory(
 
     yield start
     for op in started:
+        if op.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(op.pid, signal.SIGCONT)  # a test may have left it frozen
         with contextlib.suppress(subprocess.TimeoutExpired):
             op.stop()
         if op.proc.poll() is None:
@@ -226,3 +239,18 @@ def pytest_runtest_makereport(
 @pytest.fixture(scope="session")
 def kube(k8s_cluster: KubeCluster, k8s_api: ApiClient) -> Kube:
     return Kube(k8s_cluster.kubectl, k8s_cluster.env(), k8s_api)
+
+
+@pytest.fixture(scope="module")
+def manual_node(k8s_api: ApiClient, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A node with 2 GPUs that kwok leaves alone: tests play its kubelet, writing their pods'
+    status. Deleting it at the end lets the pod garbage collector
+    remove pods that were left terminating on it."""
+    from kube_harness import manual_node as node_manifest
+    from kubernetes import client
+
+    core = client.CoreV1Api(k8s_api)
+    name = "manual-" + request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")[:40]
+    core.create_node(node_manifest(name, gpus=2))
+    yield name
+    core.delete_node(name)

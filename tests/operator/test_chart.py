@@ -7,9 +7,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kube_harness import Kube, wait_for
 
 from ladle.cluster.pytest_plugin import KubeCluster
-from ladle.operator.testing import Kube, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -71,6 +71,11 @@ def test_install_upgrade_and_uninstall(
     assert dep.status.available_replicas == 2  # kwok runs the pods on the fake nodes
     env = {e.name: e.value for e in dep.spec.template.spec.containers[0].env}
     assert env["LADLE_OPERATOR_LEADER_ELECT"] == "true"
+    # Every variable follows the one rule: LADLE_OPERATOR_ and an `ladle operator` flag.
+    from ladle.operator.cli import SETTINGS, env_name
+
+    names = {e.name for e in dep.spec.template.spec.containers[0].env}
+    assert names <= {env_name(s.flag) for s in SETTINGS}
     assert env["LADLE_OPERATOR_RUNTIME_IMAGE"] == "ghcr.io/ladle-dev/ladle-runtime:0.1.0"
     gateway = f"{release}-gateway"
     assert env["LADLE_OPERATOR_GATEWAY_URL"] == (
@@ -126,7 +131,10 @@ def test_install_upgrade_and_uninstall(
         ("delete", "poddisruptionbudgets.policy", True),
         ("list", "events", True),
         ("create", "events", True),
+        ("patch", "events", True),  # a repeated event is counted on the first
         ("watch", "nodes", True),
+        ("watch", "namespaces", True),  # GPUPool namespaceSelectors
+        ("patch", "gpupools.ladle.dev", True),  # its finalizer, by server-side apply
         # What it must not do:
         ("update", "inferenceservices.ladle.dev", False),
         ("patch", "inferenceservices.ladle.dev", False),
@@ -138,6 +146,9 @@ def test_install_upgrade_and_uninstall(
         ("get", "secrets", False),
         ("list", "secrets", False),
         ("patch", "nodes", False),
+        ("update", "gpupools.ladle.dev", False),
+        ("delete", "gpupools.ladle.dev", False),
+        ("patch", "namespaces", False),
         ("create", "customresourcedefinitions.apiextensions.k8s.io", False),
         ("create", "clusterrolebindings.rbac.authorization.k8s.io", False),
     ],

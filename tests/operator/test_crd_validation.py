@@ -7,14 +7,14 @@ CEL rules, transition rules and the scale subresource. No operator is needed for
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kube_harness import Kube
 
-from ladle.operator.testing import Kube
-
-pytestmark = pytest.mark.cluster
+ROOT = Path(__file__).resolve().parents[2]
 
 VALID_ISVC: dict[str, Any] = {
     "apiVersion": "ladle.dev/v1alpha1",
@@ -83,17 +83,17 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
     (
         "replicas-above-max",
         with_spec(VALID_ISVC, replicas=5, maxReplicas=4),
-        "spec.replicas: Invalid value: replicas must be at most maxReplicas",
+        "spec.replicas: Invalid value: replicas must be at most maxReplicas (4)",
     ),
     (
         "replicas-below-min",
         with_spec(VALID_ISVC, replicas=1, minReplicas=2),
-        "spec.replicas: Invalid value: replicas must be at least minReplicas",
+        "spec.replicas: Invalid value: replicas must be at least minReplicas (2)",
     ),
     (
         "min-above-max",
         with_spec(VALID_ISVC, replicas=3, minReplicas=3, maxReplicas=2),
-        "minReplicas must not exceed maxReplicas",
+        "minReplicas (3) must not exceed maxReplicas (2)",
     ),
     (
         "bad-cpu",
@@ -106,10 +106,10 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "resources.memory must be a positive quantity such as 16Gi",
     ),
     (
-        "too-many-gpus",
-        with_spec(VALID_ISVC, resources={"gpus": 17}),
-        "spec.resources.gpus: Invalid value: 17: spec.resources.gpus in body should be less than "
-        "or equal to 16",
+        "two-gpus",
+        with_spec(VALID_ISVC, resources={"gpus": 2}),
+        "resources.gpus is 2, but a replica uses one GPU (or 0 to run on CPU): the engine does "
+        "not split a model across GPUs yet",
     ),
     (
         "kv-cache-memory-on-gpu",
@@ -214,6 +214,23 @@ POOL_CASES: list[tuple[str, dict[str, Any], str]] = [
         with_spec(VALID_POOL, quota={"gpus": -1}),
         "spec.quota.gpus in body should be greater than or equal to 0",
     ),
+    (
+        "selector-in-without-values",
+        with_spec(
+            VALID_POOL, namespaceSelector={"matchExpressions": [{"key": "t", "operator": "In"}]}
+        ),
+        "namespaceSelector expressions with In or NotIn need values",
+    ),
+    (
+        "selector-unknown-operator",
+        with_spec(
+            VALID_POOL,
+            namespaceSelector={
+                "matchExpressions": [{"key": "t", "operator": "Gt", "values": ["1"]}]
+            },
+        ),
+        'Unsupported value: "Gt"',
+    ),
 ]
 
 
@@ -224,6 +241,7 @@ def rejected(kube: Kube, obj: dict[str, Any], namespace: str | None) -> str:
     return result.stderr
 
 
+@pytest.mark.cluster
 @pytest.mark.usefixtures("ladle_chart")
 def test_invalid_inference_services_are_rejected_with_their_message(
     kube: Kube, k8s_namespace: str
@@ -240,6 +258,7 @@ def test_invalid_inference_services_are_rejected_with_their_message(
     assert listed["items"] == []
 
 
+@pytest.mark.cluster
 @pytest.mark.usefixtures("ladle_chart")
 def test_invalid_gpu_pools_are_rejected_with_their_message(kube: Kube) -> None:
     failures = []
@@ -250,6 +269,7 @@ def test_invalid_gpu_pools_are_rejected_with_their_message(kube: Kube) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.cluster
 @pytest.mark.usefixtures("ladle_chart")
 def test_defaults_fill_a_minimal_inference_service(kube: Kube, k8s_namespace: str) -> None:
     kube.apply(yaml.safe_dump(VALID_ISVC), k8s_namespace)
@@ -288,6 +308,7 @@ def test_defaults_fill_a_minimal_inference_service(kube: Kube, k8s_namespace: st
     }
 
 
+@pytest.mark.cluster
 @pytest.mark.usefixtures("ladle_chart")
 def test_pool_and_resource_name_are_immutable(kube: Kube, k8s_namespace: str) -> None:
     pool_name = f"{k8s_namespace}-pool"
@@ -308,6 +329,7 @@ def test_pool_and_resource_name_are_immutable(kube: Kube, k8s_namespace: str) ->
         kube.kubectl("delete", "gpupool", pool_name, "--wait=false")
 
 
+@pytest.mark.cluster
 @pytest.mark.usefixtures("ladle_chart")
 def test_scale_subresource_obeys_the_replica_bounds(kube: Kube, k8s_namespace: str) -> None:
     kube.apply(yaml.safe_dump(with_spec(VALID_ISVC, maxReplicas=3)), k8s_namespace)
@@ -316,4 +338,45 @@ def test_scale_subresource_obeys_the_replica_bounds(kube: Kube, k8s_namespace: s
     assert kube.isvc(k8s_namespace, "chat")["spec"]["replicas"] == 3
     too_far = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=4")
     assert too_far.returncode != 0
-    assert "replicas must be at most maxReplicas" in too_far.stderr
+    assert "replicas must be at most maxReplicas (3)" in too_far.stderr
+
+
+def schema_defaults(node: dict[str, Any], path: str = "") -> list[tuple[str, Any, str]]:
+    """(field path, default, description) of every schema field with a default."""
+    found = []
+    if "default" in node:
+        found.append((path, node["default"], " ".join(str(node.get("description", "")).split())))
+    for name, child in (node.get("properties") or {}).items():
+        found += schema_defaults(child, f"{path}.{name}" if path else name)
+    return found
+
+
+def test_every_default_is_stated_where_kubectl_explain_shows_it() -> None:
+    """kubectl explain prints descriptions (and enums) but not defaults, so each field with a
+    default says it in its description, in one form: "Defaults to X."."""
+    missing = []
+    for name in ("ladle.dev_inferenceservices.yaml", "ladle.dev_gpupools.yaml"):
+        crd = yaml.safe_load((ROOT / "crds" / name).read_text())
+        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for path, default, description in schema_defaults(schema):
+            shown = "{}" if default == {} else default
+            if isinstance(default, bool):
+                shown = "true" if default else "false"
+            if isinstance(default, dict) and default:
+                shown = ", ".join(f"{k}: {'{}' if v == {} else v}" for k, v in default.items())
+            if f"Defaults to {shown}." not in description:
+                missing.append(f"{name} {path}: default {default!r} not in {description!r}")
+    assert not missing, "\n".join(missing)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ladle_chart")
+def test_kubectl_explain_shows_the_defaults(kube: Kube) -> None:
+    for field, default in (
+        ("lisvc.spec.minReplicas", "Defaults to 1."),
+        ("lisvc.spec.apiKeySecret.key", "Defaults to api-key."),
+        ("gpool.spec.resourceName", "Defaults to nvidia.com/gpu."),
+    ):
+        explained = kube.kubectl("explain", field)
+        assert explained.returncode == 0, explained.stderr
+        assert default in " ".join(explained.stdout.split()), field

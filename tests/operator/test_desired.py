@@ -10,7 +10,9 @@ from ladle.operator.api import parse_isvc, parse_pool
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
     CONFIG_HASH_ANNOTATION,
+    TEMPLATE_HASH_ANNOTATION,
     desired_children,
+    desired_service,
     engine_config,
     object_digest,
     render_flags,
@@ -29,14 +31,15 @@ def container(children: Any) -> dict[str, Any]:
 def test_children_are_named_labelled_and_owned_deterministically(make_isvc: Builder) -> None:
     isvc = parse_isvc(make_isvc("chat", "team-a"))
     children = desired_children(isvc, None, 2, CONFIG)
-    names = [(c["kind"], c["metadata"]["name"]) for c in children.all()]
+    objects = [*children.all(), desired_service(isvc)]
+    names = [(c["kind"], c["metadata"]["name"]) for c in objects]
     assert names == [
         ("Deployment", "chat-stable"),
-        ("Service", "chat"),
         ("PodDisruptionBudget", "chat-stable"),
+        ("Service", "chat"),
     ]
     assert children.absent() == [("ConfigMap", "chat-stable-config")]
-    for child in children.all():
+    for child in objects:
         meta = child["metadata"]
         assert meta["namespace"] == "team-a"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "ladle-operator"
@@ -245,8 +248,9 @@ def test_threshold_is_operator_configuration(make_isvc: Builder) -> None:
 
 def test_service_fronts_every_variant_and_pdb_keeps_drains_moving(make_isvc: Builder) -> None:
     children = desired_children(parse_isvc(make_isvc()), None, 2, CONFIG)
-    assert children.service["spec"]["selector"] == {"ladle.dev/inferenceservice": "chat"}
-    assert children.service["spec"]["ports"] == [
+    service = desired_service(parse_isvc(make_isvc()))
+    assert service["spec"]["selector"] == {"ladle.dev/inferenceservice": "chat"}
+    assert service["spec"]["ports"] == [
         {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
     ]
     assert children.pdb is not None
@@ -259,3 +263,30 @@ def test_no_disruption_budget_below_two_replicas(make_isvc: Builder) -> None:
     children = desired_children(parse_isvc(make_isvc()), None, 1, CONFIG)
     assert children.pdb is None
     assert ("PodDisruptionBudget", "chat-stable") in children.absent()
+
+
+def test_the_rollout_strategy_follows_the_pools_headroom(make_isvc: Builder) -> None:
+    isvc = parse_isvc(make_isvc(spec={"replicas": 2}))
+    surge = desired_children(isvc, None, 2, CONFIG).deployment["spec"]["strategy"]
+    assert surge["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    replace = desired_children(isvc, None, 2, CONFIG, surge=False).deployment["spec"]["strategy"]
+    assert replace["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_the_deployment_carries_a_digest_of_its_pod_template(
+    make_isvc: Builder, make_pool: Builder
+) -> None:
+    pool = parse_pool(make_pool())
+    isvc = parse_isvc(make_isvc(spec={"gpuPool": "h200"}))
+    deployment = desired_children(isvc, pool.spec, 1, CONFIG).deployment
+    digest = deployment["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION]
+    assert digest == object_digest(deployment["spec"]["template"])
+    # Replicas and strategy are not the template: they never roll the pods.
+    other = desired_children(isvc, pool.spec, 3, CONFIG, surge=False).deployment
+    assert other["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] == digest
+    edited = parse_isvc(make_isvc(spec={"gpuPool": "h200", "engine": {"maxModelLen": 64}}))
+    changed = desired_children(edited, pool.spec, 1, CONFIG).deployment
+    assert changed["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] != digest
+    # Pods name their pool, so that pods still draining count against its quota.
+    assert deployment["spec"]["template"]["metadata"]["labels"]["ladle.dev/gpupool"] == "h200"
+    assert "ladle.dev/gpupool" not in deployment["spec"]["selector"]["matchLabels"]

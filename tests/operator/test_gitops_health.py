@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 import yaml
+from kube_harness import Kube, OperatorProcess, wait_for
 from lupa import lua51
 
 from ladle.cluster import sre_tools
-from ladle.operator.testing import Kube, OperatorProcess, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "manifests" / "argocd" / "resource_customizations" / "ladle.dev"

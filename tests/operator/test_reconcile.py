@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from ladle.operator.testing import Kube, OperatorProcess, wait_for
+from kube_harness import Kube, OperatorProcess, gone, isvc_manifest, pool_manifest, wait_for
 
 # Every test here needs the module's operator running, whether or not it reads from it.
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("operator")]
@@ -23,39 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "registry.test/ladle-runtime:test"  # the operator's --runtime-image in conftest
 
 
-def isvc_manifest(name: str, **spec: Any) -> str:
-    body: dict[str, Any] = {"model": {"name": "smollm2"}, "resources": {"gpus": 1}}
-    body.update(spec)
-    return yaml.safe_dump(
-        {
-            "apiVersion": "ladle.dev/v1alpha1",
-            "kind": "InferenceService",
-            "metadata": {"name": name},
-            "spec": body,
-        }
-    )
-
-
-def pool_manifest(name: str, **spec: Any) -> str:
-    body: dict[str, Any] = {"nodeSelector": {"nvidia.com/gpu.present": "true"}}
-    body.update(spec)
-    return yaml.safe_dump(
-        {
-            "apiVersion": "ladle.dev/v1alpha1",
-            "kind": "GPUPool",
-            "metadata": {"name": name},
-            "spec": body,
-        }
-    )
-
-
 def deployment(kube: Kube, namespace: str, name: str) -> Any:
     return kube.apps.read_namespaced_deployment(name, namespace)
-
-
-def gone(kube: Kube, *args: str) -> bool:
-    result = kube.kubectl("get", *args, "--ignore-not-found", "-o", "name")
-    return result.returncode == 0 and not result.stdout.strip()
 
 
 def test_every_example_applies_and_becomes_ready(kube: Kube, k8s_namespace: str) -> None:
@@ -145,15 +113,18 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     table = kube.kubectl("get", "-n", k8s_namespace, "lisvc", "chat", "-o", "wide")
     header, row = table.stdout.splitlines()
     assert header.split() == [
-        "NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY", "REASON", "POOL", "BREAKER", "URL", "AGE"
+        "NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY", "DEGRADED", "REASON", "POOL",
+        "BREAKER", "URL", "AGE",
     ]  # fmt: skip
-    assert row.split()[:6] == ["chat", "smollm2", "2", "2", "True", "Available"]
+    assert row.split()[:7] == ["chat", "smollm2", "2", "2", "True", "False", "Available"]
 
     assert ("Normal", "Ready") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "chat")]
     assert operator.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
 
 
-def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: str) -> None:
+def test_a_spec_edit_rolls_out_without_ready_dropping(kube: Kube, k8s_namespace: str) -> None:
+    """maxUnavailable 0 keeps the old replica serving until the new one is available, so
+    Ready stays True throughout; Progressing tells of the rollout."""
     kube.apply(isvc_manifest("chat"), k8s_namespace)
     kube.wait_condition(k8s_namespace, "chat", "Ready")
     before = deployment(kube, k8s_namespace, "chat-stable")
@@ -177,7 +148,7 @@ def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: st
     watcher.start()
     try:
         kube.apply(isvc_manifest("chat", engine={"maxModelLen": 2048}), k8s_namespace)
-        obj = kube.wait_condition(k8s_namespace, "chat", "Ready")
+        obj = kube.wait_condition(k8s_namespace, "chat", "Progressing", "False")
     finally:
         stop.set()
         watcher.join()
@@ -189,11 +160,12 @@ def test_status_follows_the_rollout_of_a_spec_edit(kube: Kube, k8s_namespace: st
     args = after.spec.template.spec.containers[0].args
     assert args[args.index("--max-model-len") + 1] == "2048"
     assert after.status.updated_replicas == 1
-    # The new generation was first reported as rolling out, then as ready.
+    assert after.spec.strategy.rolling_update.max_unavailable == 0
+    # Ready never dropped; the new generation was reported rolling out, then complete.
+    assert [s for s in seen if s[1] != "True"] == []
     new = [(ready, progressing) for gen, ready, progressing in seen if gen == generation]
-    assert ("False", "True") in new
+    assert ("True", "True") in new
     assert new[-1] == ("True", "False")
-    assert new.index(("False", "True")) < len(new) - 1
     assert "RollingOut" in [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
 
 
@@ -234,6 +206,79 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
     assert "Reverted" in reasons
     assert reasons.count("Restored") >= 3
 
+    # The same deletion again is the same event again: counted, not repeated.
+    uid = kube.core.read_namespaced_service("chat", k8s_namespace).metadata.uid
+    kube.kubectl("delete", "-n", k8s_namespace, "service/chat", "--wait=true")
+    wait_for(
+        lambda: kube.core.read_namespaced_service("chat", k8s_namespace).metadata.uid != uid,
+        "the Service to be recreated again",
+    )
+    restored = "Recreated Service chat, which was deleted outside the operator"
+    events = wait_for(
+        lambda: (
+            [e for e in kube.event_objects(k8s_namespace, "chat") if e.message == restored]
+            if any(e.count == 2 for e in kube.event_objects(k8s_namespace, "chat"))
+            else None
+        ),
+        "the repeated event to be counted",
+        timeout=20,
+    )
+    assert [e.count for e in events] == [2]
+
+
+def test_metadata_drift_is_reverted_and_a_dropped_label_is_not_a_deletion(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    # Labels and annotations the operator sets count as much as the spec.
+    for edit in (
+        ["label", "deployment", "chat-stable", "app.kubernetes.io/instance=evil", "--overwrite"],
+        ["annotate", "deployment", "chat-stable", "ladle.dev/template-hash-"],
+    ):
+        done = kube.kubectl(*edit, "-n", k8s_namespace)
+        assert done.returncode == 0, done.stderr
+    wait_for(
+        lambda: (
+            (meta := deployment(kube, k8s_namespace, "chat-stable").metadata).labels[
+                "app.kubernetes.io/instance"
+            ]
+            == "chat"
+            and "ladle.dev/template-hash" in (meta.annotations or {})
+        ),
+        "the Deployment's labels and annotations to be put back",
+    )
+    # Without the managed-by label the Service drops out of the operator's watch, which looks
+    # like a deletion; it is the same object, relabelled, and the event says so.
+    uid = kube.core.read_namespaced_service("chat", k8s_namespace).metadata.uid
+    dropped = kube.kubectl(
+        "label", "service", "chat", "app.kubernetes.io/managed-by-", "-n", k8s_namespace
+    )
+    assert dropped.returncode == 0, dropped.stderr
+    service = wait_for(
+        lambda: (
+            (s := kube.core.read_namespaced_service("chat", k8s_namespace)).metadata.labels.get(
+                "app.kubernetes.io/managed-by"
+            )
+            == "ladle-operator"
+            and s
+        ),
+        "the Service's label to be put back",
+    )
+    assert service.metadata.uid == uid
+    events = wait_for(
+        lambda: (
+            [m for _, r, m in kube.events(k8s_namespace, "chat") if r == "Reverted"]
+            if len([r for _, r, _ in kube.events(k8s_namespace, "chat") if r == "Reverted"]) >= 2
+            else None
+        ),
+        "both Reverted events",
+        timeout=20,
+    )
+    assert any("Deployment chat-stable" in m and "label" in m for m in events)
+    assert any(m.startswith("Put back the labels of Service chat") for m in events)
+    assert "Restored" not in [r for _, r, _ in kube.events(k8s_namespace, "chat")]
+
 
 def test_deleting_an_inference_service_garbage_collects_its_children(
     kube: Kube, k8s_namespace: str
@@ -256,75 +301,31 @@ def test_deleting_an_inference_service_garbage_collects_its_children(
 
 
 def test_missing_gpus_say_degraded_in_the_schedulers_words(kube: Kube, k8s_namespace: str) -> None:
-    # No fake node has more than 8 GPUs.
-    kube.apply(isvc_manifest("huge", resources={"gpus": 9}), k8s_namespace)
+    # No node offers this pool's GPU resource.
+    pool = f"{k8s_namespace}-none"
+    kube.apply(pool_manifest(pool, nodeSelector={}, resourceName="example.com/missing-gpu"))
+    kube.apply(isvc_manifest("huge", gpuPool=pool), k8s_namespace)
     obj = kube.wait_condition(k8s_namespace, "huge", "Degraded", reason="InsufficientGPUs")
     degraded = kube.condition(obj, "Degraded")["message"]
     assert degraded.startswith("1 pod of Deployment huge-stable cannot be scheduled: ")
-    assert "Insufficient nvidia.com/gpu" in degraded
+    assert "Insufficient example.com/missing-gpu" in degraded
     assert kube.condition(obj, "Ready")["status"] == "False"
     assert kube.condition(obj, "Ready")["reason"] == "InsufficientGPUs"
     warnings = [(t, r) for t, r, _ in kube.events(k8s_namespace, "huge")]
     assert ("Warning", "InsufficientGPUs") in warnings
 
-    # Asking for what fits heals it.
-    kube.apply(isvc_manifest("huge", resources={"gpus": 1}), k8s_namespace)
+    # Asking for what fits (running on CPU) heals it.
+    kube.apply(isvc_manifest("huge", gpuPool=pool, resources={"gpus": 0}), k8s_namespace)
     obj = kube.wait_condition(k8s_namespace, "huge", "Ready")
     assert kube.condition(obj, "Degraded")["status"] == "False"
     assert ("Normal", "Recovered") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "huge")]
+    kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "huge", "--wait=false")
+    kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
 
-def test_gpu_pool_quota_is_enforced_and_explained(kube: Kube, k8s_namespace: str) -> None:
-    pool = f"{k8s_namespace}-quota"
-    kube.apply(pool_manifest(pool, quota={"gpus": 2}))
-    try:
-        kube.apply(isvc_manifest("first", gpuPool=pool, replicas=2), k8s_namespace)
-        kube.wait_condition(k8s_namespace, "first", "Ready")
-        kube.apply(isvc_manifest("second", gpuPool=pool), k8s_namespace)
-        obj = kube.wait_condition(k8s_namespace, "second", "Ready", "False", "QuotaExceeded")
-        assert kube.condition(obj, "Degraded")["reason"] == "QuotaExceeded"
-        assert (
-            "quota of 2 GPUs allows 0 of 1 replicas" in kube.condition(obj, "Degraded")["message"]
-        )
-        assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 0
-
-        # Scaling the first past the quota is not honoured, and says so.
-        scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/first", "--replicas=3")
-        assert scaled.returncode == 0, scaled.stderr
-        obj = kube.wait_condition(k8s_namespace, "first", "Degraded", reason="QuotaExceeded")
-        assert kube.condition(obj, "Ready")["status"] == "True"
-        assert deployment(kube, k8s_namespace, "first-stable").spec.replicas == 2
-        status = wait_for(
-            lambda: (s := kube.pool(pool).get("status") or {}).get("requested") == 4 and s,
-            "the pool to count 4 requested GPUs",
-        )
-        assert (status["claimed"], status["inferenceServices"]) == (2, 2)
-        assert kube.condition(kube.pool(pool), "Degraded")["reason"] == "QuotaExceeded"
-
-        # Freed GPUs go to the oldest waiting service first: "first" is older than "second".
-        kube.kubectl("scale", "-n", k8s_namespace, "lisvc/first", "--replicas=1")
-        kube.wait_condition(k8s_namespace, "first", "Degraded", "False")
-        obj = kube.wait_condition(k8s_namespace, "second", "Ready")
-        assert kube.condition(obj, "Degraded")["status"] == "False"
-        assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 1
-
-        # A larger quota and a deleted member both hand GPUs to the one still waiting.
-        kube.kubectl("scale", "-n", k8s_namespace, "lisvc/second", "--replicas=3")
-        kube.wait_condition(k8s_namespace, "second", "Degraded", reason="QuotaExceeded")
-        kube.apply(pool_manifest(pool, quota={"gpus": 3}))
-        wait_for(
-            lambda: deployment(kube, k8s_namespace, "second-stable").spec.replicas == 2,
-            "the raised quota to grant a second replica",
-        )
-        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "first")
-        obj = kube.wait_condition(k8s_namespace, "second", "Degraded", "False")
-        assert deployment(kube, k8s_namespace, "second-stable").spec.replicas == 3
-    finally:
-        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
-        kube.kubectl("delete", "gpupool", pool, "--wait=false")
-
-
-def test_missing_pool_is_degraded_until_it_exists(kube: Kube, k8s_namespace: str) -> None:
+def test_missing_pool_is_degraded_and_a_generation_it_blocks_never_reads_ready(
+    kube: Kube, k8s_namespace: str
+) -> None:
     pool = f"{k8s_namespace}-late"
     kube.apply(isvc_manifest("chat", gpuPool=pool), k8s_namespace)
     obj = kube.wait_condition(k8s_namespace, "chat", "Degraded", reason="GPUPoolNotFound")
@@ -338,6 +339,21 @@ def test_missing_pool_is_degraded_until_it_exists(kube: Kube, k8s_namespace: str
             "nvidia.com/gpu.present": "true",
             "nvidia.com/gpu.product": "NVIDIA-H200",
         }
+
+        # The pool goes anyway (an admin forces it past its finalizer), then the spec changes:
+        # the Deployment still runs generation 1, so generation 2 must not read as Ready.
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+        kube.kubectl(
+            "patch", "gpupool", pool, "--type=merge", "-p", '{"metadata":{"finalizers":null}}'
+        )
+        wait_for(lambda: gone(kube, "gpupool", pool), "the pool to go")
+        kube.apply(isvc_manifest("chat", gpuPool=pool, engine={"maxModelLen": 1024}), k8s_namespace)
+        obj = kube.wait_condition(k8s_namespace, "chat", "Ready", "False", "GPUPoolNotFound")
+        assert obj["status"]["observedGeneration"] == 2
+        assert kube.condition(obj, "Stalled")["status"] == "True"
+        assert kube.condition(obj, "Progressing")["reason"] == "GPUPoolNotFound"
+        args = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec.containers[0].args
+        assert "--max-model-len" not in args
     finally:
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
@@ -410,7 +426,8 @@ def test_someone_elses_object_with_a_childs_name_is_never_taken_over(
     ready = kube.condition(obj, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", reason)
     kind, name = theirs.split("/")
-    assert f"{kind.capitalize()} {name} exists and is not ours: Apply failed" in ready["message"]
+    assert f"{kind.capitalize()} {name} exists and is not ours" in ready["message"]
+    assert "kubectl-create" in ready["message"]  # whose it is
     after = get()
     assert after["spec"] == before["spec"]
     assert "ownerReferences" not in after["metadata"]
@@ -419,6 +436,116 @@ def test_someone_elses_object_with_a_childs_name_is_never_taken_over(
     kube.kubectl("delete", "-n", k8s_namespace, theirs)
     kube.wait_condition(k8s_namespace, "chat", "Ready", timeout=90)
     assert get()["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+
+
+def test_a_name_taken_mid_life_blocks_the_new_generation(kube: Kube, k8s_namespace: str) -> None:
+    """An edit needs a ConfigMap whose name someone else's object holds: the apply stops
+    there, and the status says so instead of reporting the old Deployment as the new spec."""
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    made = kube.kubectl(
+        "create", "configmap", "chat-stable-config", "--from-literal=a=b", "-n", k8s_namespace
+    )
+    assert made.returncode == 0, made.stderr
+    # A served model name this long no longer fits in the pod's args.
+    kube.apply(isvc_manifest("chat", model={"name": "m" * 250}), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "chat", "Ready", "False", "ChildConflict")
+    assert (
+        "ConfigMap chat-stable-config exists and is not ours"
+        in (kube.condition(obj, "Ready")["message"])
+    )
+    assert kube.condition(obj, "Stalled")["status"] == "True"
+    args = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec.containers[0].args
+    assert "--config" not in args
+
+    kube.kubectl("delete", "configmap", "chat-stable-config", "-n", k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready", timeout=90)
+    args = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec.containers[0].args
+    assert args[-2:] == ["--config", "/etc/ladle/config/config.yaml"]
+
+
+def test_an_apply_the_api_server_refuses_becomes_a_condition(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    """An admission policy refuses the Deployment of a new generation: the API server's words
+    reach the status (not just the log), and the service heals once the policy goes."""
+    name = f"{k8s_namespace}-no-seed"[:63]
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": ["apps"],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["deployments"],
+                    }
+                ]
+            },
+            "validations": [
+                {
+                    "expression": "!object.spec.template.spec.containers.exists(c, "
+                    "has(c.args) && '--seed' in c.args)",
+                    "message": "this cluster does not allow pinned seeds",
+                }
+            ],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "validationActions": ["Deny"],
+            "matchResources": {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": k8s_namespace}}
+            },
+        },
+    }
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.wait_condition(k8s_namespace, "chat", "Ready")
+    probe = yaml.safe_dump(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "probe", "namespace": k8s_namespace},
+            "spec": {
+                "selector": {"matchLabels": {"app": "probe"}},
+                "template": {
+                    "metadata": {"labels": {"app": "probe"}},
+                    "spec": {"containers": [{"name": "c", "image": "x", "args": ["--seed"]}]},
+                },
+            },
+        }
+    )
+    try:
+        kube.apply(yaml.safe_dump(policy))
+        kube.apply(yaml.safe_dump(binding))
+        wait_for(
+            lambda: (
+                "pinned seeds"
+                in kube.kubectl("apply", "--dry-run=server", "-f", "-", stdin=probe).stderr
+            ),
+            "the admission policy to take effect",
+        )
+        kube.apply(isvc_manifest("chat", engine={"seed": 7}), k8s_namespace)
+        obj = kube.wait_condition(k8s_namespace, "chat", "Ready", "False", "ApplyFailed")
+        message = kube.condition(obj, "Ready")["message"]
+        assert message.startswith("Deployment chat-stable: ")
+        assert "this cluster does not allow pinned seeds" in message
+        assert kube.condition(obj, "Stalled")["status"] == "True"
+        assert kube.condition(obj, "Degraded")["reason"] == "ApplyFailed"
+    finally:
+        kube.kubectl("delete", "validatingadmissionpolicybinding", name, "--ignore-not-found")
+        kube.kubectl("delete", "validatingadmissionpolicy", name, "--ignore-not-found")
+    kube.wait_condition(k8s_namespace, "chat", "Ready", timeout=90)
+    args = deployment(kube, k8s_namespace, "chat-stable").spec.template.spec.containers[0].args
+    assert args[args.index("--seed") + 1] == "7"
 
 
 def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_namespace: str) -> None:

@@ -1,19 +1,24 @@
-"""Children → status: conditions as Argo CD, kstatus and an SRE read them."""
+"""Observations → status: conditions as Argo CD, kstatus and an SRE read them."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from ladle.operator.api import InferenceService, parse_isvc, parse_pool
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.status import (
-    NodeInfo,
-    UnschedulablePod,
+    PodProblem,
+    PoolFacts,
+    Problem,
     VariantObservation,
     derive_isvc_status,
     derive_pool_status,
     read_rollout,
 )
+from ladle.operator.store import NodeInfo
 
 Builder = Any
 NOW = "2026-03-01T12:00:00Z"
@@ -28,11 +33,11 @@ def observe(
     deployment: dict[str, Any] | None,
     *,
     granted: int | None = None,
-    unschedulable: tuple[UnschedulablePod, ...] = (),
+    pods: tuple[PodProblem, ...] = (),
     quota_note: str | None = None,
     service_exists: bool = True,
     service_error: str | None = None,
-    conflict: str | None = None,
+    blockers: tuple[Problem, ...] = (),
 ) -> dict[str, Any]:
     variant = VariantObservation(
         name="stable",
@@ -43,7 +48,7 @@ def observe(
         requested_replicas=isvc.spec.replicas,
         granted_replicas=isvc.spec.replicas if granted is None else granted,
         gpu_resource="nvidia.com/gpu",
-        unschedulable=unschedulable,
+        pod_problems=pods,
         quota_note=quota_note,
     )
     return derive_isvc_status(
@@ -52,28 +57,30 @@ def observe(
         url="http://chat.team-a.svc.cluster.local/v1",
         selector="s",
         now=NOW,
+        blockers=blockers,
         service_exists=service_exists,
         service_error=service_error,
-        conflict=conflict,
     )
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
-    """Ready, Progressing and Degraded (test_kstatus.py checks Reconciling and Stalled)."""
-    kstatus = ("Reconciling", "Stalled")
-    return {
-        c["type"]: (c["status"], c["reason"])
-        for c in status["conditions"]
-        if c["type"] not in kstatus
-    }
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
 
 
-def test_available_rollout_is_ready(make_isvc: Builder, make_deployment: Builder) -> None:
+def message(status: dict[str, Any], type_: str) -> str:
+    return next(str(c["message"]) for c in status["conditions"] if c["type"] == type_)
+
+
+def test_available_rollout_is_ready_and_current_for_kstatus(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
     isvc = parse_isvc(make_isvc(spec={"replicas": 2}, generation=3))
     status = observe(isvc, make_deployment(2))
     assert conditions(status) == {
         "Ready": ("True", "Available"),
         "Progressing": ("False", "RolloutComplete"),
+        "Reconciling": ("False", "RolloutComplete"),
+        "Stalled": ("False", "AsExpected"),
         "Degraded": ("False", "AsExpected"),
     }
     assert status["observedGeneration"] == 3
@@ -83,21 +90,35 @@ def test_available_rollout_is_ready(make_isvc: Builder, make_deployment: Builder
     assert status["variants"][0]["deployment"] == "chat-stable"
 
 
+def test_a_spec_edit_rolling_out_with_no_unavailability_stays_ready(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    # maxSurge 1, maxUnavailable 0: the old replicas serve until the new ones are available.
+    isvc = parse_isvc(make_isvc(spec={"replicas": 2}, generation=4))
+    rolling = make_deployment(2, generation=5, observed=5, updated=1, available=2, total=3)
+    status = observe(isvc, rolling)
+    assert conditions(status)["Ready"] == ("True", "RollingOut")
+    assert conditions(status)["Progressing"] == ("True", "RollingOut")
+    assert conditions(status)["Reconciling"] == ("True", "RollingOut")
+    assert message(status, "Ready") == (
+        "serving 2/2 replicas available while rolling out: "
+        "chat-stable: 1/2 replicas updated, 2/2 available; scaling down from 3"
+    )
+
+
 def test_ready_waits_for_the_service_behind_the_url(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
     isvc = parse_isvc(make_isvc())
     status = observe(isvc, make_deployment(1), service_exists=False)
-    assert conditions(status) == {
-        "Ready": ("False", "ServiceNotCreated"),
-        "Progressing": ("True", "CreatingService"),
-        "Degraded": ("False", "AsExpected"),
-    }
-    assert status["conditions"][0]["message"] == "Service chat is being created"
+    assert conditions(status)["Ready"] == ("False", "ServiceNotCreated")
+    assert conditions(status)["Progressing"] == ("True", "CreatingService")
+    assert conditions(status)["Stalled"] == ("False", "AsExpected")
+    assert message(status, "Ready") == "Service chat is being created"
     assert status["availableReplicas"] == 1
 
 
-def test_a_service_that_cannot_be_created_is_degraded_with_the_api_servers_words(
+def test_a_service_that_cannot_be_created_is_stalled_in_the_api_servers_words(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
     why = "Service chat could not be created: 403 Forbidden: exceeded quota: services=0"
@@ -111,15 +132,42 @@ def test_a_service_that_cannot_be_created_is_degraded_with_the_api_servers_words
         )
         assert conditions(status)["Ready"] == ("False", "ServiceNotCreated")
         assert conditions(status)["Degraded"] == ("True", "ServiceNotCreated")
-        assert status["conditions"][0]["message"] == why
+        assert conditions(status)["Stalled"] == ("True", "ServiceNotCreated")
+        assert message(status, "Ready") == why
 
 
-def test_a_name_held_by_someone_elses_object_blocks_ready(make_isvc: Builder) -> None:
-    why = "Deployment chat-stable exists and is not ours: Apply failed with 1 conflict"
-    status = observe(parse_isvc(make_isvc()), None, conflict=why)
-    assert conditions(status)["Ready"] == ("False", "ChildConflict")
-    assert conditions(status)["Degraded"] == ("True", "ChildConflict")
-    assert status["conditions"][0]["message"] == why
+def test_a_generation_that_was_not_applied_never_reads_ready(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    """The old Deployment still runs generation 2 complete and available; generation 3 could
+    not be applied (its pool is gone, a child's name is taken, the apply was refused)."""
+    isvc = parse_isvc(make_isvc(generation=3))
+    for blocker in (
+        Problem("GPUPoolNotFound", 'GPUPool "gone" does not exist', stalls=True),
+        Problem("ChildConflict", "Deployment chat-stable exists and is not ours", stalls=True),
+        Problem("ApplyFailed", "Deployment chat-stable: 422 Invalid: denied", stalls=True),
+    ):
+        status = observe(isvc, make_deployment(1, generation=2, observed=2), blockers=(blocker,))
+        assert conditions(status) == {
+            "Ready": ("False", blocker.reason),
+            "Progressing": ("False", blocker.reason),
+            "Reconciling": ("False", blocker.reason),
+            "Stalled": ("True", blocker.reason),
+            "Degraded": ("True", blocker.reason),
+        }
+        assert message(status, "Ready") == blocker.message
+        assert status["observedGeneration"] == 3
+
+
+def test_a_passing_apply_error_is_degraded_but_still_reconciling(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    blocker = Problem("ApplyFailed", "Deployment chat-stable: 500 InternalError: etcd timeout")
+    status = observe(parse_isvc(make_isvc()), make_deployment(1), blockers=(blocker,))
+    assert conditions(status)["Ready"] == ("False", "ApplyFailed")
+    assert conditions(status)["Reconciling"] == ("True", "ApplyFailed")
+    assert conditions(status)["Degraded"] == ("True", "ApplyFailed")
+    assert conditions(status)["Stalled"] == ("False", "AsExpected")
 
 
 def test_rollout_in_progress_is_progressing_not_ready(
@@ -127,12 +175,22 @@ def test_rollout_in_progress_is_progressing_not_ready(
 ) -> None:
     isvc = parse_isvc(make_isvc(spec={"replicas": 2}))
     status = observe(isvc, make_deployment(2, updated=1, available=1, total=3))
-    assert conditions(status) == {
-        "Ready": ("False", "RollingOut"),
-        "Progressing": ("True", "RollingOut"),
-        "Degraded": ("False", "AsExpected"),
-    }
-    assert "1/2 updated, 1 available" in status["conditions"][0]["message"]
+    assert conditions(status)["Ready"] == ("False", "RollingOut")
+    assert conditions(status)["Progressing"] == ("True", "RollingOut")
+    assert conditions(status)["Degraded"] == ("False", "AsExpected")
+    assert "1/2 replicas updated, 1/2 available" in message(status, "Ready")
+
+
+def test_counts_after_a_hand_scale_read_sensibly(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    # Someone scaled the Deployment to 5 by hand; the operator wants 2 and scales it back.
+    isvc = parse_isvc(make_isvc(spec={"replicas": 2}))
+    status = observe(isvc, make_deployment(2, generation=3, observed=3, total=5, available=5))
+    assert "5/2" not in message(status, "Progressing")
+    assert message(status, "Progressing") == (
+        "chat-stable: 2/2 replicas updated, 2/2 available; scaling down from 5"
+    )
 
 
 def test_a_deployment_that_has_not_seen_its_new_spec_is_not_complete(
@@ -148,23 +206,48 @@ def test_missing_gpus_are_degraded_with_the_schedulers_words(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
     isvc = parse_isvc(make_isvc())
-    pod = UnschedulablePod("chat-stable-abc-1", INSUFFICIENT)
-    status = observe(isvc, make_deployment(1, available=0, ready=0), unschedulable=(pod,))
-    assert conditions(status) == {
-        "Ready": ("False", "InsufficientGPUs"),
-        "Progressing": ("True", "RollingOut"),
-        "Degraded": ("True", "InsufficientGPUs"),
-    }
-    degraded = status["conditions"][2]["message"]
+    pod = PodProblem("chat-stable-abc-1", "Unschedulable", INSUFFICIENT)
+    status = observe(isvc, make_deployment(1, available=0, ready=0), pods=(pod,))
+    assert conditions(status)["Ready"] == ("False", "InsufficientGPUs")
+    assert conditions(status)["Progressing"] == ("True", "RollingOut")
+    assert conditions(status)["Degraded"] == ("True", "InsufficientGPUs")
+    assert conditions(status)["Stalled"] == ("False", "AsExpected")
+    degraded = message(status, "Degraded")
     assert degraded.startswith("1 pod of Deployment chat-stable cannot be scheduled: ")
     assert "2 Insufficient nvidia.com/gpu" in degraded
+
+
+def test_a_container_that_cannot_start_says_why_in_the_kubelets_words(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    secret = 'secret "chat-key" not found'
+    isvc = parse_isvc(make_isvc())
+    pods = (
+        PodProblem("chat-stable-abc-1", "CreateContainerConfigError", secret),
+        PodProblem("chat-stable-abc-2", "CreateContainerConfigError", secret),
+    )
+    status = observe(isvc, make_deployment(2, available=0, ready=0), granted=2, pods=pods)
+    assert conditions(status)["Ready"] == ("False", "CreateContainerConfigError")
+    assert conditions(status)["Stalled"] == ("True", "CreateContainerConfigError")
+    assert conditions(status)["Reconciling"][0] == "False"
+    assert message(status, "Ready") == (
+        "2 pods of Deployment chat-stable cannot start: CreateContainerConfigError: " + secret
+    )
+    pulling = observe(
+        isvc,
+        make_deployment(1, available=0, ready=0),
+        pods=(PodProblem("p", "ImagePullBackOff", "Back-off pulling image"),),
+    )
+    # An image pull may still succeed: degraded, not stalled (until the progress deadline).
+    assert conditions(pulling)["Ready"] == ("False", "ImagePullBackOff")
+    assert conditions(pulling)["Stalled"] == ("False", "AsExpected")
 
 
 def test_other_scheduling_failures_say_unschedulable(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
-    pod = UnschedulablePod("p", "0/2 nodes are available: 2 node(s) didn't match selector.")
-    status = observe(parse_isvc(make_isvc()), make_deployment(1, available=0), unschedulable=(pod,))
+    pod = PodProblem("p", "Unschedulable", "0/2 nodes are available: 2 node(s) didn't match.")
+    status = observe(parse_isvc(make_isvc()), make_deployment(1, available=0), pods=(pod,))
     assert conditions(status)["Degraded"] == ("True", "Unschedulable")
 
 
@@ -179,42 +262,39 @@ def test_stalled_rollout_stops_progressing(make_isvc: Builder, make_deployment: 
     assert conditions(status) == {
         "Ready": ("False", "ProgressDeadlineExceeded"),
         "Progressing": ("False", "ProgressDeadlineExceeded"),
+        "Reconciling": ("False", "ProgressDeadlineExceeded"),
+        "Stalled": ("True", "ProgressDeadlineExceeded"),
         "Degraded": ("True", "ProgressDeadlineExceeded"),
     }
 
 
-def test_quota_capped_service_is_ready_at_its_grant_and_degraded(
+def test_quota_capped_service_is_ready_at_its_grant_and_says_so_in_the_reason(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
     isvc = parse_isvc(make_isvc(spec={"replicas": 3}))
     note = "GPUPool p quota of 2 GPUs allows 2 of 3 replicas"
     status = observe(isvc, make_deployment(2), granted=2, quota_note=note)
-    assert conditions(status) == {
-        "Ready": ("True", "Available"),
-        "Progressing": ("False", "RolloutComplete"),
-        "Degraded": ("True", "QuotaExceeded"),
-    }
-    assert "(quota allows 2 of 3 requested)" in status["conditions"][0]["message"]
-    assert status["conditions"][2]["message"] == note
+    assert conditions(status)["Ready"] == ("True", "QuotaCapped")
+    assert conditions(status)["Degraded"] == ("True", "QuotaExceeded")
+    assert conditions(status)["Stalled"] == ("False", "AsExpected")
+    assert message(status, "Ready") == (
+        "2/2 replicas available; the GPUPool quota allows 2 of 3 requested"
+    )
+    assert message(status, "Degraded") == note
     assert status["variants"][0]["requestedReplicas"] == 3
     assert status["variants"][0]["desiredReplicas"] == 2
 
 
-def test_a_service_granted_nothing_is_not_ready_even_mid_rollout(
+def test_a_service_granted_nothing_is_stalled_even_mid_rollout(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
     # The Deployment has not yet observed its scale-down to 0.
     unobserved = make_deployment(0, generation=2, observed=1, total=1, updated=1, available=1)
-    status = observe(parse_isvc(make_isvc()), unobserved, granted=0, quota_note="full")
-    assert conditions(status)["Ready"] == ("False", "QuotaExceeded")
-    assert conditions(status)["Degraded"] == ("True", "QuotaExceeded")
-
-
-def test_a_service_granted_nothing_is_not_ready(
-    make_isvc: Builder, make_deployment: Builder
-) -> None:
-    status = observe(parse_isvc(make_isvc()), make_deployment(0), granted=0, quota_note="full")
-    assert conditions(status)["Ready"] == ("False", "QuotaExceeded")
+    for deployment in (unobserved, make_deployment(0)):
+        status = observe(parse_isvc(make_isvc()), deployment, granted=0, quota_note="full")
+        assert conditions(status)["Ready"] == ("False", "QuotaExceeded")
+        assert conditions(status)["Stalled"] == ("True", "QuotaExceeded")
+        assert conditions(status)["Degraded"] == ("True", "QuotaExceeded")
 
 
 def test_scaled_to_zero_is_ready(make_isvc: Builder, make_deployment: Builder) -> None:
@@ -222,25 +302,10 @@ def test_scaled_to_zero_is_ready(make_isvc: Builder, make_deployment: Builder) -
     status = observe(isvc, make_deployment(0))
     assert conditions(status)["Ready"] == ("True", "ScaledToZero")
     # It says plainly what happens to the next request, and what to do about it.
-    message = status["conditions"][0]["message"]
-    assert "holds each request" in message
-    assert "503 no_ready_pods" in message
-    assert "raise spec.replicas" in message
-
-
-def test_missing_pool_is_degraded(make_isvc: Builder) -> None:
-    isvc = parse_isvc(make_isvc(spec={"gpuPool": "gone"}))
-    variant = VariantObservation(
-        "stable", "none", "img", "chat-stable", None, 1, 1, "nvidia.com/gpu"
-    )
-    status = derive_isvc_status(
-        isvc, [variant], url="u", selector="s", now=NOW, pool_problem='GPUPool "gone" is missing'
-    )
-    assert conditions(status) == {
-        "Ready": ("False", "GPUPoolNotFound"),
-        "Progressing": ("False", "GPUPoolNotFound"),
-        "Degraded": ("True", "GPUPoolNotFound"),
-    }
+    (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert "holds each request" in ready["message"]
+    assert "503 no_ready_pods" in ready["message"]
+    assert "raise spec.replicas" in ready["message"]
 
 
 def test_transition_times_move_only_when_status_changes(
@@ -252,15 +317,97 @@ def test_transition_times_move_only_when_status_changes(
     isvc = parse_isvc(make_isvc(status={"conditions": earlier}))
     second = observe(isvc, make_deployment(1))
     times = {c["type"]: c["lastTransitionTime"] for c in second["conditions"]}
-    # Ready, Progressing and Reconciling flipped; Degraded and Stalled stayed False.
-    before = "2026-01-01T00:00:00Z"
+    # Ready, Progressing and Reconciling flipped; Stalled and Degraded stayed False.
     assert times == {
         "Ready": NOW,
         "Progressing": NOW,
         "Reconciling": NOW,
-        "Degraded": before,
-        "Stalled": before,
+        "Stalled": "2026-01-01T00:00:00Z",
+        "Degraded": "2026-01-01T00:00:00Z",
     }
+
+
+rollouts = st.builds(
+    dict,
+    want=st.integers(0, 4),
+    spec=st.integers(0, 4),
+    total=st.integers(0, 6),
+    updated=st.integers(0, 6),
+    available=st.integers(0, 6),
+    observed=st.booleans(),
+    deadline=st.booleans(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rollout=st.one_of(st.none(), rollouts),
+    requested=st.integers(0, 4),
+    pods=st.lists(
+        st.sampled_from(["Unschedulable", "CreateContainerConfigError", "ImagePullBackOff"]),
+        max_size=2,
+    ),
+    blocked=st.sampled_from([None, "GPUPoolNotFound", "ApplyFailed", "ApplyFailedPassing"]),
+    service=st.sampled_from(["exists", "pending", "refused"]),
+)
+def test_the_conditions_keep_their_promises(
+    rollout: dict[str, Any] | None,
+    requested: int,
+    pods: list[str],
+    blocked: str | None,
+    service: str,
+) -> None:
+    """The invariants docs/operator.md states, over arbitrary observations."""
+    isvc = parse_isvc(
+        {
+            "metadata": {"name": "chat", "namespace": "a", "uid": "u", "generation": 2},
+            "spec": {"model": {"name": "m"}, "replicas": requested, "minReplicas": 0},
+        }
+    )
+    deployment = None
+    granted = rollout["want"] if rollout else requested
+    if rollout is not None:
+        deployment = {
+            "metadata": {"generation": 2},
+            "spec": {"replicas": rollout["spec"]},
+            "status": {
+                "observedGeneration": 2 if rollout["observed"] else 1,
+                "replicas": rollout["total"],
+                "updatedReplicas": rollout["updated"],
+                "readyReplicas": rollout["available"],
+                "availableReplicas": rollout["available"],
+                "conditions": [{"type": "Progressing", "reason": "ProgressDeadlineExceeded"}]
+                if rollout["deadline"]
+                else [],
+            },
+        }
+    blockers = ()
+    if blocked:
+        blockers = (Problem(blocked, "why", stalls=blocked != "ApplyFailedPassing"),)
+    status = observe(
+        isvc,
+        deployment,
+        granted=granted,
+        pods=tuple(PodProblem(f"p{i}", reason, "m") for i, reason in enumerate(pods)),
+        quota_note="capped" if granted < requested else None,
+        service_exists=service == "exists",
+        service_error="403 Forbidden" if service == "refused" else None,
+        blockers=blockers,
+    )
+    on = {c["type"]: c["status"] == "True" for c in status["conditions"]}
+    assert status["observedGeneration"] == 2
+    assert not (on["Ready"] and on["Stalled"])
+    assert not (on["Reconciling"] and on["Stalled"])
+    assert on["Reconciling"] == on["Progressing"]
+    if on["Stalled"]:
+        assert on["Degraded"]
+    if on["Ready"]:
+        assert not blocked  # a generation not applied never reads Ready
+        assert service == "exists"
+        assert requested == 0 or status["availableReplicas"] >= granted > 0
+    if not on["Ready"] and not on["Reconciling"] and not on["Stalled"]:
+        # At rest and not serving: only a quota that grants nothing gets here, and it stalls.
+        raise AssertionError(f"neither ready, reconciling nor stalled: {conditions(status)}")
 
 
 def node(name: str, labels: dict[str, str], gpus: str = "8", ready: bool = True) -> NodeInfo:
@@ -279,7 +426,7 @@ def test_pool_status_counts_matching_nodes_claims_and_quota(make_pool: Builder) 
         node("n5", {"zone": "a", "nvidia.com/gpu.product": "H200"}, gpus="0"),
     ]
     plan = plan_pool(4, [Claim("x", "1", 3, 1), Claim("y", "2", 3, 1)])
-    status = derive_pool_status(pool, nodes, plan, 2, NOW)
+    status = derive_pool_status(pool, nodes, plan, PoolFacts(2), NOW)
     assert {k: status[k] for k in ("nodes", "capacity", "allocatable", "claimed", "requested")} == {
         "nodes": 2,
         "capacity": 16,
@@ -292,15 +439,35 @@ def test_pool_status_counts_matching_nodes_claims_and_quota(make_pool: Builder) 
         "Ready": ("True", "NodesAvailable"),
         "Degraded": ("True", "QuotaExceeded"),
     }
-    assert (
-        "request 6 GPUs but the quota is 4; 2 GPUs are withheld"
-        in (status["conditions"][1]["message"])
+    assert message(status, "Ready") == "1 schedulable node offers 8 nvidia.com/gpu"
+    assert "request 6 GPUs but the quota is 4; 2 GPUs are withheld" in message(status, "Degraded")
+
+
+def test_pool_messages_count_in_good_grammar(make_pool: Builder) -> None:
+    pool = parse_pool(make_pool(spec={"quota": {"gpus": 0}}))
+    plan = plan_pool(0, [Claim("x", "1", 1, 1)])
+    status = derive_pool_status(pool, [node("n1", {}, gpus="1")], plan, PoolFacts(1), NOW)
+    assert "request 1 GPU but the quota is 0; 1 GPU is withheld" in message(status, "Degraded")
+    assert "1 GPUs" not in str(status)
+
+
+def test_overlapping_pools_and_a_blocked_deletion_are_reported(make_pool: Builder) -> None:
+    pool = parse_pool(make_pool())
+    facts = PoolFacts(2, overlaps={"other": 3}, blocking_deletion=("team-a/chat", "team-b/x"))
+    status = derive_pool_status(pool, [node("n1", {})], plan_pool(None, []), facts, NOW)
+    assert conditions(status)["Degraded"] == ("True", "DeletionBlocked")
+    degraded = message(status, "Degraded")
+    assert "deletion waits for 2 InferenceServices that still use this pool: team-a/chat" in (
+        degraded
     )
+    assert "shares 3 nodes with GPUPool other" in degraded
 
 
 def test_pool_without_nodes_is_not_ready(make_pool: Builder) -> None:
     pool = parse_pool(make_pool(spec={"nodeSelector": {"zone": "z"}}))
-    status = derive_pool_status(pool, [node("n1", {"zone": "a"})], plan_pool(None, []), 0, NOW)
+    status = derive_pool_status(
+        pool, [node("n1", {"zone": "a"})], plan_pool(None, []), PoolFacts(0), NOW
+    )
     assert conditions(status) == {
         "Ready": ("False", "NoMatchingNodes"),
         "Degraded": ("False", "AsExpected"),

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+from kube_harness import Kube, OperatorProcess, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.operator.telemetry import Metrics
-from ladle.operator.testing import Kube, OperatorProcess, wait_for
 
 
 def status(ready: tuple[str, str], degraded: tuple[str, str], serving: int = 0) -> dict[str, Any]:

@@ -33,14 +33,36 @@ async def test_retries_back_off_exponentially_and_reset_on_success() -> None:
     queue.close()
 
 
-async def test_an_event_supersedes_a_pending_retry() -> None:
-    queue: WorkQueue[str] = WorkQueue(base_delay=60)
-    queue.retry("a")
+async def test_events_do_not_cut_a_failing_keys_backoff_short() -> None:
+    """A key failing every time it runs must not be retried at the rate events arrive (its
+    own status writes, its pods): they wait for the backoff, which sees them all anyway."""
+    queue: WorkQueue[str] = WorkQueue(base_delay=0.2)
     queue.add("a")
+    assert await queue.get() == "a"
+    queue.add("a")  # an event while the failing reconcile runs
+    queue.retry("a")
+    queue.done("a")
+    for _ in range(5):
+        queue.add("a")
+    assert len(queue) == 0
+    started = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(queue.get(), timeout=2) == "a"
+    assert asyncio.get_running_loop().time() - started >= 0.15
+    queue.done("a")
+    queue.close()
+
+
+async def test_a_spec_change_is_tried_at_once_despite_a_backoff() -> None:
+    queue: WorkQueue[str] = WorkQueue(base_delay=60, max_delay=600)
+    queue.retry("a")
+    queue.add("a", urgent=True)  # the user's fix deserves a try now
     assert await asyncio.wait_for(queue.get(), timeout=1) == "a"
     queue.done("a")
     await asyncio.sleep(0)
     assert len(queue) == 0
+    # The failure count was kept: the next failure waits longer than the first.
+    assert queue.retry("a") == 120
+    queue.close()
 
 
 async def test_urgent_keys_jump_the_queue_once() -> None:

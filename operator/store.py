@@ -1,0 +1,282 @@
+"""The watch cache: what the operator knows of each object, with indexes, and nothing else.
+
+Every kind is kept as a small summary (a parsed spec, a trimmed child, a pod's few facts), by
+(namespace, name). Indexers map an object to index values (its owner, its pool), and the
+indexes follow every upsert and delete, so nothing needs clearing by hand when an object goes.
+
+kopf re-lists after a watch gap (410 Gone) without telling what vanished meanwhile; ``replace``
+does what client-go's Reflector does then: it evicts every object of a kind that a fresh list
+no longer holds, unless a watch event about it arrived after the list began.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ladle.operator.api import (
+    JSON,
+    LABEL_ISVC,
+    LABEL_POOL,
+    LABEL_VARIANT,
+    STABLE,
+    GPUPoolSpec,
+)
+from ladle.operator.quantity import quantity_to_int
+
+ObjKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds
+Indexer = Callable[[Any], Iterable[Any]]
+
+# Kinds whose metadata.generation moves only when their spec does.
+GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
+# Container waiting reasons that are part of a normal start.
+NORMAL_WAITS = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """The parts of a Node that pool accounting reads (kept small: nodes heartbeat often)."""
+
+    name: str
+    labels: Mapping[str, str]
+    ready: bool
+    unschedulable: bool
+    capacity: Mapping[str, str]
+    allocatable: Mapping[str, str]
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any]) -> NodeInfo:
+        meta = node.get("metadata") or {}
+        status = node.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or ()
+        )
+        return cls(
+            name=str(meta.get("name")),
+            labels=dict(meta.get("labels") or {}),
+            ready=ready,
+            unschedulable=bool((node.get("spec") or {}).get("unschedulable")),
+            capacity=dict(status.get("capacity") or {}),
+            allocatable=dict(status.get("allocatable") or {}),
+        )
+
+    def gpus(self, resource: str, allocatable: bool = False) -> int:
+        source = self.allocatable if allocatable else self.capacity
+        return quantity_to_int(source.get(resource, "0"))
+
+
+def node_matches(pool: GPUPoolSpec, node: NodeInfo) -> bool:
+    selector = pool.scheduling_selector()
+    if any(node.labels.get(k) != v for k, v in selector.items()):
+        return False
+    return node.gpus(pool.resource_name) > 0
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """A runtime pod, as quota and status read it."""
+
+    namespace: str
+    name: str
+    owner: str  # its InferenceService
+    variant: str
+    pool: str | None
+    # Extended resources it asks for (GPUs), by resource name.
+    limits: Mapping[str, int]
+    # It exists and has not finished: it holds its GPUs, even while terminating.
+    holds: bool
+    # The scheduler's reason, or the first container's waiting reason, and its message.
+    problem: tuple[str, str] | None
+
+    @classmethod
+    def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        status = pod.get("status") or {}
+        limits: dict[str, int] = {}
+        for container in (pod.get("spec") or {}).get("containers") or ():
+            for name, value in ((container.get("resources") or {}).get("limits") or {}).items():
+                if "/" in name:
+                    limits[name] = limits.get(name, 0) + quantity_to_int(value)
+        deleting = bool(meta.get("deletionTimestamp"))
+        return cls(
+            namespace=str(meta.get("namespace")),
+            name=str(meta.get("name")),
+            owner=str(labels.get(LABEL_ISVC)),
+            variant=str(labels.get(LABEL_VARIANT, STABLE)),
+            pool=labels.get(LABEL_POOL),
+            limits=limits,
+            holds=status.get("phase") not in ("Succeeded", "Failed"),
+            problem=None if deleting else _pod_problem(status),
+        )
+
+    def gpus(self, resource: str) -> int:
+        return self.limits.get(resource, 0) if self.holds else 0
+
+
+def _pod_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
+    if status.get("phase") not in (None, "Pending", "Running"):
+        return None
+    for cond in status.get("conditions") or ():
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            return "Unschedulable", str(cond.get("message") or "unschedulable")
+    for container in [
+        *(status.get("initContainerStatuses") or ()),
+        *(status.get("containerStatuses") or ()),
+    ]:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason and reason not in NORMAL_WAITS:
+            return str(reason), str(waiting.get("message") or reason)
+    return None
+
+
+def child_version(obj: Mapping[str, Any]) -> str:
+    """What moves when someone changes a child's spec (its generation where it has one)."""
+    meta = obj.get("metadata") or {}
+    if obj.get("kind") in GENERATION_KINDS:
+        return str(meta.get("generation") or "")
+    return str(meta.get("resourceVersion") or "")
+
+
+def trim_child(obj: Mapping[str, Any]) -> JSON:
+    """Keep what reconciles read; managedFields and pod templates would only cost memory."""
+    meta = obj.get("metadata") or {}
+    out: JSON = {
+        "apiVersion": obj.get("apiVersion"),
+        "kind": obj.get("kind"),
+        "metadata": {
+            key: meta[key]
+            for key in (
+                "name",
+                "namespace",
+                "uid",
+                "generation",
+                "resourceVersion",
+                "labels",
+                "annotations",
+                "ownerReferences",
+            )
+            if key in meta
+        },
+    }
+    if obj.get("kind") == "Deployment":
+        spec = obj.get("spec") or {}
+        out["spec"] = {"replicas": spec.get("replicas", 1), "strategy": spec.get("strategy")}
+        out["status"] = obj.get("status") or {}
+    return out
+
+
+def child_relevant(child: Mapping[str, Any] | None) -> object:
+    """What a reconcile reads from a cached child: other changes need no reconcile."""
+    if child is None:
+        return None
+    meta = child.get("metadata") or {}
+    mine = (meta.get("labels"), meta.get("annotations"), meta.get("ownerReferences"))
+    if child.get("kind") == "Deployment":
+        return (mine, meta.get("generation"), child.get("spec"), child.get("status"))
+    return (mine, child_version(child))
+
+
+class Store:
+    """Objects by kind and key, with indexes and per-object event sequence numbers."""
+
+    def __init__(self) -> None:
+        self._objects: dict[str, dict[ObjKey, Any]] = {}
+        self._indexers: dict[str, dict[str, Indexer]] = {}
+        self._indexes: dict[tuple[str, str], dict[Any, set[ObjKey]]] = {}
+        # The sequence number of the last event about each object, deleted ones included.
+        self._touched: dict[tuple[str, ObjKey], int] = {}
+        self.sequence = 0
+
+    def add_indexer(self, kind: str, name: str, indexer: Indexer) -> None:
+        self._indexers.setdefault(kind, {})[name] = indexer
+        self._indexes[(kind, name)] = {}
+
+    def get(self, kind: str, key: ObjKey) -> Any:
+        return self._objects.get(kind, {}).get(key)
+
+    def keys(self, kind: str) -> list[ObjKey]:
+        return list(self._objects.get(kind, {}))
+
+    def values(self, kind: str) -> Iterator[Any]:
+        return iter(list(self._objects.get(kind, {}).values()))
+
+    def count(self, kind: str) -> int:
+        return len(self._objects.get(kind, {}))
+
+    def by_index(self, kind: str, index: str, value: Any) -> list[Any]:
+        objects = self._objects.get(kind, {})
+        keys = self._indexes[(kind, index)].get(value, ())
+        return [objects[k] for k in sorted(keys)]
+
+    def index_keys(self, kind: str, index: str, value: Any) -> list[ObjKey]:
+        return sorted(self._indexes[(kind, index)].get(value, ()))
+
+    def touched(self, kind: str, key: ObjKey) -> int:
+        return self._touched.get((kind, key), 0)
+
+    def upsert(self, kind: str, key: ObjKey, obj: Any) -> Any:
+        """Store ``obj``; return what was there before (None if nothing)."""
+        old = self._objects.setdefault(kind, {}).get(key)
+        self._unindex(kind, key, old)
+        self._objects[kind][key] = obj
+        self._index(kind, key, obj)
+        self._touch(kind, key)
+        return old
+
+    def delete(self, kind: str, key: ObjKey) -> Any:
+        old = self._objects.get(kind, {}).pop(key, None)
+        self._unindex(kind, key, old)
+        self._touch(kind, key)
+        return old
+
+    def stale(self, kind: str, listed: Iterable[ObjKey], since: int) -> list[ObjKey]:
+        """Keys a list begun at sequence ``since`` no longer holds, with no event after it."""
+        present = set(listed)
+        return [
+            key
+            for key in self._objects.get(kind, {})
+            if key not in present and self.touched(kind, key) <= since
+        ]
+
+    def forget_touches(self, before: int) -> None:
+        """Drop the sequence numbers of deleted objects older than ``before`` (bounded memory)."""
+        for (kind, key), seq in list(self._touched.items()):
+            if seq < before and key not in self._objects.get(kind, {}):
+                del self._touched[(kind, key)]
+
+    def _touch(self, kind: str, key: ObjKey) -> None:
+        self.sequence += 1
+        self._touched[(kind, key)] = self.sequence
+
+    def _index(self, kind: str, key: ObjKey, obj: Any) -> None:
+        for name, indexer in self._indexers.get(kind, {}).items():
+            index = self._indexes[(kind, name)]
+            for value in indexer(obj):
+                index.setdefault(value, set()).add(key)
+
+    def _unindex(self, kind: str, key: ObjKey, obj: Any) -> None:
+        if obj is None:
+            return
+        for name, indexer in self._indexers.get(kind, {}).items():
+            index = self._indexes[(kind, name)]
+            for value in indexer(obj):
+                keys = index.get(value)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del index[value]
+
+
+def owner_of(child: Mapping[str, Any]) -> Iterable[ObjKey]:
+    """Index value: the InferenceService a child belongs to, by its label."""
+    meta = child.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(LABEL_ISVC)
+    return [(str(meta.get("namespace")), str(owner))] if owner else []

@@ -1,0 +1,110 @@
+"""The kopf glue: which kinds the operator watches, and the registry that feeds the controller.
+
+kopf owns the watch streams (list, then watch, reconnects, re-lists after 410 Gone); every
+event goes to ``Controller.observe`` unchanged, without awaiting anything. The same table of
+kinds drives the controller's own lists (priming a new leader, and re-list sweeps), so what is
+watched and what is listed can never differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from ladle.operator.api import (
+    API_VERSION,
+    ISVC_KIND,
+    ISVC_PLURAL,
+    MANAGED_SELECTOR,
+    POOL_KIND,
+    POOL_PLURAL,
+)
+
+
+@dataclass(frozen=True)
+class Watched:
+    kind: str
+    api_version: str
+    plural: str
+    # Filtered on the server: the operator never sees foreign children or pods.
+    label_selector: str | None = None
+
+    @property
+    def list_path(self) -> str:
+        base = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        return f"{base}/{self.plural}"
+
+
+# In priming order: pools, nodes and namespaces before the services they decide about, and
+# children and pods before InferenceServices, so that the first reconcile sees them all.
+WATCHED = (
+    Watched(POOL_KIND, API_VERSION, POOL_PLURAL),
+    Watched("Node", "v1", "nodes"),
+    Watched("Namespace", "v1", "namespaces"),
+    Watched("Deployment", "apps/v1", "deployments", MANAGED_SELECTOR),
+    Watched("Service", "v1", "services", MANAGED_SELECTOR),
+    Watched("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets", MANAGED_SELECTOR),
+    Watched("ConfigMap", "v1", "configmaps", MANAGED_SELECTOR),
+    Watched("Pod", "v1", "pods", MANAGED_SELECTOR),
+    Watched(ISVC_KIND, API_VERSION, ISVC_PLURAL),
+)
+CHILD_KINDS = frozenset({"Deployment", "Service", "PodDisruptionBudget", "ConfigMap"})
+
+Observe = Callable[[str, str | None, Mapping[str, Any]], None]
+
+
+def build_registry(
+    observe: Observe, login_fn: Callable[[], kopf.ConnectionInfo]
+) -> kopf.OperatorRegistry:
+    """kopf handlers that feed the controller; one registry per leadership term."""
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def _login(**_: Any) -> kopf.ConnectionInfo:
+        return login_fn()
+
+    def feed(watched: Watched) -> Any:
+        async def handler(event: Mapping[str, Any], **_: Any) -> None:
+            observe(watched.kind, event.get("type"), event["object"])
+
+        return handler
+
+    for watched in WATCHED:
+        kopf.on.event(watched.api_version, watched.plural, registry=registry)(feed(watched))
+    return registry
+
+
+class NoDiffBase(kopf.DiffBaseStorage):
+    """kopf builds a diff base (a deep copy of the object) on every event, for change handlers.
+    The operator registers event handlers only, which never read it: about 15% of its CPU at
+    scale went there."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        """Nothing to remember."""
+
+
+def build_settings(workers: int) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.persistence.diffbase_storage = NoDiffBase()
+    settings.peering.standalone = True  # one active instance is ensured by the Lease instead
+    settings.posting.enabled = False  # the controller posts its own, meaningful Events
+    settings.scanning.disabled = True  # no CRD/namespace watching, so no RBAC for it
+    settings.watching.inactivity_timeout = 70.0
+    settings.watching.connect_timeout = 10.0
+    settings.networking.request_timeout = 30.0
+    settings.queueing.worker_limit = max(workers * 8, 64)
+    for watched in WATCHED:
+        if watched.label_selector:
+            settings.watching.label_selectors[(watched.api_version, watched.plural)] = (
+                watched.label_selector
+            )
+    return settings

@@ -1,0 +1,121 @@
+"""What runtime pods really do, as a kubelet reports it: why a container cannot start, and the
+GPUs a pod holds until it is gone.
+
+kwok would report every pod Running at once, so these pods land on a node kwok leaves alone,
+and the test writes their status the way the kubelet does (the node agent will, for real).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kube_harness import (
+    Kube,
+    finish_terminating_pods,
+    isvc_manifest,
+    kubelet_status,
+    manual_pool_manifest,
+    play_kubelet,
+    pods_of,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("operator")]
+
+RUNNING = kubelet_status("Running", ready=True)
+
+
+def scheduled(kube: Kube, namespace: str, name: str, count: int = 1) -> list[str]:
+    return wait_for(
+        lambda: (
+            (
+                names := [
+                    p.metadata.name
+                    for p in pods_of(kube, namespace, name)
+                    if p.spec.node_name and not p.metadata.deletion_timestamp
+                ]
+            )
+            and len(names) == count
+            and names
+        ),
+        f"{count} pods of {name} to be scheduled",
+    )
+
+
+def test_a_missing_api_key_secret_reads_as_the_kubelet_reports_it(
+    kube: Kube, k8s_namespace: str, manual_node: str
+) -> None:
+    pool = f"{k8s_namespace}-node"
+    kube.apply(manual_pool_manifest(pool, manual_node))
+    try:
+        kube.apply(
+            isvc_manifest("chat", gpuPool=pool, apiKeySecret={"name": "chat-key"}), k8s_namespace
+        )
+        scheduled(kube, k8s_namespace, "chat")
+        why = 'secret "chat-key" not found'
+        play_kubelet(
+            kube,
+            k8s_namespace,
+            "chat",
+            kubelet_status("Pending", ready=False, waiting=("CreateContainerConfigError", why)),
+        )
+        obj = kube.wait_condition(
+            k8s_namespace, "chat", "Ready", "False", "CreateContainerConfigError"
+        )
+        ready = kube.condition(obj, "Ready")["message"]
+        assert ready == (
+            "1 pod of Deployment chat-stable cannot start: CreateContainerConfigError: " + why
+        )
+        assert kube.condition(obj, "Stalled")["status"] == "True"
+        assert kube.condition(obj, "Degraded")["reason"] == "CreateContainerConfigError"
+        row = kube.kubectl("get", "-n", k8s_namespace, "lisvc", "chat", "--no-headers").stdout
+        assert row.split()[4:7] == ["False", "True", "CreateContainerConfigError"]
+
+        # The Secret appears; the kubelet starts the container.
+        play_kubelet(kube, k8s_namespace, "chat", RUNNING)
+        obj = kube.wait_condition(k8s_namespace, "chat", "Ready", reason="Available")
+        assert kube.condition(obj, "Degraded")["status"] == "False"
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+
+
+def test_a_draining_pod_keeps_its_gpu_until_it_is_gone(
+    kube: Kube, k8s_namespace: str, manual_node: str
+) -> None:
+    pool = f"{k8s_namespace}-drain"
+    kube.apply(manual_pool_manifest(pool, manual_node, quota={"gpus": 1}))
+    try:
+        kube.apply(isvc_manifest("old", gpuPool=pool), k8s_namespace)
+        scheduled(kube, k8s_namespace, "old")
+        play_kubelet(kube, k8s_namespace, "old", RUNNING)
+        kube.wait_condition(k8s_namespace, "old", "Ready", reason="Available")
+
+        # "old" is deleted; its pod drains (no kubelet ends it), still holding the GPU.
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "old", "--wait=false")
+        wait_for(
+            lambda: all(p.metadata.deletion_timestamp for p in pods_of(kube, k8s_namespace, "old")),
+            "the old pod to be terminating",
+        )
+        kube.apply(isvc_manifest("new", gpuPool=pool), k8s_namespace)
+        obj = kube.wait_condition(k8s_namespace, "new", "Ready", "False", "QuotaExceeded")
+        assert "allows 0 of 1 replica" in kube.condition(obj, "Degraded")["message"]
+        status = wait_for(
+            lambda: (s := kube.pool(pool).get("status") or {}).get("held") == 1 and s,
+            "the pool to count the draining pod",
+        )
+        assert status["claimed"] == 1
+        time.sleep(2)  # and it stays so while the pod drains
+        assert kube.apps.read_namespaced_deployment("new-stable", k8s_namespace).spec.replicas == 0
+
+        # The kubelet reports the old container gone: its GPU passes on.
+        assert finish_terminating_pods(kube, k8s_namespace, "old") == 1
+        scheduled(kube, k8s_namespace, "new")
+        play_kubelet(kube, k8s_namespace, "new", RUNNING)
+        kube.wait_condition(k8s_namespace, "new", "Ready", reason="Available")
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+        for name in ("old", "new"):
+            finish_terminating_pods(kube, k8s_namespace, name)
