@@ -3,8 +3,9 @@ local nodes, through scrape configs converted from the chart's own PodMonitors, 
 the chart's own rules: every recording rule and every dashboard query answers, and faults fire
 their alerts in /api/v1/alerts.
 
-The faults: `beta` (whose fallback is `alpha`) gets a queue of zero, so every request is a 429
-that its breaker counts; the breaker opens and traffic moves to alpha (LadleCircuitBreakerOpen).
+The faults: `beta` (whose fallback is `alpha`) runs one sequence at a time with one waiting, so
+a burst of requests is answered 429 by its runtime, which its breaker counts; the breaker opens
+and traffic moves to alpha (LadleCircuitBreakerOpen).
 Then alpha goes away, so beta's requests fail fast with 503 and its availability budget burns
 (LadleAvailabilityBudgetBurn, critical). Runs once the node agent (the `ladle_system` fixture
 of tests/e2e/conftest.py) is in main; skips until then.
@@ -19,6 +20,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ladle"
 DASHBOARD = CHART / "dashboards" / "ladle.json"
 RELEASE = "ladle-e2e"  # tests/e2e/conftest.py installs the chart under this name
+ENGINE = {"kvCacheMemory": "64Mi", "maxModelLen": 512}
 System = Any  # the `ladle_system` fixture's type lives in conftest.py
 # Dashboard queries on signals of features not in main yet may be empty (they must still run):
 # the autoscaler (issue 14) and canary rollouts (issue 15) export these.
@@ -174,7 +177,7 @@ def service(name: str, model: str, **spec: Any) -> dict[str, Any]:
     body = {
         "model": {"name": model},
         "resources": {"gpus": 0},
-        "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512},
+        "engine": ENGINE,
         "replicas": 1,
         **spec,
     }
@@ -221,6 +224,11 @@ def traffic(gateway: str, model: str, count: int) -> list[int]:
     return codes
 
 
+def complete(gateway: str, model: str, tokens: int) -> httpx.Response:
+    body = {"model": model, "prompt": "Hello", "max_tokens": tokens, "ignore_eos": True}
+    return httpx.post(gateway + "/v1/completions", json=body, timeout=120)
+
+
 def panel_queries() -> list[tuple[str, str]]:
     dashboard = json.loads(DASHBOARD.read_text())
     out = []
@@ -250,8 +258,11 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     alpha, beta = f"alpha-{namespace}", f"beta-{namespace}"
     documents = [
         service("alpha", alpha, circuitBreaker=breaker),
-        service("beta", beta, fallback="alpha", circuitBreaker=beta_breaker),
-    ]
+        service(
+            "beta", beta, fallback="alpha", circuitBreaker=beta_breaker,
+            engine={**ENGINE, "maxNumSeqs": 1, "maxWaitingRequests": 1},
+        ),
+    ]  # fmt: skip
     result = system.kubectl(
         "apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump_all(documents)
     )
@@ -286,20 +297,17 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     operators = prometheus.query('sum(up{job="ladle-operator"})')
     assert float(operators[0]["value"][1]) == 2  # both replicas, leader and standby
 
-    # Traffic, then the first fault: beta's queue of zero answers 429, its breaker opens.
+    # Traffic, then the first fault: a burst beta's runtime answers with 429s opens its breaker.
     for model in (alpha, beta):
         wait_until(lambda m=model: traffic(gateway, m, 1) == [200], f"the gateway to route {model}")
     assert traffic(gateway, alpha, 4) == [200] * 4
     assert traffic(gateway, beta, 4) == [200] * 4
-    patch = {"spec": {"engine": {"maxWaitingRequests": 0}}}
-    patched = system.kubectl(
-        "patch", "lisvc", "beta", "-n", namespace, "--type=merge", "-p", json.dumps(patch)
-    )
-    assert patched.returncode == 0, patched.stderr
+    with ThreadPoolExecutor(12) as pool:
+        burst = list(pool.map(lambda _: complete(gateway, beta, 32).status_code, range(12)))
+    assert burst.count(429) >= 4, burst
 
     def moved() -> bool:
-        body = {"model": beta, "prompt": "Hello", "max_tokens": 2}
-        r = httpx.post(gateway + "/v1/completions", json=body, timeout=120)
+        r = complete(gateway, beta, 2)
         return r.status_code == 200 and r.headers.get("x-ladle-fallback") == "alpha"
 
     wait_until(moved, "beta's breaker to open and send its traffic to alpha", timeout=300)
