@@ -350,11 +350,13 @@ def build() -> model.Dashboard:
     dash = dash.with_panel(
         _series(
             "Autoscaler",
-            "Desired replicas against maxReplicas, and the stable-window demand (requests).",
+            "Desired replicas against maxReplicas and the ready pods it read, and the "
+            "stable-window demand (requests).",
             "short",
             [
                 (f"ladle_operator_autoscaler_desired_replicas{{{ISVC}}}", f"desired {svc}"),
                 (f"ladle_operator_autoscaler_max_replicas{{{ISVC}}}", f"max {svc}"),
+                (f"ladle_operator_autoscaler_ready_replicas{{{ISVC}}}", f"ready {svc}"),
                 (f"ladle_operator_autoscaler_demand{{{ISVC}}}", f"demand {svc}"),
             ],
             width=8,
