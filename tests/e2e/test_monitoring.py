@@ -7,8 +7,8 @@ The faults: `beta` (whose fallback is `alpha`) runs one sequence at a time with 
 a burst of requests is answered 429 by its runtime, which its breaker counts; the breaker opens
 and traffic moves to alpha (LadleCircuitBreakerOpen).
 Then alpha goes away, so beta's requests fail fast with 503 and its availability budget burns
-(LadleAvailabilityBudgetBurn, critical). Runs once the node agent (the `ladle_system` fixture
-of tests/e2e/conftest.py) is in main; skips until then.
+(LadleAvailabilityBudgetBurn, critical). The system (operator, gateway, local nodes) is the
+`ladle_system` fixture of tests/e2e/conftest.py.
 """
 
 from __future__ import annotations
@@ -29,15 +29,8 @@ import httpx
 import pytest
 import yaml
 
-try:
-    from ladle.cluster.pytest_plugin import (  # type: ignore[attr-defined,unused-ignore]
-        local_namespace_annotations,
-    )
-except ImportError:
-    pytest.skip("needs the local node agent, which is not in main yet", allow_module_level=True)
-
 from ladle.cluster import build, sre_tools
-from ladle.cluster.pytest_plugin import KubeCluster, wait_until
+from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 from ladle.monitoring import promconfig
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
