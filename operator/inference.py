@@ -179,7 +179,7 @@ class InferenceServiceReconciler:
         ]
         return VariantObservation(
             name=variant,
-            quantization=isvc.spec.quantization,
+            quantization=isvc.spec.quantization.label(),
             image=isvc.spec.runtime_image or self.config.runtime_image,
             deployment_name=name,
             deployment=self.store.get("Deployment", (isvc.meta.namespace, name)),
