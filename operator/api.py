@@ -104,6 +104,23 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: what the scaling loop aims at, and how fast it may move.
+
+    Durations are seconds; the replica bounds are the service's min/maxReplicas."""
+
+    target_concurrency: float | None = 16.0
+    target_kv_cache_usage: float | None = None
+    stable_window_seconds: float = 60.0
+    panic_window_percent: float = 10.0
+    panic_threshold_percent: float = 200.0
+    max_scale_up_rate: float = 1000.0
+    max_scale_down_rate: float = 2.0
+    scale_down_delay_seconds: float = 30.0
+    scale_to_zero_grace_period_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     served_model_name: str
     source: ModelSource
@@ -117,6 +134,7 @@ class InferenceServiceSpec:
     min_replicas: int = 1
     max_replicas: int | None = None
     api_key_secret: SecretKeyRef | None = None
+    autoscaling: AutoscalingSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -142,9 +160,15 @@ class InferenceService:
 
     @property
     def requested_replicas(self) -> int:
-        """The replicas this service asks its pool for: spec.replicas today, the scaling
-        loop's decision once autoscaling sets one."""
-        return self.spec.replicas
+        """The replicas this service asks its pool for: spec.replicas, or with autoscaling the
+        scaling loop's last decision (kept in status, so a new leader starts from it), and
+        spec.replicas within the bounds until the first one."""
+        spec = self.spec
+        if spec.autoscaling is None:
+            return spec.replicas
+        decided = (self.status.get("autoscaling") or {}).get("desiredReplicas")
+        wanted = int(decided) if isinstance(decided, int) else spec.replicas
+        return max(spec.min_replicas, min(wanted, spec.max_replicas or wanted))
 
 
 @dataclass(frozen=True)
@@ -264,6 +288,38 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
     )
 
 
+def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec | None:
+    if raw is None:
+        return None
+    concurrency = raw.get("targetConcurrency")
+    kv = raw.get("targetKVCacheUsage")
+    defaults = AutoscalingSpec()
+
+    def seconds(key: str, default: float) -> float:
+        return float(raw.get(key, default))
+
+    return AutoscalingSpec(
+        # Concurrency is the signal unless the spec names only the KV cache.
+        target_concurrency=(
+            float(concurrency)
+            if concurrency is not None
+            else (defaults.target_concurrency if kv is None else None)
+        ),
+        target_kv_cache_usage=None if kv is None else float(kv),
+        stable_window_seconds=seconds("stableWindowSeconds", defaults.stable_window_seconds),
+        panic_window_percent=seconds("panicWindowPercent", defaults.panic_window_percent),
+        panic_threshold_percent=seconds("panicThresholdPercent", defaults.panic_threshold_percent),
+        max_scale_up_rate=seconds("maxScaleUpRate", defaults.max_scale_up_rate),
+        max_scale_down_rate=seconds("maxScaleDownRate", defaults.max_scale_down_rate),
+        scale_down_delay_seconds=seconds(
+            "scaleDownDelaySeconds", defaults.scale_down_delay_seconds
+        ),
+        scale_to_zero_grace_period_seconds=seconds(
+            "scaleToZeroGracePeriodSeconds", defaults.scale_to_zero_grace_period_seconds
+        ),
+    )
+
+
 def parse_quantization(raw: Mapping[str, Any] | str | None) -> Quantization:
     # Objects stored while spec.quantization was a string (only "none" was allowed) still parse.
     if raw is None or isinstance(raw, str):
@@ -305,6 +361,7 @@ def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:
                 if secret
                 else None
             ),
+            autoscaling=parse_autoscaling(spec.get("autoscaling")),
         ),
         status=dict(obj.get("status") or {}),
     )

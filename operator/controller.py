@@ -36,6 +36,7 @@ from ladle.operator.api import (
     parse_pool,
 )
 from ladle.operator.applier import ChildApplier
+from ladle.operator.autoscaler import Autoscaler
 from ladle.operator.config import OperatorConfig
 from ladle.operator.events import EventRecorder
 from ladle.operator.inference import InferenceServiceReconciler
@@ -77,6 +78,10 @@ def _key(obj: Mapping[str, Any]) -> ObjKey:
 def _holding(pod: PodInfo | None) -> object:
     """What of a pod its pool's quota counts."""
     return None if pod is None else (pod.pool, pod.holds, tuple(pod.limits.items()))
+
+
+def _held_since(isvc: InferenceService) -> bool:
+    return bool((isvc.status.get("gateway") or {}).get("heldSince"))
 
 
 def new_store() -> Store:
@@ -131,6 +136,14 @@ class Controller:
             config,
             requeue=self._requeue_isvc,
             metrics=metrics,
+        )
+        self.autoscaler = Autoscaler(
+            self.store,
+            client,
+            self.recorder,
+            metrics,
+            gateway_namespace=config.gateway_namespace,
+            gateway_selector=config.gateway_selector,
         )
         self._primed = False
         self._sweep_due = asyncio.Event()
@@ -208,13 +221,22 @@ class Controller:
             or new is None
             or (old.meta.generation, old.meta.deleting) != (new.meta.generation, new.meta.deleting)
         )
-        if spec_changed:
+        # The autoscaler's decision arrives as a status change it wrote (not ours to echo).
+        rescaled = (
+            old is not None and new is not None and old.requested_replicas != new.requested_replicas
+        )
+        if spec_changed or rescaled:
             for isvc in (old, new):
                 if isvc is not None and isvc.spec.gpu_pool:
                     self.pools.invalidate(isvc.spec.gpu_pool)
         if new is None:
             assert old is not None
             self.inference.forget(key, old.meta.uid)
+            return
+        if _held_since(new) and not (old and _held_since(old)):
+            self.autoscaler.poke()  # a request waits at a service with no ready pod
+        if rescaled:
+            self.queue.add(WorkKey("isvc", *key), urgent=True)
             return
         if not spec_changed and self.writer.is_echo(
             new.meta.uid, new.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS
@@ -341,6 +363,7 @@ class Controller:
             group.create_task(self._resync(), name="resync")
             group.create_task(self._sweeper(), name="sweeper")
             group.create_task(self.recorder.run(), name="events")
+            group.create_task(self.autoscaler.run(), name="autoscaler")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         assert self._group is not None

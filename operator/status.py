@@ -35,6 +35,9 @@ RECONCILING = "Reconciling"
 STALLED = "Stalled"
 DEGRADED = "Degraded"
 ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED)
+# Written by the autoscaler under its own field manager, as an HPA reports them.
+SCALING_ACTIVE = "ScalingActive"
+SCALING_LIMITED = "ScalingLimited"
 POOL_CONDITIONS = (READY, DEGRADED)
 # The status fields the operator writes; other field managers (the gateway) own the rest.
 ISVC_STATUS_FIELDS = (
@@ -62,12 +65,6 @@ POOL_STATUS_FIELDS = (
 # image name to fix); others (an image pull, a crash loop) may pass and stall only at the
 # Deployment's progress deadline.
 STALLING_WAITS = frozenset({"CreateContainerConfigError", "InvalidImageName"})
-# What a scaled-to-zero service does with the next request, in words.
-SCALED_TO_ZERO_MESSAGE = (
-    "scaled to zero replicas (spec.replicas is 0): the gateway holds each request up to "
-    "spec.timeouts.scaleFromZeroSeconds for a ready replica, then answers 503 no_ready_pods; "
-    "raise spec.replicas to serve"
-)
 
 
 def plural(count: int, word: str, words: str | None = None) -> str:
@@ -80,6 +77,20 @@ class Condition:
     status: bool
     reason: str
     message: str = ""
+
+
+def _scaled_to_zero(isvc: InferenceService) -> str:
+    """How a service at zero will serve its next request, in so many words."""
+    if isvc.spec.autoscaling is not None:
+        return (
+            "scaled to zero for lack of requests; the gateway holds the next one (up to "
+            "spec.timeouts.scaleFromZeroSeconds) while the autoscaler starts a replica"
+        )
+    return (
+        "scaled to zero replicas (spec.replicas is 0): the gateway holds each request up to "
+        "spec.timeouts.scaleFromZeroSeconds for a ready replica, then answers 503 no_ready_pods; "
+        "raise spec.replicas to serve"
+    )
 
 
 def merge_conditions(
@@ -298,7 +309,7 @@ def derive_isvc_status(
     elif service_pending:
         ready = Condition(READY, False, "ServiceNotCreated", service_pending)
     elif requested == 0:
-        ready = Condition(READY, True, "ScaledToZero", SCALED_TO_ZERO_MESSAGE)
+        ready = Condition(READY, True, "ScaledToZero", _scaled_to_zero(isvc))
     elif available >= granted:
         serving = f"{available}/{granted} replicas available"
         if not complete:

@@ -1,4 +1,4 @@
-"""The operator's own /metrics, /healthz and /readyz, and its structured JSON logging."""
+"""The operator's own /metrics, /healthz and /readyz (its logs are ``ladle.logs``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+
+from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.operator")
 
@@ -117,6 +119,29 @@ class Metrics:
             for field, doc in POOL_GPU_FIELDS.items()
         }
         self._conditions: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+        service = ["namespace", "inferenceservice"]
+
+        def autoscaler_gauge(name: str, help_: str) -> Gauge:
+            return Gauge(
+                f"ladle_operator_autoscaler_{name}", help_, service, registry=self.registry
+            )
+
+        self.autoscaler_desired = autoscaler_gauge(
+            "desired_replicas", "The autoscaler's decision, before the GPUPool's quota."
+        )
+        self.autoscaler_max = autoscaler_gauge("max_replicas", "The service's maxReplicas.")
+        self.autoscaler_ready = autoscaler_gauge(
+            "ready_replicas", "Ready pods the autoscaler read metrics from."
+        )
+        self.autoscaler_panic = autoscaler_gauge(
+            "panic", "1 while in panic mode (scaling on the panic window, never down)."
+        )
+        self.autoscaler_frozen = autoscaler_gauge(
+            "metrics_frozen", "1 while some load metrics are unknown and the count holds."
+        )
+        self.autoscaler_demand = autoscaler_gauge(
+            "demand", "Requests wanting a replica, averaged over the stable window."
+        )
 
     def observe_isvc(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Set the gauges from an InferenceService's derived status (every reconcile)."""
@@ -165,9 +190,30 @@ class Metrics:
 
     def forget_objects(self) -> None:
         """On stepping down: the new leader reports the objects now."""
-        for gauge in (self.isvc_condition, self.isvc_replicas, *self.pool_gpus.values()):
+        for gauge in (
+            self.isvc_condition,
+            self.isvc_replicas,
+            *self.pool_gpus.values(),
+            *self._autoscaler_gauges(),
+        ):
             gauge.clear()
         self._conditions.clear()
+
+    def forget_autoscaler(self, namespace: str, name: str) -> None:
+        """Drop a service's autoscaler series once it is gone or no longer autoscaled."""
+        for gauge in self._autoscaler_gauges():
+            with contextlib.suppress(KeyError):
+                gauge.remove(namespace, name)
+
+    def _autoscaler_gauges(self) -> tuple[Gauge, ...]:
+        return (
+            self.autoscaler_desired,
+            self.autoscaler_max,
+            self.autoscaler_ready,
+            self.autoscaler_panic,
+            self.autoscaler_frozen,
+            self.autoscaler_demand,
+        )
 
 
 @dataclass
@@ -205,21 +251,12 @@ def build_app(metrics: Metrics, health: Health) -> web.Application:
 async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as err:
+        await runner.cleanup()
+        raise SettingError(
+            f"--metrics-bind-address {host}:{port}: cannot listen there: {err.strerror}"
+        ) from None
     log.info("serving metrics and health", extra={"address": f"http://{host}:{port}"})
     return runner
-
-
-def configure_logging(level: str) -> None:
-    """JSON lines on stderr for the operator and for kopf alike (kopf's own formatter)."""
-    import kopf
-
-    level = level.upper()
-    kopf.configure(
-        debug=level == "DEBUG", quiet=level in ("WARNING", "ERROR"), log_format=kopf.LogFormat.JSON
-    )
-    # Per-object handler chatter and "Activity ... succeeded" from kopf are noise; the
-    # reconcilers log what matters. Both stay visible at debug.
-    if level != "DEBUG":
-        for name in ("kopf.objects", "kopf.activities"):
-            logging.getLogger(name).setLevel(logging.WARNING)

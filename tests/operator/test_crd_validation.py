@@ -38,6 +38,21 @@ def with_spec(base: dict[str, Any], **spec: Any) -> dict[str, Any]:
 
 ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
     (
+        "autoscaling-without-max",
+        with_spec(VALID_ISVC, autoscaling={"targetConcurrency": 8}),
+        "spec.maxReplicas: Required value: autoscaling needs maxReplicas",
+    ),
+    (
+        "autoscaling-kv-target-above-one",
+        with_spec(VALID_ISVC, maxReplicas=3, autoscaling={"targetKVCacheUsage": 1.5}),
+        "spec.autoscaling.targetKVCacheUsage: Invalid value",
+    ),
+    (
+        "autoscaling-tiny-window",
+        with_spec(VALID_ISVC, maxReplicas=3, autoscaling={"stableWindowSeconds": 2}),
+        "spec.autoscaling.stableWindowSeconds: Invalid value",
+    ),
+    (
         "name-with-a-dot",
         {**copy.deepcopy(VALID_ISVC), "metadata": {"name": "chat.v2"}},
         "metadata.name must be a DNS-1035 label",
