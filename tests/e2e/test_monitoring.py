@@ -42,8 +42,8 @@ RELEASE = "ladle-e2e"  # tests/e2e/conftest.py installs the chart under this nam
 ENGINE = {"kvCacheMemory": "64Mi", "maxModelLen": 512}
 System = Any  # the `ladle_system` fixture's type lives in conftest.py
 # Dashboard queries on signals of features not in main yet may be empty (they must still run):
-# the autoscaler (issue 14) and canary rollouts (issue 15) export these.
-NOT_YET = re.compile(r"ladle_operator_(autoscaler|rollout)_")
+# canary rollouts (issue 15) export these.
+NOT_YET = re.compile(r"ladle_operator_rollout_")
 # Grafana's variables, as "All" and a sensible window.
 VARIABLES = {
     "$__rate_interval": "1m",
@@ -250,7 +250,11 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     # Model names are cluster-wide at the gateway: these are this namespace's own.
     alpha, beta = f"alpha-{namespace}", f"beta-{namespace}"
     documents = [
-        service("alpha", alpha, circuitBreaker=breaker),
+        # Autoscaled, within bounds that keep it at one replica: the autoscaler's series exist.
+        service(
+            "alpha", alpha, circuitBreaker=breaker,
+            minReplicas=1, maxReplicas=1, autoscaling={"targetConcurrency": 16},
+        ),
         service(
             "beta", beta, fallback="alpha", circuitBreaker=beta_breaker,
             engine={**ENGINE, "maxNumSeqs": 1, "maxWaitingRequests": 1},

@@ -89,6 +89,7 @@ def test_the_docs_show_the_argocd_cm_keys_that_are_shipped() -> None:
         ("healthy", "Current"),
         ("autoscaled_at_max_metrics_frozen", "Current"),
         ("scaled_to_zero", "Current"),
+        ("scaled_to_zero_autoscaled", "Current"),
         ("rolling_update", "InProgress"),
         ("generation_not_observed", "InProgress"),
         ("stalled_pool_missing", "Failed"),

@@ -66,9 +66,12 @@ def test_pools_report_a_quota_only_when_they_have_one_and_a_new_leader_starts_cl
     assert value(m, "ladle_operator_gpupool_quota_gpus", gpupool="h200") is None
     assert value(m, "ladle_operator_gpupool_claimed_gpus", gpupool="h200") == 4
     m.observe_isvc("prod", "chat", status(("True", "Available"), ("False", "AsExpected")))
+    # A frozen autoscaler left behind by a former leader would keep its alert firing for ever.
+    m.autoscaler_frozen.labels("prod", "chat").set(1)
     m.forget_objects()
     names = {s.name for f in m.registry.collect() for s in f.samples}
     assert not {n for n in names if "inferenceservice" in n or "gpupool" in n}
+    assert not {n for n in names if n.startswith("ladle_operator_autoscaler_")}
 
 
 @pytest.mark.cluster
