@@ -6,6 +6,8 @@ their alerts in /api/v1/alerts.
 The faults: `beta` (whose fallback is `alpha`) runs one sequence at a time with one waiting, so
 a burst of requests is answered 429 by its runtime, which its breaker counts; the breaker opens
 and traffic moves to alpha (LadleCircuitBreakerOpen).
+Then alpha's runtime hangs (SIGSTOP), so the autoscaler holds alpha's count on unknown metrics
+(LadleAutoscalerMetricsFrozen, with its `for` shortened through the chart value).
 Then alpha goes away, so beta's requests fail fast with 503 and its availability budget burns
 (LadleAvailabilityBudgetBurn, critical). The system (operator, gateway, local nodes) is the
 `ladle_system` fixture of tests/e2e/conftest.py.
@@ -14,7 +16,9 @@ Then alpha goes away, so beta's requests fail fast with 503 and its availability
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -40,6 +44,7 @@ CHART = ROOT / "charts" / "ladle"
 DASHBOARD = CHART / "dashboards" / "ladle.json"
 RELEASE = "ladle-e2e"  # tests/e2e/conftest.py installs the chart under this name
 ENGINE = {"kvCacheMemory": "64Mi", "maxModelLen": 512}
+FROZEN_FOR = "10s"
 System = Any  # the `ladle_system` fixture's type lives in conftest.py
 # Dashboard queries on signals of features not in main yet may be empty (they must still run):
 # canary rollouts (issue 15) export these.
@@ -95,6 +100,8 @@ def render_monitoring(namespace: str) -> list[dict[str, Any]]:
     argv += ["--kube-version", "1.34.0"]
     for value in values:
         argv += ["--set", f"monitoring.{value}.enabled=true"]
+    # A chart value, shortened so that the test's frozen autoscaler fires within seconds.
+    argv += ["--set", f"monitoring.alerts.autoscalerFrozenFor={FROZEN_FOR}"]
     rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(rendered) if d]
 
@@ -339,7 +346,33 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     )
     assert not prometheus.firing("LadleAvailabilityBudgetBurn", inferenceservice="beta")
 
-    # The second fault: the fallback goes away, beta's requests fail fast, the budget burns.
+    # The second fault: alpha's runtime hangs, so the autoscaler cannot read its load and
+    # holds its count; the operator's gauge says so and the alert fires after FROZEN_FOR.
+    assert not prometheus.firing("LadleAutoscalerMetricsFrozen", namespace=namespace)
+    (pod,) = json.loads(
+        system.kubectl(
+            "get", "pods", "-n", namespace, "-l", "ladle.dev/inferenceservice=alpha", "-o", "json"
+        ).stdout
+    )["items"]  # fmt: skip
+    pid = int(system.container_record(pod)["pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(
+            lambda: prometheus.firing(
+                "LadleAutoscalerMetricsFrozen", namespace=namespace, inferenceservice="alpha"
+            ),
+            "LadleAutoscalerMetricsFrozen to fire for alpha",
+            timeout=120,
+        )
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_until(
+        lambda: not prometheus.firing("LadleAutoscalerMetricsFrozen", namespace=namespace),
+        "LadleAutoscalerMetricsFrozen to resolve once alpha answers again",
+        timeout=120,
+    )
+
+    # The third fault: the fallback goes away, beta's requests fail fast, the budget burns.
     deleted = system.kubectl("delete", "lisvc", "alpha", "-n", namespace, "--wait=false")
     assert deleted.returncode == 0, deleted.stderr
 
