@@ -125,6 +125,7 @@ class Controller:
             config,
             queue_isvc=lambda key: self.queue.add(WorkKey("isvc", *key)),
             queue_pool=lambda name, delay: self.queue.add_after(WorkKey("pool", "", name), delay),
+            metrics=metrics,
         )
         self.inference = InferenceServiceReconciler(
             self.store,
@@ -134,6 +135,7 @@ class Controller:
             self.writer,
             config,
             requeue=self._requeue_isvc,
+            metrics=metrics,
         )
         self.autoscaler = Autoscaler(
             self.store,

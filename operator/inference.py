@@ -36,6 +36,7 @@ from ladle.operator.status import (
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store
+from ladle.operator.telemetry import Metrics
 
 log = logging.getLogger("ladle.operator.inference")
 
@@ -84,6 +85,7 @@ class InferenceServiceReconciler:
         writer: StatusWriter,
         config: OperatorConfig,
         requeue: Callable[[IsvcKey, float], None],
+        metrics: Metrics,
     ) -> None:
         self.store = store
         self.client = client
@@ -92,8 +94,10 @@ class InferenceServiceReconciler:
         self.writer = writer
         self.config = config
         self.requeue = requeue
+        self.metrics = metrics
 
     def forget(self, key: IsvcKey, uid: str | None) -> None:
+        self.metrics.forget_isvc(*key)
         if uid:
             self.applier.forget(uid)
             self.writer.forget(uid)
@@ -161,6 +165,7 @@ class InferenceServiceReconciler:
             service_exists=self.store.get("Service", service[1:]) is not None,
             service_error=result.create_errors.get(service),
         )
+        self.metrics.observe_isvc(*key, status)
         await self.writer.write(owner.ref, status, previous)
         if result.errors:
             raise result.errors[0][1]  # the work queue retries with backoff

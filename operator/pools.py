@@ -36,6 +36,7 @@ from ladle.operator.status import (
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import NodeInfo, PodInfo, Store, node_matches
+from ladle.operator.telemetry import Metrics
 
 log = logging.getLogger("ladle.operator.pools")
 
@@ -72,7 +73,9 @@ class PoolReconciler:
         config: OperatorConfig,
         queue_isvc: Callable[[IsvcKey], None],
         queue_pool: Callable[[str, float], None],
+        metrics: Metrics,
     ) -> None:
+        self.metrics = metrics
         self.store = store
         self.client = client
         self.writer = writer
@@ -261,6 +264,7 @@ class PoolReconciler:
             for table in (self._plans, self._granted, self._rolling, self._surging):
                 table.pop(name, None)
             self._written_at.pop(name, None)
+            self.metrics.forget_pool(name)
             return
         members = self.members(name)
         plan = self.plan(pool) if pool.spec.quota_gpus is not None else self._plain_plan(pool)
@@ -278,6 +282,7 @@ class PoolReconciler:
         status = derive_pool_status(
             pool, list(self.store.values("Node")), plan, facts, now_rfc3339(), previous
         )
+        self.metrics.observe_pool(name, status, pool.spec.quota_gpus)
         if status == previous:
             return
         # A pool's counts move with every member: write them at most once a second.

@@ -83,10 +83,14 @@ def _scaled_to_zero(isvc: InferenceService) -> str:
     """How a service at zero will serve its next request, in so many words."""
     if isvc.spec.autoscaling is not None:
         return (
-            "scaled to zero for lack of requests; the gateway holds the next one while the "
-            "autoscaler starts a replica"
+            "scaled to zero for lack of requests; the gateway holds the next one (up to "
+            "spec.timeouts.scaleFromZeroSeconds) while the autoscaler starts a replica"
         )
-    return "scaled to zero by spec.replicas; requests fail until it is raised"
+    return (
+        "scaled to zero replicas (spec.replicas is 0): the gateway holds each request up to "
+        "spec.timeouts.scaleFromZeroSeconds for a ready replica, then answers 503 no_ready_pods; "
+        "raise spec.replicas to serve"
+    )
 
 
 def merge_conditions(

@@ -196,6 +196,8 @@ def test_metrics_count_what_was_sent(server: Server) -> None:
         "request_generation_tokens",
     ):
         assert delta(f"ladle:{histogram}_count") == n, histogram
+    # Each request here generates more than one token, so each has a TPOT.
+    assert delta("ladle:request_time_per_output_token_seconds_count") == n
     # Every token after a request's first closes one inter-token gap.
     assert delta("ladle:inter_token_latency_seconds_count") == usage["completion_tokens"] - n
     assert delta("ladle:iteration_tokens_total_sum") >= usage["prompt_tokens"]
