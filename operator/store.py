@@ -89,6 +89,9 @@ class PodInfo:
     holds: bool
     # The scheduler's reason, or the first container's waiting reason, and its message.
     problem: tuple[str, str] | None
+    # Its address and readiness, for the canary analysis that reads its metrics.
+    ip: str = ""
+    ready: bool = False
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -110,6 +113,12 @@ class PodInfo:
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
             problem=None if deleting else _pod_problem(status),
+            ip=str(status.get("podIP") or ""),
+            ready=not deleting
+            and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or ()
+            ),
         )
 
     def gpus(self, resource: str) -> int:

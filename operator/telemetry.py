@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -16,6 +16,10 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ladle.operator.rollout import PHASES, RolloutState
 
 log = logging.getLogger("ladle.operator")
 
@@ -81,6 +85,63 @@ class Metrics:
             "1 while this instance holds the leader Lease and reconciles.",
             registry=self.registry,
         )
+        labels = ["namespace", "inferenceservice"]
+        self.rollbacks = Counter(
+            "ladle_operator_rollout_rollbacks",
+            "Canary rollouts rolled back or failed, by the gate that ended them (quality, "
+            "errorRate, ttftP95, tpotP95, deadline, abort).",
+            [*labels, "gate"],
+            registry=self.registry,
+        )
+        self.analyses = Counter(
+            "ladle_operator_rollout_analysis",
+            "Canary analysis verdicts, by gate and result (pass, fail, inconclusive).",
+            [*labels, "gate", "result"],
+            registry=self.registry,
+        )
+        # The state of every InferenceService's rollout, as the leader last wrote it.
+        self.rollouts: dict[tuple[str, str], RolloutState] = {}
+        self.registry.register(_RolloutCollector(self.rollouts))
+
+
+class _RolloutCollector(Collector):
+    """Rollout gauges, read from the leader's states at scrape time: a deleted service or the
+    end of a leadership term leaves no stale series behind."""
+
+    def __init__(self, states: dict[tuple[str, str], RolloutState]) -> None:
+        self.states = states
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["namespace", "inferenceservice"]
+        weight = GaugeMetricFamily(
+            "ladle_operator_rollout_canary_weight",
+            "Percent of traffic the canary takes (0-100).",
+            labels=labels,
+        )
+        step = GaugeMetricFamily(
+            "ladle_operator_rollout_step",
+            "The rollout step whose weight is in force (0: before any traffic moved).",
+            labels=labels,
+        )
+        phase = GaugeMetricFamily(
+            "ladle_operator_rollout_phase",
+            "1 for the rollout's current phase.",
+            labels=[*labels, "phase"],
+        )
+        started = GaugeMetricFamily(
+            "ladle_operator_rollout_step_started_timestamp_seconds",
+            "When the current rollout step started (Unix time).",
+            labels=labels,
+        )
+        for (namespace, name), state in sorted(self.states.items()):
+            key = [namespace, name]
+            weight.add_metric(key, state.weight if state.active else 0)
+            step.add_metric(key, state.step if state.active else 0)
+            for value in PHASES:
+                phase.add_metric([*key, value], 1.0 if state.phase == value else 0.0)
+            if state.active and state.step_started is not None:
+                started.add_metric(key, state.step_started)
+        yield from (weight, step, phase, started)
 
 
 @dataclass
