@@ -18,12 +18,16 @@ Sections, in order of value, each skipped once the time budget is spent:
 3. kernel timings (median of ``triton.testing.do_bench``): paged decode at batch 64 and 4k
    context against the measured copy bandwidth, the torch backend, dense SDPA and the naive
    reference; prefill against SDPA; the fused ops against torch;
+3b. quantized GEMMs: W8A16 and W4A16 against their reference at serving shapes (rows 1, 16,
+   256; Llama-8B's 4096 -> 14336 projection, groups of 128), then timed against bf16 cuBLAS at
+   1 and 64 rows, as weight bytes read per second;
 4. engine: host syncs per decode step at batch 1 vs 64 (per-request syncs would grow),
    CUDA-graph vs eager greedy parity and single-stream decode latency;
 5. offline throughput, each run in its own process: nano-vllm's benchmark workload (256
    requests, input and output lengths uniform in 100-1024) on a Qwen3-0.6B-shaped model with
-   random weights (graphs, eager, torch attention) and on the default model's shape; and a
-   fixed-output-length workload against transformers' continuous batching.
+   random weights (graphs, eager, torch attention) and on the default model's shape, in bf16
+   and with int8 / int4 weights and an int8 KV cache; and a fixed-output-length workload
+   against transformers' continuous batching.
 
 Results go to ``results.json`` and ``table.txt`` under ``--out``; the table is printed last,
 and the exit status is 1 if any check failed.
@@ -550,7 +554,7 @@ def time_decode(
     best = 0.0
     variants = {(auto, 32)} if smoke else {(auto, 32), (1, 32), (auto, 64), (2 * auto, 32)}
     for splits, block_n in sorted(variants):
-        ms = bench_ms(lambda s=splits, n=block_n: run(s, n))  # type: ignore[misc]
+        ms = bench_ms(lambda s=splits, n=block_n: run(s, n))
         gbps = kv_bytes / (ms * 1e-3) / 1e9
         note = f"{ms * 1e3:.1f} us"
         if copy_bw:
@@ -628,7 +632,7 @@ def time_prefill(report: Report, dev: torch.device, smoke: bool) -> None:
         )  # fmt: skip
 
     for block_m, block_n in [(64, 32)] if smoke else [(64, 32), (64, 64), (128, 64)]:
-        ms = bench_ms(lambda m=block_m, n=block_n: run(m, n))  # type: ignore[misc]
+        ms = bench_ms(lambda m=block_m, n=block_n: run(m, n))
         name = f"paged b{batch}x{length} tile {block_m}x{block_n}"
         report.add(
             Row("prefill", name, flops / (ms * 1e-3) / 1e12, "TFLOP/s", None, f"{ms:.3f} ms")
@@ -694,22 +698,49 @@ def time_fused(report: Report, dev: torch.device, smoke: bool) -> None:
         )
 
 
+# -- 3b. quantized GEMMs -----------------------------------------------------------------------
+
+
+def quantized_gemms(report: Report, dev: torch.device, smoke: bool) -> None:
+    """W8A16 / W4A16 correctness at serving shapes, then their speed against bf16 cuBLAS."""
+    import torch.nn.functional as F
+
+    from ladle.runtime.kernels.quant_gemm import quantized_linear, quantized_linear_ref
+    from ladle.runtime.quantization.formats import quantize_int4, quantize_int8
+
+    bf16 = torch.bfloat16
+    n, k, group = (70, 200, 32) if smoke else (14336, 4096, 128)
+    w = torch.randn(n, k, device=dev) * 0.02
+    bias = torch.randn(n, device=dev).to(bf16)
+    weights = {"int8": quantize_int8(w), f"int4 g{group}": quantize_int4(w, group)}
+    for rows in (1, 17) if smoke else (1, 16, 256):
+        x = torch.randn(rows, k, device=dev).to(bf16)
+        for name, q in weights.items():
+            out = torch.full((rows, n), float("nan"), device=dev, dtype=bf16)
+            out.copy_(quantized_linear(x, q, bias))
+            err = rel_err(out, quantized_linear_ref(x, q, bias))
+            report.add(Row("quant", f"{name} x bf16 {rows}x{k}x{n}", err, "rel err", err < 1e-2))
+    dense = w.to(bf16)
+    for rows in (1, 64):
+        x = torch.randn(rows, k, device=dev).to(bf16)
+        base_ms = bench_ms(lambda x=x: F.linear(x, dense))
+        gbps = dense.nbytes / (base_ms * 1e-3) / 1e9
+        note = f"{base_ms:.3f} ms"
+        report.add(Row("quant", f"bf16 cuBLAS {rows}x{k}x{n}", gbps, "GB/s", None, note))
+        for name, q in weights.items():
+            ms = bench_ms(lambda x=x, q=q: quantized_linear(x, q))
+            gbps = sum(t.nbytes for t in q.tensors()) / (ms * 1e-3) / 1e9
+            note = f"{ms:.3f} ms, {base_ms / ms:.2f}x bf16"
+            report.add(Row("quant", f"{name} {rows}x{k}x{n}", gbps, "GB/s", None, note))
+
+
 def torch_backend_decode(backend: Any, q: torch.Tensor, p: Paged, meta: Any, d: int) -> None:
     """The torch backend's decode without its KV store (slots are all padding)."""
+    from ladle.runtime.attention.backend import LayerKVCache
+
     backend.begin_step(meta)
-    nd = meta.num_decodes
-    hkv = p.key_cache.shape[2]
-    span = backend._decode_mask.shape[-1]
-    keys = backend._gather(p.key_cache, backend._decode_blocks, 0).view(nd, span, hkv, d)
-    values = backend._gather(p.value_cache, backend._decode_blocks, 1).view(nd, span, hkv, d)
-    packed = q.view(nd, hkv, -1, d)
-    torch.nn.functional.scaled_dot_product_attention(
-        packed,
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=backend._decode_mask,
-        scale=d**-0.5,
-    )
+    cache = LayerKVCache(p.key_cache, p.value_cache, p.key_scale, p.value_scale)
+    backend._decode(q, cache, meta, d**-0.5, torch.empty_like(q))
 
 
 # -- models and workers -----------------------------------------------------------------------
@@ -1046,13 +1077,23 @@ def throughput(
     nano = [
         (f"{name}, nano-vllm workload, graphs", {**big, "engine": engine}),
         ("default model, nano-vllm workload", {**small, "engine": engine}),
+        ("default model, nano-vllm, int8 weights", {**small, "engine": {"quantization": "int8"}}),
+        (
+            "default model, nano-vllm, int4 AWQ g32",
+            {**small, "engine": {"quantization": "int4"}},
+        ),
+        (
+            "default model, nano-vllm, int8 weights + KV",
+            {**small, "engine": {"quantization": "int8", "kv_cache_dtype": "int8"}},
+        ),
         (f"{name}, nano-vllm workload, eager", {**big, "engine": {"enforce_eager": True}}),
         (
             f"{name}, nano-vllm workload, torch attn",
             {**big, "engine": {"attention_backend": "torch"}},
         ),
     ]
-    # Smoke: one Ladle run and the transformers path prove the plumbing.
+    # Smoke: one Ladle run and the transformers path prove the plumbing (the quantized engine
+    # runs under the interpreter in tests/kernels/test_engine.py).
     runs = fixed_runs if smoke else [nano[0], *fixed_runs, *nano[1:]]
     for label, extra in runs:
         result = run_worker(report, {**base, **extra, "label": label}, 300 if smoke else 180)
@@ -1116,6 +1157,7 @@ def main() -> None:
     section(report, "ceiling", 10, lambda: ceilings(report, dev, args.smoke))
     section(report, "correct", 30, lambda: correctness(report, dev, args.smoke))
     section(report, "timing", 60, lambda: timings(report, dev, args.smoke))
+    section(report, "quant", 30, lambda: quantized_gemms(report, dev, args.smoke))
     holder: dict[str, Path] = {}
     section(
         report,

@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.operator.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.rollout import QUALITY, GateOutcome, Result
+from ladle.runtime.eval.metrics import GATES, Gate
 
 PREFIX = "ladle:"
 TTFT = "time_to_first_token_seconds"
@@ -235,31 +236,23 @@ def slo_gates(
 # ---- the quality gate
 
 
-@dataclass(frozen=True)
-class QualityThresholds:
-    min_top1: float | None
-    max_kld: float | None
-    max_ppl_increase: float | None
+# A change that is not a weight format (an int8 KV cache, engine settings, a new runtime
+# image) is held to int8's gate: it should change the output no more than int8 weights do.
+FALLBACK_GATE = "int8"
 
 
-# The field's gates for weight-only quantization (the quantization issue's, and
-# ``ladle.runtime.eval.metrics.GATES``): int8 keeps KLD <= 0.005 and top-1 >= 97%, int4 keeps
-# perplexity within +5% and top-1 >= 90%. Any other change (an int8 KV cache, engine settings,
-# a new runtime image) is held to the int8 gate: it should change the output no more than that.
-DEFAULT_GATES = {
-    "int4": QualityThresholds(min_top1=0.90, max_kld=None, max_ppl_increase=0.05),
-    "int8": QualityThresholds(min_top1=0.97, max_kld=0.005, max_ppl_increase=None),
-}
-
-
-def quality_thresholds(spec: QualityGateSpec, weights: str) -> QualityThresholds:
+def quality_thresholds(spec: QualityGateSpec, weights: str) -> Gate:
     """The gate for a canary whose weights are ``weights``: the spec's own thresholds, else
-    the default for that quantization."""
-    base = DEFAULT_GATES.get(weights, DEFAULT_GATES["int8"])
+    ``ladle eval``'s gate for that quantization."""
     given = (spec.min_top1, spec.max_kld, spec.max_ppl_increase)
     if any(v is not None for v in given):
-        return QualityThresholds(*given)
-    return base
+        return Gate(
+            "spec",
+            max_kld=spec.max_kld,
+            min_top1=spec.min_top1,
+            max_ppl_delta=spec.max_ppl_increase,
+        )
+    return GATES.get(weights, GATES[FALLBACK_GATE])
 
 
 @dataclass(frozen=True)
@@ -284,7 +277,7 @@ class QualityNumbers:
         }
 
 
-def quality_outcome(numbers: QualityNumbers, gate: QualityThresholds) -> GateOutcome:
+def quality_outcome(numbers: QualityNumbers, gate: Gate) -> GateOutcome:
     """Pass or Fail, worded as ``top-1 agreement 0.81 < 0.95 (KLD 0.21)``: what failed first,
     the other numbers after it."""
     checks: list[tuple[str, bool, str]] = []
@@ -296,14 +289,14 @@ def quality_outcome(numbers: QualityNumbers, gate: QualityThresholds) -> GateOut
         ok = numbers.kld <= gate.max_kld
         sign = "<=" if ok else ">"
         checks.append(("kld", ok, f"KLD {numbers.kld:.2g} {sign} {gate.max_kld:g}"))
-    if gate.max_ppl_increase is not None:
-        ok = numbers.ppl_increase <= gate.max_ppl_increase
+    if gate.max_ppl_delta is not None:
+        ok = numbers.ppl_increase <= gate.max_ppl_delta
         sign = "<=" if ok else ">"
         checks.append(
             (
                 "ppl",
                 ok,
-                f"perplexity {numbers.ppl_increase:+.1%} {sign} +{gate.max_ppl_increase:.0%}",
+                f"perplexity {numbers.ppl_increase:+.1%} {sign} +{gate.max_ppl_delta:.0%}",
             )
         )
     failed = [text for _, ok, text in checks if not ok]

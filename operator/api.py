@@ -56,6 +56,28 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """What a variant serves: weight format (quantized at load) and KV-cache dtype.
+
+    ``method`` and ``group_size`` stay None unless set, so the runtime's defaults apply."""
+
+    weights: str = "none"
+    kv_cache: str = "auto"
+    method: str | None = None
+    group_size: int | None = None
+
+    def label(self) -> str:
+        """A short name for status and logs: none, int8, int4-awq-g64, int8+kv-int8."""
+        parts = [self.weights]
+        if self.method is not None:
+            parts.append(self.method)
+        if self.group_size is not None:
+            parts.append(f"g{self.group_size}")
+        label = "-".join(parts)
+        return label if self.kv_cache == "auto" else f"{label}+kv-{self.kv_cache}"
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """Engine knobs; each maps onto one ``ladle serve`` flag (None: the runtime's default)."""
 
@@ -135,7 +157,7 @@ class RolloutSpec:
 class InferenceServiceSpec:
     served_model_name: str
     source: ModelSource
-    quantization: str = "none"
+    quantization: Quantization = Quantization()
     runtime_image: str | None = None
     startup_timeout_seconds: int = 600
     engine: EngineSettings = EngineSettings()
@@ -300,6 +322,18 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
     )
 
 
+def parse_quantization(raw: Mapping[str, Any] | str | None) -> Quantization:
+    # Objects stored while spec.quantization was a string (only "none" was allowed) still parse.
+    if raw is None or isinstance(raw, str):
+        return Quantization(weights=raw or "none")
+    return Quantization(
+        weights=str(raw.get("weights", "none")),
+        kv_cache=str(raw.get("kvCache", "auto")),
+        method=_opt_str(raw.get("method")),
+        group_size=_opt_int(raw.get("groupSize")),
+    )
+
+
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
@@ -348,7 +382,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
     return InferenceServiceSpec(
         served_model_name=str(model["name"]),
         source=parse_source(model.get("source")),
-        quantization=str(spec.get("quantization", "none")),
+        quantization=parse_quantization(spec.get("quantization")),
         runtime_image=_opt_str(runtime.get("image")),
         startup_timeout_seconds=int(runtime.get("startupTimeoutSeconds", 600)),
         engine=parse_engine(spec.get("engine")),

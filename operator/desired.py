@@ -160,6 +160,15 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
         ("seed", engine.seed),
         ("max-waiting-requests", engine.max_waiting_requests),
     ]
+    quant = spec.quantization
+    if quant.weights != "none":
+        optional += [
+            ("quantization", quant.weights),
+            ("quantization-method", quant.method),
+            ("quantization-group-size", quant.group_size),
+        ]
+    if quant.kv_cache != "auto":
+        optional.append(("kv-cache-dtype", quant.kv_cache))
     config.update((key, value) for key, value in optional if value is not None)
     if spec.api_key_secret is not None:
         config["api-key-file"] = f"{API_KEY_MOUNT}/{API_KEY_FILE}"

@@ -314,7 +314,7 @@ class InferenceServiceReconciler:
         stable = variant.name == STABLE
         return VariantObservation(
             name=variant.name,
-            quantization=source.spec.quantization,
+            quantization=source.spec.quantization.label(),
             image=source.spec.runtime_image or self.config.runtime_image,
             deployment_name=name,
             deployment=self.store.get("Deployment", (isvc.meta.namespace, name)),

@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
-from ladle.operator.api import JSON, InferenceService, parse_spec
+from ladle.operator.api import JSON, InferenceService, parse_quantization, parse_spec
 
 # spec fields (top level) that a revision consists of; model.source is the other part.
 TEMPLATE_FIELDS = ("quantization", "runtime", "engine")
@@ -57,7 +57,7 @@ def revision_of(template: JSON) -> str:
     spec = parse_spec(apply_template({"model": {"name": "-"}}, template))
     parsed: dict[str, Any] = {
         "source": asdict(spec.source),
-        "quantization": spec.quantization,
+        "quantization": asdict(spec.quantization),
         "image": spec.runtime_image,
         "startup": spec.startup_timeout_seconds,
         "engine": asdict(spec.engine),
@@ -74,7 +74,4 @@ def with_template(isvc: InferenceService, template: JSON) -> InferenceService:
 
 def weights_of(template: JSON) -> str:
     """The weight format a template quantizes to (none, int8, int4)."""
-    quantization = template.get("quantization")
-    if isinstance(quantization, dict):
-        return str(quantization.get("weights") or "none")
-    return str(quantization or "none")
+    return parse_quantization(template.get("quantization")).weights

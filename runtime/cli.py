@@ -1,4 +1,4 @@
-"""``ladle`` subcommands of the runtime: generate, serve, bench.
+"""``ladle`` subcommands of the runtime: generate, serve, bench, eval.
 
 Only the standard library is imported here; each handler imports torch when it runs.
 """
@@ -56,9 +56,20 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from ladle.runtime.eval.command import main
+
+    return main(args)
+
+
 def add_parsers(sub: SubParsers) -> None:
     from ladle.runtime.bench.workloads import WORKLOADS
-    from ladle.runtime.config import EngineArgs
+    from ladle.runtime.config import (
+        KV_CACHE_DTYPES,
+        QUANTIZATION_METHODS,
+        WEIGHT_QUANTIZATIONS,
+        EngineArgs,
+    )
     from ladle.runtime.limits import RequestLimits
 
     generate = sub.add_parser("generate", help="chat once with a model, offline")
@@ -92,6 +103,10 @@ def add_parsers(sub: SubParsers) -> None:
     throughput.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
     throughput.add_argument("--max-num-batched-tokens", type=int, default=2048)
     throughput.add_argument("--kv-cache-memory", default="8GiB")
+    throughput.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS)
+    throughput.add_argument("--quantization-method", choices=QUANTIZATION_METHODS)
+    throughput.add_argument("--quantization-group-size", type=int)
+    throughput.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     throughput.add_argument("--seed", type=int, default=0)
     throughput.add_argument("--skip-transformers", action="store_true")
     throughput.add_argument(
@@ -113,3 +128,16 @@ def add_parsers(sub: SubParsers) -> None:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+
+    from ladle.runtime.eval.command import add_cli_args as add_eval_args
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="compare a quantized variant with full precision: KLD, top-1, perplexity, greedy",
+        description="Teacher-forced comparison of a candidate with a reference on the same "
+        "text. Offline (default): the model under the engine flags given against the same "
+        "model in full precision, over the full vocabulary. Online: two OpenAI base URLs, "
+        "over each position's returned top-k.",
+    )
+    add_eval_args(evaluate)
+    evaluate.set_defaults(func=_eval)

@@ -10,6 +10,11 @@ from typing import Any, Literal
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
+WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATION_METHODS = ("rtn", "awq")
+# int4 group size when none is given: llama.cpp's block size, and the best quality per byte in
+# the quality table (docs/quantization.md).
+DEFAULT_GROUP_SIZE = 32
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -36,6 +41,27 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization applied at load (``ladle.runtime.quantization``)."""
+
+    weights: str = "none"
+    method: str = "awq"
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none"
+
+    def describe(self) -> str:
+        """A short name: none, int8, int4-awq-g64."""
+        if not self.enabled:
+            return "none"
+        if self.weights == "int8":
+            return f"int8-{self.method}"
+        return f"int4-{self.method}-g{self.group_size}"
+
+
 @dataclass
 class EngineArgs:
     """Everything that shapes an engine instance. Field names follow vLLM's ``EngineArgs``."""
@@ -57,6 +83,11 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"
+    # vLLM's --quantization names a checkpoint's format; ours quantizes full-precision weights
+    # at load. The method defaults to awq; the group size is int4's.
+    quantization: str | None = None
+    quantization_method: str | None = None
+    quantization_group_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,6 +114,38 @@ class EngineArgs:
                 f"scheduling_policy must be fcfs or priority; got {self.scheduling_policy!r}"
             )
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self.quantization_config()  # validates
+
+    def quantization_config(self) -> QuantizationConfig:
+        weights = self.quantization or "none"
+        if weights not in WEIGHT_QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(WEIGHT_QUANTIZATIONS)}; got {weights!r}"
+            )
+        method, group = self.quantization_method, self.quantization_group_size
+        if weights == "none":
+            if method is not None or group is not None:
+                raise ConfigError(
+                    "quantization_method and quantization_group_size need quantization int8 or int4"
+                )
+            return QuantizationConfig()
+        if method is not None and method not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"quantization_method must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                f"got {method!r}"
+            )
+        if weights == "int8":
+            if group is not None:
+                raise ConfigError(
+                    "quantization_group_size applies to int4 only (int8 is per output channel)"
+                )
+            return QuantizationConfig("int8", method or "awq")
+        group = DEFAULT_GROUP_SIZE if group is None else group
+        if group < 32 or group % 32:
+            raise ConfigError(
+                f"quantization_group_size must be a positive multiple of 32; got {group}"
+            )
+        return QuantizationConfig("int4", method or "awq", group)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -112,7 +175,25 @@ class EngineArgs:
             "--kv-cache-dtype",
             choices=KV_CACHE_DTYPES,
             default="auto",
-            help="auto: the model's dtype; int8: half the memory (triton backend)",
+            help="auto: the model's dtype; int8: per-token, per-head scales (a quarter of fp32's "
+            "memory, half of bf16's)",
+        )
+        group.add_argument(
+            "--quantization",
+            "-q",
+            choices=WEIGHT_QUANTIZATIONS,
+            help="quantize the weights at load: int8 per output channel, int4 in groups",
+        )
+        group.add_argument(
+            "--quantization-method",
+            choices=QUANTIZATION_METHODS,
+            help="rtn: round to nearest; awq (default): activation-aware scales (and int4 "
+            "clipping) calibrated on text that ships with Python, cached after the first load",
+        )
+        group.add_argument(
+            "--quantization-group-size",
+            type=int,
+            help=f"int4 weights per scale, a multiple of 32 (default {DEFAULT_GROUP_SIZE})",
         )
 
     @classmethod

@@ -33,6 +33,7 @@ from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.models.loader import DEFAULT_MODEL_NAME, iter_safetensors, resolve_model
 from ladle.runtime.output_processor import OutputProcessor
 from ladle.runtime.outputs import RequestOutput
+from ladle.runtime.quantization.apply import quantize_at_load
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 from ladle.runtime.scheduler import Scheduler, SchedulerOutput
 
@@ -119,12 +120,12 @@ class LLMEngine:
         spec = KVCacheSpec(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype
         )
-        backend = select_backend(args.attention_backend, self.device, kv_dtype)
-        if kv_dtype == torch.int8 and backend.name != "triton":
-            raise ConfigError("kv_cache_dtype int8 needs the triton attention backend")
+        backend = select_backend(args.attention_backend, self.device, kv_dtype, self.dtype)
         self.attention: AttentionBackend = backend(spec, self.device)
         self.model = LlamaModel(cfg, self.attention, self.dtype, self.device)
         self.model.load_weights(iter_safetensors(self.model_path))
+        quantization = args.quantization_config()
+        quantize_at_load(self.model, quantization, self.model_path)
         num_blocks = self._num_blocks(spec)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         caches = self.attention.allocate(num_blocks)
@@ -173,6 +174,8 @@ class LLMEngine:
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "attention_backend": self.attention.name,
+                "quantization": quantization.describe(),
+                "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
                 "num_kv_blocks": num_blocks,
                 "max_model_len": self.max_model_len,
                 "load_seconds": round(time.monotonic() - started, 2),

@@ -67,6 +67,35 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
 
+    @classmethod
+    def for_prefills(
+        cls, lengths: list[int], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        """Fresh prefills of whole sequences, laid out one after another from block 0: for
+        running the model outside the engine (calibration, offline evaluation)."""
+        tables: list[list[int]] = []
+        slots: list[int] = []
+        starts, first = [0], 0
+        for n in lengths:
+            blocks = -(-n // block_size)
+            tables.append(list(range(first, first + blocks)))
+            slots += range(first * block_size, first * block_size + n)
+            first += blocks
+            starts.append(starts[-1] + n)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return cls(
+            num_decodes=0,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(lengths),
+            max_seq_len=max(lengths),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=list(lengths),
+        )
+
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
@@ -76,24 +105,34 @@ class AttentionBackend(ABC):
         self.device = device
 
     def allocate(self, num_blocks: int) -> list[LayerKVCache]:
+        """Per layer, zeroed keys and values; int8 caches also get their fp32 scales."""
         shape = (num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        int8 = self.spec.dtype == torch.int8
         return [
             LayerKVCache(
-                torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
+                zeros(shape, self.spec.dtype),
+                zeros(shape, self.spec.dtype),
+                zeros(shape[:-1], torch.float32) if int8 else None,
+                zeros(shape[:-1], torch.float32) if int8 else None,
             )
             for _ in range(self.spec.num_layers)
         ]
 
     def copy_blocks(self, caches: list[LayerKVCache], copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate shared blocks before a sequence writes into them."""
+        """Copy-on-write: duplicate shared blocks (and their scales) before a sequence writes
+        into them."""
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
         for layer in caches:
-            layer.key[dst] = layer.key[src]
-            layer.value[dst] = layer.value[src]
+            for part in layer:
+                if part is not None:
+                    part[dst] = part[src]
 
     def begin_step(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute whatever all layers of one step share (workspaces, masks)."""

@@ -5,6 +5,10 @@ sequence's blocks into a workspace and then reads that copy in SDPA, so it moves
 three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chunks run in one
 C call for the whole step as well (varlen, straight from the cache), instead of one SDPA call
 per sequence.
+
+With an int8 cache (per-(token, head) scales, the Triton backend's format) the C kernels
+quantize on store and read int8 in decode: a quarter of fp32's memory and traffic. Its prefills
+take the torch path, which dequantizes the blocks they read (there is no int8 C prefill yet).
 """
 
 from __future__ import annotations
@@ -19,8 +23,13 @@ from ladle.runtime.config import ConfigError
 from ladle.runtime.kernels import cpu_kernels
 
 
-def cpu_kernel_supports(spec_dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and spec_dtype == torch.float32
+def cpu_kernel_supports(
+    kv_dtype: torch.dtype, device: torch.device, dtype: torch.dtype = torch.float32
+) -> bool:
+    """The C kernels take fp32 activations and an fp32 or int8 cache."""
+    return (
+        device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.int8)
+    )
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -29,7 +38,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
         if not cpu_kernel_supports(spec.dtype, device):
             raise ConfigError(
-                f"attention backend 'cpu' needs an fp32 KV cache on the CPU, not "
+                f"attention backend 'cpu' needs an fp32 or int8 KV cache on the CPU, not "
                 f"{spec.dtype} on {device.type}"
             )
         lib = cpu_kernels.load()
@@ -42,13 +51,28 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _store(
         self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> None:
-        cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
+        if cache.key_scale is None or cache.value_scale is None:
+            cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
+            return
+        cpu_kernels.store_kv_int8(
+            self._lib,
+            k,
+            v,
+            cache.key,
+            cache.value,
+            cache.key_scale,
+            cache.value_scale,
+            meta.slot_mapping,
+        )
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Nothing to gather or mask: the kernels follow the block tables themselves. The
-        prefill chunks' row offsets are taken relative to the first of them, once a step."""
+        prefill chunks' row offsets are taken relative to the first of them, once a step. (An
+        int8 cache's prefills take the torch path, with its masks.)"""
         nd = meta.num_decodes
         self._prefill_starts = meta.query_start_loc[nd:] - meta.query_start_loc_cpu[nd]
+        if self.spec.dtype == torch.int8:
+            self._begin_prefills(meta)
 
     def _prefill(
         self,
@@ -62,6 +86,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         nd = meta.num_decodes
         if nd == meta.num_seqs:
+            return
+        if cache.key_scale is not None:
+            super()._prefill(q, k, v, cache, meta, scale, out)
             return
         start = meta.query_start_loc_cpu[nd]
         cpu_kernels.paged_prefill_attention(
@@ -85,6 +112,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out: torch.Tensor,
     ) -> None:
         nd = meta.num_decodes
+        if cache.key_scale is not None and cache.value_scale is not None:
+            cpu_kernels.paged_decode_attention_int8(
+                self._lib,
+                q[:nd],
+                cache.key,
+                cache.value,
+                cache.key_scale,
+                cache.value_scale,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                out[:nd],
+            )
+            return
         cpu_kernels.paged_decode_attention(
             self._lib,
             q[:nd],

@@ -29,22 +29,27 @@ def _load_triton() -> type[AttentionBackend]:
 LAZY_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"triton": _load_triton}
 
 
-def _auto(device: torch.device, kv_dtype: torch.dtype) -> str:
+def _auto(device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype) -> str:
     if device.type == "cuda":
         return "triton" if triton_available() else "torch"
-    if cpu_kernel_supports(kv_dtype, device) and cpu_kernels.load() is not None:
+    if cpu_kernel_supports(kv_dtype, device, dtype) and cpu_kernels.load() is not None:
         return "cpu"
     return "torch"
 
 
 def select_backend(
-    name: str, device: torch.device, kv_dtype: torch.dtype
+    name: str, device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype = torch.float32
 ) -> type[AttentionBackend]:
-    """``auto`` means the Triton kernels on CUDA when Triton is installed, the C decode kernel
-    on CPU when it builds (fp32 caches), the torch path otherwise. ``triton`` on CPU needs
-    ``TRITON_INTERPRET=1`` (slow; for tests)."""
+    """``auto`` means the Triton kernels on CUDA when Triton is installed, the C kernels on CPU
+    when they build (fp32 activations, fp32 or int8 caches), the torch path otherwise.
+    ``triton`` on CPU needs ``TRITON_INTERPRET=1`` (slow; for tests)."""
     if name == "auto":
-        name = _auto(device, kv_dtype)
+        name = _auto(device, kv_dtype, dtype)
+    if name == CpuAttentionBackend.name and not cpu_kernel_supports(kv_dtype, device, dtype):
+        raise ConfigError(
+            f"attention backend 'cpu' runs fp32 models on the CPU (with an fp32 or int8 KV "
+            f"cache), not {str(dtype).removeprefix('torch.')} on {device.type}"
+        )
     if name in BACKENDS:
         return BACKENDS[name]
     known = ", ".join([*BACKENDS, *LAZY_BACKENDS])

@@ -4,6 +4,10 @@ Decodes are batched into one SDPA call: each sequence's blocks are gathered into
 workspace, and the query heads that share a KV head are packed as rows of one query, so grouped
 KV is never repeated. Prefill chunks run one SDPA call each, reading any earlier context (prefix
 hits, previous chunks) from the cache.
+
+An int8 cache (per-(token, head) scales, as the kernels write it) is dequantized on read, and
+prefills then always read their keys and values back from the cache, so a prompt attends to
+the same quantized values whether or not its prefix came from the prefix cache.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ladle.runtime.attention.backend import (
     KVCacheSpec,
     LayerKVCache,
 )
+from ladle.runtime.quantization.formats import quantize_kv_rows
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,6 +37,10 @@ class TorchAttentionBackend(AttentionBackend):
     def begin_step(self, meta: AttentionMetadata) -> None:
         if meta.num_decodes:
             self._begin_decodes(meta)
+        self._begin_prefills(meta)
+
+    def _begin_prefills(self, meta: AttentionMetadata) -> None:
+        """A causal mask per prefill chunk that continues earlier context."""
         self._prefill_masks = {}
         for i in range(meta.num_decodes, meta.num_seqs):
             q_len = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
@@ -49,10 +58,14 @@ class TorchAttentionBackend(AttentionBackend):
         span = torch.arange(max_blocks * bs, device=self.device)
         self._decode_mask = (span[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]
         per_cache = nd * max_blocks * bs * self.spec.num_kv_heads * self.spec.head_dim
-        if self._workspace.numel() < 2 * per_cache:
+        if self.spec.dtype != torch.int8 and self._workspace.numel() < 2 * per_cache:
             self._workspace = torch.empty(2 * per_cache, dtype=self.spec.dtype, device=self.device)
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, part: int) -> torch.Tensor:
+    def _gather(
+        self, cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, part: int
+    ) -> torch.Tensor:
+        if scale is not None:
+            return _read(cache, scale, blocks)
         n = blocks.numel() * self.spec.block_size
         size = n * self.spec.num_kv_heads * self.spec.head_dim
         out = self._workspace[part * size : (part + 1) * size].view(
@@ -80,8 +93,18 @@ class TorchAttentionBackend(AttentionBackend):
         self, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata
     ) -> None:
         hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
-        cache.key.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, k)
-        cache.value.view(-1, hkv, dim).index_copy_(0, meta.slot_mapping, v)
+        slots = meta.slot_mapping
+        if cache.key_scale is None or cache.value_scale is None:
+            cache.key.view(-1, hkv, dim).index_copy_(0, slots, k)
+            cache.value.view(-1, hkv, dim).index_copy_(0, slots, v)
+            return
+        for rows, part, scales in (
+            (k, cache.key, cache.key_scale),
+            (v, cache.value, cache.value_scale),
+        ):
+            q, s = quantize_kv_rows(rows)
+            part.view(-1, hkv, dim).index_copy_(0, slots, q)
+            scales.view(-1, hkv).index_copy_(0, slots, s)
 
     def _decode(
         self,
@@ -95,14 +118,15 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
         nd = meta.num_decodes
         span = self._decode_mask.shape[-1]
-        keys = self._gather(cache.key, self._decode_blocks, 0).view(nd, span, hkv, dim)
-        values = self._gather(cache.value, self._decode_blocks, 1).view(nd, span, hkv, dim)
+        blocks = self._decode_blocks
+        keys = self._gather(cache.key, cache.key_scale, blocks, 0).view(nd, span, hkv, dim)
+        values = self._gather(cache.value, cache.value_scale, blocks, 1).view(nd, span, hkv, dim)
         group = q.shape[1] // hkv
         packed = q[:nd].view(nd, hkv, group, dim)
         attn = F.scaled_dot_product_attention(
             packed,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
+            keys.transpose(1, 2).to(q.dtype),
+            values.transpose(1, 2).to(q.dtype),
             attn_mask=self._decode_mask,
             scale=scale,
         )
@@ -125,12 +149,13 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             ctx = meta.seq_lens_cpu[i]
             mask = self._prefill_masks.get(i)
-            if mask is None:
+            if mask is None and cache.key_scale is None:
                 keys, values = k[start:end], v[start:end]
             else:
                 blocks = meta.block_tables[i, : -(-ctx // bs)].long()
-                keys = cache.key[blocks].view(-1, hkv, dim)[:ctx]
-                values = cache.value[blocks].view(-1, hkv, dim)[:ctx]
+                keys = _read(cache.key, cache.key_scale, blocks).view(-1, hkv, dim)[:ctx]
+                values = _read(cache.value, cache.value_scale, blocks).view(-1, hkv, dim)[:ctx]
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             attn = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1)[None],
                 keys.transpose(0, 1)[None],
@@ -141,3 +166,10 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[start:end] = attn[0].transpose(0, 1)
+
+
+def _read(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of one cache; an int8 cache's rows times their scales, in fp32."""
+    if scale is None:
+        return cache[blocks]
+    return cache[blocks].to(torch.float32) * scale[blocks][..., None]

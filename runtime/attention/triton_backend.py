@@ -45,33 +45,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.min_split_tokens = MIN_SPLIT_TOKENS
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def allocate(self, num_blocks: int) -> list[LayerKVCache]:
-        if self.spec.dtype != torch.int8:
-            return super().allocate(num_blocks)
-        shape = (num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        dev = self.device
-        return [
-            LayerKVCache(
-                torch.zeros(shape, dtype=torch.int8, device=dev),
-                torch.zeros(shape, dtype=torch.int8, device=dev),
-                torch.zeros(shape[:-1], dtype=torch.float32, device=dev),
-                torch.zeros(shape[:-1], dtype=torch.float32, device=dev),
-            )
-            for _ in range(self.spec.num_layers)
-        ]
-
-    def copy_blocks(self, caches: list[LayerKVCache], copies: list[tuple[int, int]]) -> None:
-        super().copy_blocks(caches, copies)
-        if not copies or caches[0].key_scale is None:
-            return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for layer in caches:
-            assert layer.key_scale is not None
-            assert layer.value_scale is not None
-            layer.key_scale[dst] = layer.key_scale[src]
-            layer.value_scale[dst] = layer.value_scale[src]
-
     def num_splits(self, num_decodes: int, max_seq_len: int) -> int:
         """Enough (sequence, KV head, split) programs to fill the device, none too short."""
         by_occupancy = -(-self.target_programs // (num_decodes * self.spec.num_kv_heads))

@@ -22,8 +22,11 @@ _GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 _ATTENTION = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::bmm")
 # Our C kernels (ctypes calls, invisible to torch.profiler) and the bucket each belongs to.
 _C_KERNELS = {
+    "linear": "gemm",
     "paged_decode_attention": "attention",
+    "paged_decode_attention_int8": "attention",
     "store_kv": "attention",
+    "store_kv_int8": "attention",
     "rms_norm": "other",
     "rope_": "other",
     "silu_and_mul": "other",
@@ -98,7 +101,10 @@ def profile_decode(llm: LLM, prompts: list[list[int]], steps: int = 8) -> Decode
         elif event.key.startswith("aten::"):
             other += seconds
     for name, timed in kernels.items():
-        if _C_KERNELS[name] == "attention":
+        bucket = _C_KERNELS[name]
+        if bucket == "gemm":
+            gemm += timed.seconds
+        elif bucket == "attention":
             attention += timed.seconds
         else:
             other += timed.seconds

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ladle.runtime.bench.profile import profile_decode
 from ladle.runtime.bench.workloads import WORKLOADS, Workload
@@ -60,10 +59,10 @@ def _linears(model: LlamaModel, rows: int) -> None:
     attn = torch.randn(rows, cfg.q_size, dtype=model.dtype)
     act = torch.randn(rows, cfg.intermediate_size, dtype=model.dtype)
     for layer in model.layers:
-        F.linear(x, layer.qkv, layer.qkv_bias)
-        F.linear(attn, layer.o_proj)
-        F.linear(x, layer.gate_up)
-        F.linear(act, layer.down)
+        layer.qkv(x)
+        layer.o_proj(attn)
+        layer.gate_up(x)
+        layer.down(act)
 
 
 @torch.inference_mode()
@@ -80,12 +79,12 @@ def ceiling_probe(model: LlamaModel, prompt_lens: list[int], output_len: int, bu
         rows = min(budget, total - start)
         _linears(model, rows)
         finishing = sum(1 for e in ends if start < e <= start + rows)
-        F.linear(torch.randn(finishing, hidden, dtype=model.dtype), model.lm_head)
+        model.lm_head(torch.randn(finishing, hidden, dtype=model.dtype))
     # Decode: the first token came from prefill; each later one is a full-batch step.
     batch = torch.randn(len(prompt_lens), hidden, dtype=model.dtype)
     for _ in range(output_len - 1):
         _linears(model, len(prompt_lens))
-        F.linear(batch, model.lm_head)
+        model.lm_head(batch)
     return time.perf_counter() - started
 
 
@@ -130,6 +129,10 @@ def bench(args: argparse.Namespace) -> list[Result]:
         max_num_seqs=max(w.num_requests for w in WORKLOADS.values()),
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory=args.kv_cache_memory,
+        quantization=args.quantization,
+        quantization_method=args.quantization_method,
+        quantization_group_size=args.quantization_group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     tokenizer = llm.get_tokenizer()
     budget = args.max_num_batched_tokens

@@ -1,9 +1,12 @@
-"""Our fp32 CPU kernels (``cpu_kernels.c``): paged decode attention, KV store and small ops.
+"""Our CPU kernels: paged decode attention, KV store and small ops (``cpu_kernels.c``), and
+int8/int4 weight products and the int8 KV cache (``quant_kernels.c``).
 
 The system C compiler builds them once per source, compiler and CPU (``-O3 -march=native
 -fopenmp``) into the cache folder, where later processes find them; ctypes calls them and
-releases the GIL meanwhile. Without a working compiler, :func:`load` returns None and the
-engine keeps the plain torch path, which computes the same things.
+releases the GIL meanwhile. Instruction sets are picked at build time from the compiler's
+predefined macros, so ``-march=native`` decides; tests build extra variants with flags such as
+``-mno-avx512f`` to run the portable paths too. Without a working compiler, :func:`load` returns
+None and the engine keeps the plain torch path, which computes the same things.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from pathlib import Path
 import torch
 
 from ladle.runtime.models.loader import cache_dir
+from ladle.runtime.quantization.formats import PANEL, Int4Weight, Int8Weight, check_group_size
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("quant_kernels.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -44,7 +48,23 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int,
         [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
     ),
+    "ladle_quant_isa": (ctypes.c_int, []),
+    "ladle_linear_i8": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32],
+    ),
+    "ladle_linear_i4": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32],
+    ),
+    "ladle_store_kv_i8": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32]),
+    "ladle_paged_decode_attention_i8": (
+        ctypes.c_int,
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
+    ),
 }
+# What ``ladle_quant_isa`` reports about the build.
+ISA_NAMES = {2: "avx512", 1: "avx2", 0: "portable"}
 
 
 def _cpu_flags() -> str:
@@ -57,12 +77,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, extra_flags: tuple[str, ...]) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
+    sources = [s.read_text() for s in SOURCES]
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, _cpu_flags(), *FLAGS]).encode()
+        "\0".join([*sources, version, _cpu_flags(), *FLAGS, *extra_flags]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if target.is_file():
@@ -71,7 +92,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
+            [compiler, *FLAGS, *extra_flags, "-o", str(built), *map(str, SOURCES), "-lm"],
             capture_output=True,
             text=True,
             check=True,
@@ -82,14 +103,17 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None (with a warning saying why) when it cannot be built."""
+def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel library, or None (with a warning saying why) when it cannot be built.
+
+    ``extra_flags`` follow ``-march=native`` (``("-mno-avx512f",)`` builds the AVX2 path on an
+    AVX-512 machine); the engine always uses the plain build."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found; the CPU path uses plain torch")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, extra_flags)))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", None) or str(err)
         log.warning(
@@ -228,6 +252,147 @@ def paged_decode_attention(
         q.stride(0),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        num_seqs,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("CPU decode attention could not allocate its score buffer")
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The instruction set the quantized kernels were built for: avx512, avx2 or portable."""
+    return ISA_NAMES[int(lib.ladle_quant_isa())]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as [M, K] rows with unit column stride (a view when it already is one)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def linear(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: Int8Weight | Int4Weight,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for x fp32 [..., K] and a weight in the formats of
+    ``ladle.runtime.quantization.formats``."""
+    rows = _rows(x)
+    n, k = weight.shape
+    panels = weight.qweight.shape[0]
+    assert x.dtype == torch.float32
+    assert rows.shape[1] == k
+    for t in weight.tensors():
+        assert t.is_contiguous()
+    if bias is not None:
+        assert bias.dtype == torch.float32
+        # The kernels write whole panels; a partial last one needs a padded bias.
+        bias = torch.nn.functional.pad(bias, (0, panels * PANEL - n)).contiguous()
+    out = x.new_empty((rows.shape[0], panels * PANEL))
+    common = (rows.data_ptr(), rows.stride(0))
+    tail = (out.data_ptr(), out.stride(0), rows.shape[0], panels, k)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(weight, Int8Weight):
+        failed = lib.ladle_linear_i8(
+            *common,
+            weight.qweight.data_ptr(),
+            weight.scale.data_ptr(),
+            bias_ptr,
+            *tail,
+            torch.get_num_threads(),
+        )
+    else:
+        check_group_size(weight.group_size)
+        failed = lib.ladle_linear_i4(
+            *common,
+            weight.qweight.data_ptr(),
+            weight.scale.data_ptr(),
+            weight.offset.data_ptr(),
+            bias_ptr,
+            *tail,
+            weight.group_size,
+            torch.get_num_threads(),
+        )
+    if failed:
+        raise MemoryError("the quantized GEMM could not allocate its buffers")
+    return out[:, :n].reshape(*x.shape[:-1], n)
+
+
+def store_kv_int8(
+    lib: ctypes.CDLL,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_scale: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Quantize each (token, KV head) row of k and v ([T, Hkv, D] fp32, possibly QKV row
+    views) into its slot of the int8 caches, with its scale; slot -1 is skipped."""
+    tokens, num_kv_heads, head_dim = k.shape
+    assert k.dtype == v.dtype == key_scale.dtype == torch.float32
+    assert key_cache.dtype == value_cache.dtype == torch.int8
+    assert k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
+    for t in (key_cache, value_cache, key_scale, value_scale, slots):
+        assert t.is_contiguous()
+    assert slots.dtype == torch.int64
+    lib.ladle_store_kv_i8(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        key_scale.data_ptr(),
+        value_scale.data_ptr(),
+        slots.data_ptr(),
+        tokens,
+        num_kv_heads,
+        head_dim,
+    )
+
+
+def paged_decode_attention_int8(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """:func:`paged_decode_attention` over an int8 cache with per-(slot, KV head) scales
+    ``[num_blocks, block_size, num_kv_heads]``."""
+    for t in (key_cache, value_cache, key_scale, value_scale, out, seq_lens):
+        assert t.is_contiguous()
+    assert key_cache.dtype == value_cache.dtype == torch.int8
+    assert q.dtype == out.dtype == key_scale.dtype == value_scale.dtype == torch.float32
+    assert q.stride()[1:] == (q.shape[2], 1)
+    assert block_tables.stride(1) == 1
+    assert block_tables.dtype == seq_lens.dtype == torch.int32
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    failed = lib.ladle_paged_decode_attention_i8(
+        q.data_ptr(),
+        q.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        key_scale.data_ptr(),
+        value_scale.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),

@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Smallest scale, so that an all-zero row quantizes to zeros instead of dividing by zero.
-MIN_SCALE = 1e-8
+from ladle.runtime.quantization.formats import quantize_kv_rows
 
 
 @triton.jit
@@ -136,14 +135,6 @@ def store_kv(
     )
 
 
-def quantize_int8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row (last dim) symmetric int8 quantization, rounding like the kernel."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1) / 127.0).clamp_min(MIN_SCALE)
-    q = torch.floor(xf / scale[..., None] + 0.5).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
 def store_kv_ref(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -162,6 +153,6 @@ def store_kv_ref(
         if scales is None:
             flat[slots] = rows.to(cache.dtype)
         else:
-            q, s = quantize_int8_ref(rows)
+            q, s = quantize_kv_rows(rows)
             flat[slots] = q
             scales.view(-1, num_heads)[slots] = s

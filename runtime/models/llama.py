@@ -2,21 +2,24 @@
 
 Weights come straight from the HF state dict; Q/K/V and gate/up projections are concatenated
 so that each layer runs four GEMMs. Numerics follow transformers' modeling code (RoPE in
-rotate-half form, fp32 RMSNorm), so greedy outputs agree token for token.
+rotate-half form, fp32 RMSNorm), so greedy outputs agree token for token. Linear layers and
+embeddings are objects that may hold quantized weights (``ladle.runtime.quantization``); the
+forward pass only calls them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from ladle.runtime.kernels.ops import ops_for_backend
 from ladle.runtime.models.config import ModelConfig
+from ladle.runtime.quantization.linear import DenseEmbedding, DenseLinear, Embedding, Linear
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # HF parameter suffix -> (our fused tensor, slot within it).
@@ -42,11 +45,10 @@ _PLAIN = {
 
 @dataclass
 class LayerWeights:
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    gate_up: Linear
+    down: Linear
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
@@ -69,14 +71,22 @@ class LlamaModel:
         self.device = device
         self.scale = config.head_dim**-0.5
         self.layers: list[LayerWeights] = []
-        self.embed = torch.empty(0)
+        self.embed: Embedding = DenseEmbedding(torch.empty(0))
         self.norm = torch.empty(0)
-        self.lm_head = torch.empty(0)
+        self.lm_head: Linear = DenseLinear(torch.empty(0))
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * config.inv_freq[None, :]
         scaling = config.rope_attention_scaling
         self.cos = (freqs.cos() * scaling).to(device=device, dtype=dtype)
         self.sin = (freqs.sin() * scaling).to(device=device, dtype=dtype)
+
+    def with_attention(self, attention: AttentionBackend) -> LlamaModel:
+        """The same weight tensors (shared, not copied) behind another attention backend, with
+        layer objects of its own so that swapping one of its linears leaves this model alone."""
+        view = LlamaModel(self.config, attention, self.dtype, self.device)
+        view.layers = [dataclasses.replace(layer) for layer in self.layers]
+        view.embed, view.norm, view.lm_head = self.embed, self.norm, self.lm_head
+        return view
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take HF-named tensors, in any order, and build the fused per-layer weights."""
@@ -95,9 +105,10 @@ class LlamaModel:
                 parts[layer].setdefault(key, {})[slot] = t  # type: ignore[index]
             elif suffix in _PLAIN:
                 parts[layer][_PLAIN[suffix]] = t
-        self.embed = top["model.embed_tokens.weight"]
+        embed = top["model.embed_tokens.weight"]
+        self.embed = DenseEmbedding(embed)
         self.norm = top["model.norm.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else top["lm_head.weight"]
+        self.lm_head = DenseLinear(embed if cfg.tie_word_embeddings else top["lm_head.weight"])
         self.layers = [self._layer(i, p) for i, p in enumerate(parts)]
 
     def _layer(self, index: int, p: dict[str, object]) -> LayerWeights:
@@ -121,11 +132,10 @@ class LlamaModel:
         if qkv is None or gate_up is None:
             raise ValueError(f"layer {index}: missing projection weights in checkpoint")
         return LayerWeights(
-            qkv=qkv,
-            qkv_bias=fused("qkv_bias", 3) if self.config.qkv_bias else None,
-            o_proj=plain("o_proj"),
-            gate_up=gate_up,
-            down=plain("down"),
+            qkv=DenseLinear(qkv, fused("qkv_bias", 3) if self.config.qkv_bias else None),
+            o_proj=DenseLinear(plain("o_proj")),
+            gate_up=DenseLinear(gate_up),
+            down=DenseLinear(plain("down")),
             input_norm=plain("input_norm"),
             post_norm=plain("post_norm"),
             q_norm=plain("q_norm") if self.config.qk_norm else None,
@@ -147,12 +157,12 @@ class LlamaModel:
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         self.attention.begin_step(meta)
-        residual = F.embedding(input_ids, self.embed)
+        residual = self.embed(input_ids)
         # Each sublayer's output is added into the residual by the next norm (fused on GPU).
         first_norm = self.layers[0].input_norm if self.layers else self.norm
         x = ops.rms_norm(residual, first_norm, eps)
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -162,12 +172,26 @@ class LlamaModel:
             q, k = ops.rope(q, k, cos, sin)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
             attn = self.attention.forward(q, k, v, cache, meta, self.scale)
-            out = F.linear(attn.view(n, cfg.q_size), layer.o_proj)
+            out = layer.o_proj(attn.view(n, cfg.q_size))
             x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
-            out = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
+            out = layer.down(ops.silu_and_mul(layer.gate_up(x)))
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, residual = ops.add_rms_norm(out, residual, norm, eps)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds, a tensor shared by several holders (a tied
+        LM head) counted once."""
+        holders: list[Linear | Embedding] = [self.embed, self.lm_head]
+        for layer in self.layers:
+            holders += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        tensors = [t for h in holders for t in h.tensors()]
+        for layer in self.layers:
+            norms = (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm)
+            tensors += [t for t in norms if t is not None]
+        tensors.append(self.norm)
+        unique = {t.data_ptr(): t.nbytes for t in tensors}
+        return sum(unique.values())

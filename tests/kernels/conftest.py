@@ -30,16 +30,18 @@ def _import_kernels() -> None:
         import ladle.runtime.attention.triton_backend
         import ladle.runtime.kernels.attention
         import ladle.runtime.kernels.fused
-        import ladle.runtime.kernels.kv_store  # noqa: F401
+        import ladle.runtime.kernels.kv_store
+        import ladle.runtime.kernels.quant_gemm  # noqa: F401
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = saved
-    from ladle.runtime.kernels import attention
+    from ladle.runtime.kernels import attention, quant_gemm
 
     # A module imported earlier without the variable would hold compiled kernels.
-    assert attention.INTERPRETED == INTERPRET, "kernel modules were imported in the wrong mode"
+    for module in (attention, quant_gemm):
+        assert module.INTERPRETED == INTERPRET, "kernel modules were imported in the wrong mode"
 
 
 _import_kernels()

@@ -32,7 +32,8 @@ from ladle.runtime.kernels.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from ladle.runtime.kernels.kv_store import quantize_int8_ref, store_kv, store_kv_ref
+from ladle.runtime.kernels.kv_store import store_kv, store_kv_ref
+from ladle.runtime.quantization.formats import quantize_kv_rows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -96,11 +97,11 @@ def paged_batch(
             assert key_scale is not None
             assert value_scale is not None
             for src, cache, scales in ((k, key_cache, key_scale), (v, value_cache, value_scale)):
-                quantized, scale = quantize_int8_ref(src)
+                quantized, scale = quantize_kv_rows(src)
                 cache.view(-1, num_kv, head_dim)[slots] = quantized
                 scales.view(-1, num_kv)[slots] = scale
-            k_q, k_s = quantize_int8_ref(k)
-            v_q, v_s = quantize_int8_ref(v)
+            k_q, k_s = quantize_kv_rows(k)
+            v_q, v_s = quantize_kv_rows(v)
             k, v = k_q.float() * k_s[..., None], v_q.float() * v_s[..., None]
         else:
             key_cache.view(-1, num_kv, head_dim)[slots] = k
@@ -371,12 +372,9 @@ STEPS = [
 @pytest.mark.parametrize("int8", [False, True])
 def test_triton_backend_matches_torch_backend_over_mixed_steps(int8: bool) -> None:
     heads, head_dim, block_size = (6, 2), 64, 4
-    spec = KVCacheSpec(1, heads[1], head_dim, block_size, torch.float32)
+    spec = KVCacheSpec(1, heads[1], head_dim, block_size, torch.int8 if int8 else torch.float32)
     torch_backend = TorchAttentionBackend(spec, DEVICE)
-    triton_spec = KVCacheSpec(
-        1, heads[1], head_dim, block_size, torch.int8 if int8 else torch.float32
-    )
-    triton_backend = TritonAttentionBackend(triton_spec, DEVICE)
+    triton_backend = TritonAttentionBackend(spec, DEVICE)
     # Force the split-K path on CPU too: several programs per sequence, short splits.
     triton_backend.target_programs, triton_backend.min_split_tokens = 64, 4
     assert triton_backend.num_splits(4, 17) == 5
@@ -385,8 +383,8 @@ def test_triton_backend_matches_torch_backend_over_mixed_steps(int8: bool) -> No
     assert (caches[0].key.dtype == torch.int8) == int8
     got = run_steps(triton_backend, caches, STEPS, heads, head_dim)
     for out, ref in zip(got, expected, strict=True):
-        err = rel_err(out.cpu(), ref.cpu())
-        assert err < (2e-2 if int8 else 1e-5)
+        # int8 too: both read the same quantized cache, the torch path dequantized in fp32.
+        assert rel_err(out.cpu(), ref.cpu()) < 1e-5
 
 
 def test_int8_copy_blocks_copies_scales() -> None:
@@ -412,10 +410,14 @@ def test_int8_copy_blocks_copies_scales() -> None:
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, fp32 = torch.device("cpu"), torch.float32
     assert select_backend("auto", cpu, fp32) is CpuAttentionBackend
-    # The C kernel is fp32 only; other caches keep the torch path.
+    assert select_backend("auto", cpu, torch.int8, fp32) is CpuAttentionBackend
+    # The C kernels take fp32 activations and fp32 or int8 caches; the rest keeps torch.
     assert select_backend("auto", cpu, torch.bfloat16) is TorchAttentionBackend
+    assert select_backend("auto", cpu, torch.int8, torch.bfloat16) is TorchAttentionBackend
+    with pytest.raises(ConfigError, match="runs fp32 models on the CPU"):
+        select_backend("cpu", cpu, torch.int8, torch.bfloat16)
     spec = KVCacheSpec(1, 2, 64, 16, torch.bfloat16)
-    with pytest.raises(ConfigError, match="fp32 KV cache on the CPU"):
+    with pytest.raises(ConfigError, match="fp32 or int8 KV cache on the CPU"):
         CpuAttentionBackend(spec, cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_backend("triton", cpu, fp32) is TritonAttentionBackend
@@ -520,13 +522,28 @@ def test_cpu_prefill_kernel_matches_dense_reference(
     assert rel_err(out, dense_reference(batch, scale)) < 1e-5
 
 
-def test_cpu_backend_matches_torch_backend_over_mixed_steps() -> None:
+@pytest.mark.parametrize("int8", [False, True])
+def test_cpu_backend_matches_torch_backend_over_mixed_steps(int8: bool) -> None:
     heads, head_dim, block_size = (6, 2), 64, 4
-    spec = KVCacheSpec(1, heads[1], head_dim, block_size, torch.float32)
+    dtype = torch.int8 if int8 else torch.float32
+    spec = KVCacheSpec(1, heads[1], head_dim, block_size, dtype)
     cpu = torch.device("cpu")
     torch_backend = TorchAttentionBackend(spec, cpu)
     cpu_backend = CpuAttentionBackend(spec, cpu)
-    expected = run_steps(torch_backend, torch_backend.allocate(12), STEPS, heads, head_dim)
-    got = run_steps(cpu_backend, cpu_backend.allocate(12), STEPS, heads, head_dim)
+    torch_caches, cpu_caches = torch_backend.allocate(12), cpu_backend.allocate(12)
+    expected = run_steps(torch_backend, torch_caches, STEPS, heads, head_dim)
+    got = run_steps(cpu_backend, cpu_caches, STEPS, heads, head_dim)
     for out, ref in zip(got, expected, strict=True):
         assert rel_err(out, ref) < 1e-5
+    # Both wrote the same cache: bytes and scales.
+    assert (cpu_caches[0].key_scale is not None) == int8
+    for ours, theirs in zip(cpu_caches[0], torch_caches[0], strict=True):
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    if int8:
+        # And the quantized cache costs little against fp32 activations.
+        fp32 = TorchAttentionBackend(
+            KVCacheSpec(1, heads[1], head_dim, block_size, torch.float32), cpu
+        )
+        exact = run_steps(fp32, fp32.allocate(12), STEPS, heads, head_dim)
+        for out, ref in zip(got, exact, strict=True):
+            assert 1e-4 < rel_err(out, ref) < 2e-2

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
-SECTIONS = {"ceiling", "correct", "decode", "prefill", "fused", "engine", "throughput"}
+SECTIONS = {"ceiling", "correct", "decode", "prefill", "fused", "quant", "engine", "throughput"}
 
 
 @pytest.mark.slow

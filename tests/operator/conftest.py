@@ -39,7 +39,7 @@ def isvc_object(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": {"name": "smollm2", "source": {"builtin": {}}},
-        "quantization": "none",
+        "quantization": {"weights": "none", "kvCache": "auto"},
         "runtime": {"startupTimeoutSeconds": 600},
         "engine": {"drainTimeoutSeconds": 30},
         "resources": {"gpus": 1},

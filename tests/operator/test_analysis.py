@@ -15,7 +15,6 @@ from ladle.operator.analysis import (
     Histogram,
     PodMetrics,
     QualityNumbers,
-    QualityThresholds,
     error_rate_gate,
     interval,
     parse_metrics,
@@ -24,6 +23,7 @@ from ladle.operator.analysis import (
     slo_gates,
 )
 from ladle.operator.api import QualityGateSpec, SLOGateSpec
+from ladle.runtime.eval.metrics import GATES, Gate
 
 
 class RuntimePage:
@@ -170,25 +170,25 @@ def test_an_erroring_canary_fails_on_errors_even_without_latencies() -> None:
 
 
 def test_quality_defaults_follow_the_quantization() -> None:
-    assert quality_thresholds(QualityGateSpec(), "int8") == QualityThresholds(0.97, 0.005, None)
-    assert quality_thresholds(QualityGateSpec(), "int4") == QualityThresholds(0.90, None, 0.05)
+    assert quality_thresholds(QualityGateSpec(), "int8") == GATES["int8"]
+    assert quality_thresholds(QualityGateSpec(), "int4") == GATES["int4"]
     # Anything else (an int8 KV cache, engine settings, a new image) is held to int8's.
-    assert quality_thresholds(QualityGateSpec(), "none") == QualityThresholds(0.97, 0.005, None)
+    assert quality_thresholds(QualityGateSpec(), "none") == GATES["int8"]
     own = QualityGateSpec(min_top1=0.95)
-    assert quality_thresholds(own, "int4") == QualityThresholds(0.95, None, None)
+    assert quality_thresholds(own, "int4") == Gate("spec", min_top1=0.95)
 
 
 def test_quality_outcome_names_what_failed_with_the_numbers() -> None:
     numbers = QualityNumbers(
         top1=0.81, kld=0.21, ppl_increase=0.4, greedy=0.1, prompts=8, tokens=600
     )
-    failed = quality_outcome(numbers, QualityThresholds(0.95, None, None))
+    failed = quality_outcome(numbers, Gate("t", min_top1=0.95))
     assert failed.result == "Fail"
     assert failed.message.startswith("top-1 agreement 0.81 < 0.95 (KLD 0.21")
     assert "8 prompts, 600 tokens" in failed.message
     good = QualityNumbers(top1=0.99, kld=0.001, ppl_increase=0.002, greedy=1, prompts=8, tokens=600)
-    passed = quality_outcome(good, QualityThresholds(0.97, 0.005, None))
+    passed = quality_outcome(good, Gate("t", min_top1=0.97, max_kld=0.005))
     assert passed.result == "Pass"
     assert passed.message.startswith("top-1 agreement 0.99 >= 0.97, KLD 0.001 <= 0.005")
-    both = quality_outcome(numbers, QualityThresholds(0.97, 0.005, 0.05))
+    both = quality_outcome(numbers, Gate("t", min_top1=0.97, max_kld=0.005, max_ppl_delta=0.05))
     assert both.message.startswith("top-1 agreement 0.81 < 0.97; KLD 0.21 > 0.005; perplexity")

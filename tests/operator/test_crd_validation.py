@@ -76,9 +76,46 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "model.source.image.path must be an absolute path",
     ),
     (
-        "unsupported-quantization",
+        "quantization-as-a-string",
         with_spec(VALID_ISVC, quantization="int8"),
-        'Unsupported value: "int8": supported values: "none"',
+        'spec.quantization: Invalid value: "string": spec.quantization in body must be of '
+        "type object",
+    ),
+    (
+        "unsupported-weights",
+        with_spec(VALID_ISVC, quantization={"weights": "int2"}),
+        'spec.quantization.weights: Unsupported value: "int2": supported values: "none", '
+        '"int8", "int4"',
+    ),
+    (
+        "unsupported-kv-cache",
+        with_spec(VALID_ISVC, quantization={"kvCache": "fp8"}),
+        'spec.quantization.kvCache: Unsupported value: "fp8": supported values: "auto", "int8"',
+    ),
+    (
+        "group-size-with-int8",
+        with_spec(VALID_ISVC, quantization={"weights": "int8", "groupSize": 64}),
+        "quantization.groupSize applies to int4 weights only",
+    ),
+    (
+        "group-size-with-default-weights",
+        with_spec(VALID_ISVC, quantization={"groupSize": 128}),
+        "quantization.groupSize applies to int4 weights only",
+    ),
+    (
+        "group-size-not-a-multiple-of-32",
+        with_spec(VALID_ISVC, quantization={"weights": "int4", "groupSize": 48}),
+        "spec.quantization.groupSize in body should be a multiple of 32",
+    ),
+    (
+        "method-without-quantized-weights",
+        with_spec(VALID_ISVC, quantization={"weights": "none", "method": "awq", "kvCache": "int8"}),
+        "quantization.method needs weights int8 or int4",
+    ),
+    (
+        "unknown-method",
+        with_spec(VALID_ISVC, quantization={"weights": "int4", "method": "gptq"}),
+        'spec.quantization.method: Unsupported value: "gptq": supported values: "rtn", "awq"',
     ),
     (
         "replicas-above-max",
@@ -276,7 +313,7 @@ def test_defaults_fill_a_minimal_inference_service(kube: Kube, k8s_namespace: st
     spec = kube.isvc(k8s_namespace, "chat")["spec"]
     assert spec == {
         "model": {"name": "smollm2", "source": {"builtin": {}}},
-        "quantization": "none",
+        "quantization": {"weights": "none", "kvCache": "auto"},
         "runtime": {"startupTimeoutSeconds": 600},
         "engine": {"drainTimeoutSeconds": 30},
         "resources": {"gpus": 1},
@@ -309,6 +346,21 @@ def test_defaults_fill_a_minimal_inference_service(kube: Kube, k8s_namespace: st
 
 
 @pytest.mark.cluster
+@pytest.mark.usefixtures("ladle_chart")
+def test_quantized_variants_are_accepted_as_written(kube: Kube, k8s_namespace: str) -> None:
+    choices = {
+        "int4-awq": {"weights": "int4", "method": "awq", "groupSize": 128, "kvCache": "int8"},
+        "int8-kv": {"weights": "int8", "kvCache": "int8"},
+        "kv-only": {"kvCache": "int8"},
+    }
+    for name, quantization in choices.items():
+        obj = with_spec(VALID_ISVC, quantization=quantization)
+        obj["metadata"]["name"] = name
+        kube.apply(yaml.safe_dump(obj), k8s_namespace)
+        stored = kube.isvc(k8s_namespace, name)["spec"]["quantization"]
+        assert stored == {"weights": "none", "kvCache": "auto", **quantization}
+
+
 @pytest.mark.usefixtures("ladle_chart")
 def test_pool_and_resource_name_are_immutable(kube: Kube, k8s_namespace: str) -> None:
     pool_name = f"{k8s_namespace}-pool"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
+import pytest
 import yaml
 
 from ladle.operator.api import parse_isvc, parse_pool
@@ -17,6 +19,7 @@ from ladle.operator.desired import (
     object_digest,
     render_flags,
 )
+from ladle.runtime.config import EngineArgs
 
 CONFIG = OperatorConfig(runtime_image="registry.test/ladle-runtime:1")
 Builder = Any
@@ -151,6 +154,44 @@ def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
         "--seed", "7",
         "--drain-timeout", "30",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("quantization", "flags", "label"),
+    [
+        ({}, [], "none"),
+        ({"kvCache": "int8"}, ["--kv-cache-dtype", "int8"], "none+kv-int8"),
+        ({"weights": "int8"}, ["--quantization", "int8"], "int8"),
+        (
+            {"weights": "int4", "method": "rtn", "groupSize": 128, "kvCache": "int8"},
+            [
+                "--quantization", "int4",
+                "--quantization-method", "rtn",
+                "--quantization-group-size", "128",
+                "--kv-cache-dtype", "int8",
+            ],
+            "int4-rtn-g128+kv-int8",
+        ),
+    ],
+)  # fmt: skip
+def test_quantization_becomes_runtime_flags(
+    make_isvc: Builder, quantization: dict[str, Any], flags: list[str], label: str
+) -> None:
+    isvc = parse_isvc(make_isvc(spec={"quantization": quantization}))
+    args = render_flags(engine_config(isvc))
+    assert args[args.index("--served-model-name") + 2 : args.index("--drain-timeout")] == flags
+    assert isvc.spec.quantization.label() == label
+    # The runtime takes exactly these flags.
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    known, _ = parser.parse_known_args(flags)
+    EngineArgs.from_cli_args(known)
+
+
+def test_objects_stored_with_the_old_string_quantization_still_parse(make_isvc: Builder) -> None:
+    isvc = parse_isvc(make_isvc(spec={"quantization": "none"}))
+    assert isvc.spec.quantization.label() == "none"
+    assert "--quantization" not in render_flags(engine_config(isvc))
 
 
 def test_pvc_source_mounts_the_claim_read_only(make_isvc: Builder) -> None:

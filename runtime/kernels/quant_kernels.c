@@ -1,0 +1,499 @@
+/* Weight-only int8 and int4 matrix products, and the int8 KV cache, for CPUs.
+ *
+ * y[M, N] = x[M, K] W^T (+ bias), W quantized, x and y fp32: weights are dequantized on the fly
+ * and every product and sum is taken in fp32, so the numerics are those of the dequantized
+ * weights whatever the instruction set (the torch reference in ladle.runtime.quantization
+ * computes the same thing).
+ *
+ * Formats (see runtime/quantization/formats.py): output channels in panels of 16, stored
+ * input by input, so one input's weights for a panel are one 16-byte row:
+ * - int8: codes [P, K, 16], w = q * scale[n], one scale per output channel;
+ * - int4: codes [P, ceil(K / 2), 16], byte j of row i holding inputs 2i (low nibble) and 2i + 1
+ *   (high) of channel 16 p + j; w = q * scale[p, g, j] + offset[p, g, j] with g = k / group.
+ *
+ * Every product is an outer product: a panel row of weights (one vector of 16) times a
+ * broadcast input, accumulated per output, so nothing is ever summed horizontally.
+ * - GEMV (up to 4 rows of x: decode at small batch) is bound by reading W once: each panel is
+ *   read front to back, its codes converted in registers and used at once;
+ * - GEMM (more rows) is bound by arithmetic: each thread dequantizes a tile of panels into an
+ *   fp32 buffer once (L2-sized chunks of K) and runs a register-blocked kernel over every row
+ *   of x, so the conversion is paid once per tile instead of once per row.
+ *
+ * Instruction sets are chosen at build time (the library is built with -march=native): the
+ * code is written on 16-float vectors (GCC/Clang vector extensions), which the compiler maps
+ * onto one zmm register with AVX-512, two ymm with AVX2, or whatever the target has; the
+ * predefined macros pick the register tiles to match (__AVX512F__: 8 rows x 32 outputs,
+ * __AVX2__: 6 x 16, otherwise 2 x 16). VNNI and the bf16 dot products are not used: they
+ * multiply int8 or bf16 *activations*, and quantizing activations would change the numerics
+ * from those of the weight-only format the quality table measures.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The 16-float vectors below never cross a non-inlined call, so their ABI does not matter. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define PANEL 16
+/* From this many rows of x on, each thread dequantizes a tile of panels into an fp32 buffer
+ * once and reuses it for every row; below, weights are converted in registers as they are
+ * read (GEMV: a decode step at small batch, bound by reading W). */
+#define GEMV_MAX_ROWS 4
+/* K per dequantized chunk: the buffer (KC x 32 floats, 128 KiB) stays in L2. */
+#define KC 1024
+/* Rows of x per pass over the tiles (a prefill chunk has thousands). */
+#define MC 256
+
+/* Register tiles: MR rows of x times TILE_PANELS panels of 16 outputs, one accumulator vector
+ * per (row, panel): 16 of the 32 zmm registers with AVX-512, 12 of the 16 ymm with AVX2 (a
+ * 16-float vector is two of them). */
+#if defined(__AVX512F__)
+#define LADLE_ISA 2
+#define TILE_PANELS 2
+#define MR 8
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LADLE_ISA 1
+#define TILE_PANELS 1
+#define MR 6
+#else
+#define LADLE_ISA 0
+#define TILE_PANELS 1
+#define MR 2
+#endif
+#define TILE (TILE_PANELS * PANEL)
+
+/* Which path this build compiled: 2 AVX-512, 1 AVX2, 0 portable C. */
+int ladle_quant_isa(void) { return LADLE_ISA; }
+
+/* Native float vectors of VW lanes (GCC/Clang vector extensions); a panel row of 16 outputs
+ * is VPP of them. */
+#if LADLE_ISA == 2
+#include <immintrin.h>
+#define VW 16
+#elif LADLE_ISA == 1
+#include <immintrin.h>
+#define VW 8
+#else
+#define VW 4
+#endif
+#define VPP (PANEL / VW)
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline vf vload(const float *p) { return *(const vf_unaligned *)p; }
+static inline void vstore(float *p, vf v) { *(vf_unaligned *)p = v; }
+static inline vf splat(float x) { return (vf){0} + x; }
+
+/* A panel row of codes to floats, written per instruction set (compilers convert a whole
+ * int8 vector to floats lane by lane): one extension and one conversion per 8 or 16 codes. */
+#if LADLE_ISA >= 1
+static inline void widen(__m128i b, int is_signed, vf out[VPP]) {
+#if LADLE_ISA == 2
+    out[0] = (vf)_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#else
+    const __m128i high = _mm_unpackhi_epi64(b, b);
+    out[0] = (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+    out[1] = (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(high)
+                                              : _mm256_cvtepu8_epi32(high));
+#endif
+}
+
+static inline void from_i8(const int8_t *p, vf out[VPP]) {
+    widen(_mm_loadu_si128((const __m128i *)p), 1, out);
+}
+
+/* One byte row of an int4 panel: the codes of input 2i (low nibbles) and 2i + 1 (high). */
+static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0xF);
+    widen(_mm_and_si128(b, mask), 0, even);
+    widen(_mm_and_si128(_mm_srli_epi16(b, 4), mask), 0, odd);
+}
+#else
+static inline void from_i8(const int8_t *p, vf out[VPP]) {
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
+    for (int h = 0; h < VPP; h++) out[h] = vload(f + h * VW);
+}
+
+static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
+    float lo[PANEL], hi[PANEL];
+    for (int j = 0; j < PANEL; j++) {
+        lo[j] = (float)(p[j] & 0xF);
+        hi[j] = (float)(p[j] >> 4);
+    }
+    for (int h = 0; h < VPP; h++) {
+        even[h] = vload(lo + h * VW);
+        odd[h] = vload(hi + h * VW);
+    }
+}
+#endif
+
+typedef struct {
+    const void *w;                  /* int8 [P, K, 16] or int4 [P, ceil(K / 2), 16] */
+    const float *scale, *offset;    /* int8: scale [P * 16]; int4: [P, groups, 16] each */
+    int32_t groups, group_size, int4;
+} qweight;
+
+static inline const int8_t *panel_i8(const qweight *q, int64_t p, int32_t K) {
+    return (const int8_t *)q->w + p * K * PANEL;
+}
+
+static inline const uint8_t *panel_i4(const qweight *q, int64_t p, int32_t K) {
+    return (const uint8_t *)q->w + p * ((K + 1) / 2) * PANEL;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* GEMV: R (<= GEMV_MAX_ROWS) rows of x against one panel, converting weights in registers.  */
+
+/* Four accumulators per (row, vector), cycled over inputs, so that four multiply-adds of one
+ * chain are in flight. */
+#define UNROLL 4
+
+static inline __attribute__((always_inline)) void gemv_panel(const float *x, int64_t ldx,
+                                                             const qweight *q, int64_t p,
+                                                             int32_t K, int R,
+                                                             vf out[GEMV_MAX_ROWS][VPP]) {
+    vf acc[GEMV_MAX_ROWS][UNROLL][VPP];
+    for (int r = 0; r < R; r++)
+        for (int u = 0; u < UNROLL; u++)
+            for (int h = 0; h < VPP; h++) acc[r][u][h] = (vf){0};
+    if (!q->int4) {
+        const int8_t *w = panel_i8(q, p, K);
+        int k = 0;
+        for (; k + UNROLL <= K; k += UNROLL)
+            for (int u = 0; u < UNROLL; u++) {
+                vf wv[VPP];
+                from_i8(w + (int64_t)(k + u) * PANEL, wv);
+                for (int r = 0; r < R; r++) {
+                    const vf xv = splat(x[r * ldx + k + u]);
+                    for (int h = 0; h < VPP; h++) acc[r][u][h] += xv * wv[h];
+                }
+            }
+        for (; k < K; k++) {
+            vf wv[VPP];
+            from_i8(w + (int64_t)k * PANEL, wv);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < VPP; h++) acc[r][0][h] += splat(x[r * ldx + k]) * wv[h];
+        }
+        for (int h = 0; h < VPP; h++) {
+            const vf s = vload(q->scale + p * PANEL + h * VW);
+            for (int r = 0; r < R; r++)
+                out[r][h] = (acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h]) * s;
+        }
+        return;
+    }
+    const uint8_t *w = panel_i4(q, p, K);
+    const float *sc = q->scale + p * q->groups * PANEL, *of = q->offset + p * q->groups * PANEL;
+    for (int g = 0; g < q->groups; g++) {
+        vf s[VPP], o[VPP];
+        for (int h = 0; h < VPP; h++) {
+            s[h] = vload(sc + g * PANEL + h * VW);
+            o[h] = vload(of + g * PANEL + h * VW);
+        }
+        const int k0 = g * q->group_size;
+        const int k1 = k0 + q->group_size < K ? k0 + q->group_size : K;
+        int k = k0;
+        for (; k + UNROLL <= k1; k += UNROLL)
+            for (int u = 0; u < UNROLL; u += 2) {
+                vf wv[2][VPP];
+                from_u4(w + (int64_t)((k + u) / 2) * PANEL, wv[0], wv[1]);
+                for (int e = 0; e < 2; e++)
+                    for (int h = 0; h < VPP; h++) wv[e][h] = wv[e][h] * s[h] + o[h];
+                for (int r = 0; r < R; r++)
+                    for (int e = 0; e < 2; e++) {
+                        const vf xv = splat(x[r * ldx + k + u + e]);
+                        for (int h = 0; h < VPP; h++) acc[r][u + e][h] += xv * wv[e][h];
+                    }
+            }
+        for (; k < k1; k++) {
+            vf wv[2][VPP];
+            from_u4(w + (int64_t)(k / 2) * PANEL, wv[0], wv[1]);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < VPP; h++)
+                    acc[r][0][h] += splat(x[r * ldx + k]) * (wv[k % 2][h] * s[h] + o[h]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < VPP; h++)
+            out[r][h] = acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h];
+}
+
+static void gemv(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
+                 int64_t ldy, int R, int32_t P, int32_t K, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)P * K >= 4096)
+    for (int32_t p = 0; p < P; p++) {
+        vf out[GEMV_MAX_ROWS][VPP];
+        switch (R) { /* constant row counts, so the accumulators stay in registers */
+        case 1: gemv_panel(x, ldx, q, p, K, 1, out); break;
+        case 2: gemv_panel(x, ldx, q, p, K, 2, out); break;
+        case 3: gemv_panel(x, ldx, q, p, K, 3, out); break;
+        default: gemv_panel(x, ldx, q, p, K, 4, out); break;
+        }
+        for (int h = 0; h < VPP; h++) {
+            const vf b = bias ? vload(bias + p * PANEL + h * VW) : (vf){0};
+            for (int r = 0; r < R; r++) vstore(y + r * ldy + p * PANEL + h * VW, out[r][h] + b);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* GEMM: dequantize a tile of panels once, then register tiles over every row of x.          */
+
+/* Inputs [k0, k0 + kc) of panels [p, p + np) as fp32 rows of TILE floats: buf[k * TILE + 16 t
+ * + j] is weight (16 (p + t) + j, k0 + k); int8 codes stay unscaled (the per-output scale
+ * multiplies the finished sums). k0 is even. */
+static void dequant_tile(const qweight *q, int64_t p, int np, int32_t K, int k0, int kc,
+                         float *buf) {
+    for (int t = 0; t < np; t++) {
+        float *dst = buf + t * PANEL;
+        if (!q->int4) {
+            const int8_t *w = panel_i8(q, p + t, K) + (int64_t)k0 * PANEL;
+            for (int k = 0; k < kc; k++) {
+                vf wv[VPP];
+                from_i8(w + k * PANEL, wv);
+                for (int h = 0; h < VPP; h++) vstore(dst + k * TILE + h * VW, wv[h]);
+            }
+            continue;
+        }
+        const uint8_t *w = panel_i4(q, p + t, K);
+        const float *sc = q->scale + (p + t) * q->groups * PANEL;
+        const float *of = q->offset + (p + t) * q->groups * PANEL;
+        for (int k = 0; k < kc; k += 2) {
+            const int g = (k0 + k) / q->group_size; /* even k0 and group size: one group */
+            vf wv[2][VPP];
+            from_u4(w + (int64_t)((k0 + k) / 2) * PANEL, wv[0], wv[1]);
+            for (int e = 0; e < 2 && k + e < kc; e++)
+                for (int h = 0; h < VPP; h++) {
+                    const vf s = vload(sc + g * PANEL + h * VW), o = vload(of + g * PANEL + h * VW);
+                    vstore(dst + (k + e) * TILE + h * VW, wv[e][h] * s + o);
+                }
+        }
+    }
+}
+
+#define NV (TILE_PANELS * VPP) /* vectors per buffer row */
+
+/* y[r, tile] += mul * sum over the chunk of x[r, k] * buf[k]: R rows, nv vectors of outputs. */
+static inline __attribute__((always_inline)) void micro(const float *x, int64_t ldx,
+                                                        const float *buf, int kc, int R, int nv,
+                                                        float *y, int64_t ldy, const vf *mul) {
+    vf acc[MR][NV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = (vf){0};
+    for (int k = 0; k < kc; k++) {
+        vf wv[NV];
+        for (int v = 0; v < nv; v++) wv[v] = vload(buf + k * TILE + v * VW);
+        for (int r = 0; r < R; r++) {
+            const vf xv = splat(x[r * ldx + k]);
+            for (int v = 0; v < nv; v++) acc[r][v] += xv * wv[v];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < nv; v++) {
+            float *dst = y + r * ldy + v * VW;
+            vstore(dst, vload(dst) + acc[r][v] * mul[v]);
+        }
+}
+
+#define MICRO_CASE(n) \
+    case n: micro(x, ldx, buf, kc, n, nv, y, ldy, mul); break;
+
+static inline __attribute__((always_inline)) void micro_rows(const float *x, int64_t ldx,
+                                                             const float *buf, int kc, int R,
+                                                             int nv, float *y, int64_t ldy,
+                                                             const vf *mul) {
+    switch (R) { /* constant row counts, so the accumulators stay in registers */
+        MICRO_CASE(1)
+        MICRO_CASE(2)
+#if MR >= 6
+        MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6)
+#endif
+#if MR >= 8
+        MICRO_CASE(7) MICRO_CASE(8)
+#endif
+    default: break;
+    }
+}
+
+static void tile_product(const float *x, int64_t ldx, int64_t M, const float *buf, int kc, int np,
+                         float *y, int64_t ldy, const vf *mul) {
+    for (int64_t m = 0; m < M; m += MR) {
+        const int R = M - m < MR ? (int)(M - m) : MR;
+        if (np == TILE_PANELS)
+            micro_rows(x + m * ldx, ldx, buf, kc, R, NV, y + m * ldy, ldy, mul);
+        else
+            micro_rows(x + m * ldx, ldx, buf, kc, R, VPP, y + m * ldy, ldy, mul);
+    }
+}
+
+static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
+                int64_t ldy, int64_t M, int32_t P, int32_t K, int32_t num_threads) {
+    const int tiles = (P + TILE_PANELS - 1) / TILE_PANELS;
+    const int kc_max = K < KC ? K + 1 : KC; /* room for an int4 chunk's odd last input */
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = malloc(sizeof(float) * (size_t)kc_max * TILE);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* MC rows of x at a time stay in cache while every tile passes over them; a tile is
+         * dequantized again per block of rows, 1/MC of the arithmetic. */
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            const int64_t rows = M - m0 < MC ? M - m0 : MC;
+            const float *xb = x + m0 * ldx;
+            float *yb = y + m0 * ldy;
+#pragma omp for schedule(static)
+            for (int tile = 0; tile < tiles; tile++) {
+                if (buf == NULL) continue;
+                const int64_t p = (int64_t)tile * TILE_PANELS;
+                const int np = P - p < TILE_PANELS ? (int)(P - p) : TILE_PANELS;
+                vf mul[NV];
+                for (int v = 0; v < NV; v++) {
+                    const int64_t col = p * PANEL + v * VW;
+                    const int valid = v < np * VPP;
+                    mul[v] = q->int4 || !valid ? splat(1.0f) : vload(q->scale + col);
+                    const vf b = bias && valid ? vload(bias + col) : (vf){0};
+                    if (valid)
+                        for (int64_t m = 0; m < rows; m++) vstore(yb + m * ldy + col, b);
+                }
+                for (int k0 = 0; k0 < K; k0 += KC) {
+                    const int kc = K - k0 < KC ? K - k0 : KC;
+                    dequant_tile(q, p, np, K, k0, kc, buf);
+                    tile_product(xb + k0, ldx, rows, buf, kc, np, yb + p * PANEL, ldy, mul);
+                }
+            }
+        }
+        free(buf);
+    }
+    return failed;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Entry points. x rows are ldx floats apart; y is [M, ldy] with ldy >= 16 P (the padded
+ * outputs are written too); bias, padded to 16 P, may be NULL; the int4 group size is a
+ * positive multiple of 32 (the caller checks). Nonzero: out of memory. */
+
+int ladle_linear_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale,
+                    const float *bias, float *y, int64_t ldy, int64_t M, int32_t P, int32_t K,
+                    int32_t num_threads) {
+    const qweight q = {w, scale, NULL, 0, 0, 0};
+    if (M == 0) return 0;
+    if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
+    gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);
+    return 0;
+}
+
+int ladle_linear_i4(const float *x, int64_t ldx, const uint8_t *w, const float *scale,
+                    const float *offset, const float *bias, float *y, int64_t ldy, int64_t M,
+                    int32_t P, int32_t K, int32_t group_size, int32_t num_threads) {
+    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, 1};
+    if (M == 0) return 0;
+    if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
+    gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* int8 KV cache: per (token, KV head) symmetric scales, absmax / 127, rounded half up as the
+ * Triton store does (floor(x / scale + 0.5)), so both backends write the same bytes.         */
+
+void ladle_store_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       int8_t *key_cache, int8_t *value_cache, float *key_scale,
+                       float *value_scale, const int64_t *slots, int64_t tokens,
+                       int32_t num_kv_heads, int32_t head_dim) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int part = 0; part < 2; part++) {
+            const float *src = part == 0 ? k + t * k_stride : v + t * v_stride;
+            int8_t *cache = part == 0 ? key_cache : value_cache;
+            float *scales = part == 0 ? key_scale : value_scale;
+            for (int h = 0; h < num_kv_heads; h++) {
+                const float *row = src + (int64_t)h * head_dim;
+                int8_t *dst = cache + (slot * num_kv_heads + h) * head_dim;
+                float amax = 0.0f;
+                for (int d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(row[d]));
+                const float scale = fmaxf(amax / 127.0f, 1e-8f);
+                for (int d = 0; d < head_dim; d++) {
+                    const float qv = floorf(row[d] / scale + 0.5f);
+                    dst[d] = (int8_t)fminf(fmaxf(qv, -127.0f), 127.0f);
+                }
+                scales[slot * num_kv_heads + h] = scale;
+            }
+        }
+    }
+}
+
+/* Decode attention over the int8 cache: the same walk as ladle_paged_decode_attention_f32 (one
+ * sequence per task, blocks read front to back), with each key's scale applied to its score
+ * and each value's scale folded into its probability, so int8 values are read once and never
+ * expanded into a copy. Scales are [num_blocks, block_size, num_kv_heads]. */
+int ladle_paged_decode_attention_i8(
+    const float *q, int64_t q_stride, const int8_t *key_cache, const int8_t *value_cache,
+    const float *key_scale, const float *value_scale, const int32_t *block_tables,
+    int64_t table_stride, const int32_t *seq_lens, float *out, int32_t num_seqs,
+    int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+    int32_t num_threads) {
+    const int group = num_heads / num_kv_heads;
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int s = 0; s < num_seqs; s++) {
+        const int len = seq_lens[s];
+        const int32_t *table = block_tables + s * table_stride;
+        const float *qs = q + (int64_t)s * q_stride;
+        float *os = out + (int64_t)s * num_heads * head_dim;
+        float *scores = malloc(sizeof(float) * (size_t)num_heads * ((size_t)len + 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *inv_sum = scores + (size_t)num_heads * len;
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            const int8_t *k = key_cache + slot * token_stride;
+            const float *ks = key_scale + slot * num_kv_heads;
+            for (int head = 0; head < num_heads; head++) {
+                const float *qh = qs + (int64_t)head * head_dim;
+                const int kvh = head / group;
+                const int8_t *kh = k + (int64_t)kvh * head_dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int d = 0; d < head_dim; d++) acc += qh[d] * (float)kh[d];
+                scores[head * len + t] = acc * ks[kvh] * scale;
+            }
+        }
+        for (int head = 0; head < num_heads; head++) {
+            float *row = scores + (size_t)head * len;
+            float max = -INFINITY;
+            for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
+            float sum = 0.0f;
+            for (int t = 0; t < len; t++) {
+                row[t] = expf(row[t] - max);
+                sum += row[t];
+            }
+            inv_sum[head] = 1.0f / sum;
+        }
+        for (int i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            const int8_t *v = value_cache + slot * token_stride;
+            const float *vs = value_scale + slot * num_kv_heads;
+            for (int head = 0; head < num_heads; head++) {
+                const int kvh = head / group;
+                const float p = scores[head * len + t] * inv_sum[head] * vs[kvh];
+                const int8_t *vh = v + (int64_t)kvh * head_dim;
+                float *oh = os + (int64_t)head * head_dim;
+#pragma omp simd
+                for (int d = 0; d < head_dim; d++) oh[d] += p * (float)vh[d];
+            }
+        }
+        free(scores);
+    }
+    return failed;
+}

@@ -1,0 +1,115 @@
+"""Quantize/dequantize round trips stay within the bound each format implies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ladle.runtime.quantization.formats import (
+    PANEL,
+    fake_quantize_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_kv_rows,
+)
+
+# Float rounding in scale * q (+ offset), relative to the step.
+SLACK = 1e-5
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 33), (64, 576), (5, 1000)])
+def test_int8_round_trip_is_within_half_a_step_per_channel(n: int, k: int) -> None:
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k) * torch.logspace(-3, 1, n)[:, None]  # rows of very different ranges
+    q = quantize_int8(w)
+    panels = -(-n // PANEL)
+    assert q.qweight.shape == (panels, k, PANEL)
+    assert q.qweight.dtype == torch.int8
+    assert q.shape == (n, k)
+    codes = q.codes()
+    assert codes.abs().max() <= 127
+    err = (q.dequantize() - w).abs()
+    step = q.scale[:n, None]
+    assert (err <= step * (0.5 + SLACK)).all()
+    # The row's largest magnitude is on the grid's end: nothing is clipped.
+    assert torch.equal(codes.abs().amax(dim=1), torch.full((n,), 127, dtype=torch.int8))
+    # Padded channels are zero, and a row lookup (the embedding) reads the same values.
+    assert (q.scale[n:] == 0).all()
+    ids = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(q.rows(ids), q.dequantize()[ids])
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group"),
+    [(3, 31, 32), (4, 32, 32), (5, 100, 64), (6, 576, 64), (7, 576, 128), (2, 1530, 96)],
+)
+def test_int4_round_trip_is_within_half_a_step_per_group(n: int, k: int, group: int) -> None:
+    torch.manual_seed(k + group)
+    w = torch.randn(n, k) + torch.randn(n, 1) * 3  # offsets away from zero: asymmetric ranges
+    q = quantize_int4(w, group)
+    groups, panels = -(-k // group), -(-n // PANEL)
+    assert q.qweight.shape == (panels, -(-k // 2), PANEL)
+    assert q.scale.shape == q.offset.shape == (panels, groups, PANEL)
+    codes = q.codes()
+    assert codes.shape == (n, k)
+    assert codes.max() <= 15
+    step = q.scale.transpose(1, 2).reshape(-1, groups)[:n].repeat_interleave(group, dim=1)[:, :k]
+    err = (q.dequantize() - w).abs()
+    assert (err <= step * (0.5 + SLACK)).all()
+    # Each group's minimum is represented exactly (the float offset) and its maximum within
+    # rounding, so both ends of every group's range are codes 0 and 15.
+    padded = torch.nn.functional.pad(codes.float(), (0, groups * group - k), value=float("nan"))
+    per_group = padded.view(n, groups, group)
+    assert (per_group.nan_to_num(99).amin(dim=2) == 0).all()
+    assert (per_group.nan_to_num(-1).amax(dim=2) == 15).all()
+    assert torch.equal(fake_quantize_int4(w, group), q.dequantize())
+
+
+def test_layouts_are_panels_of_16_channels_input_by_input() -> None:
+    """What the kernels read: int8 [P, K, 16]; int4 byte (p, i, j) = channel 16 p + j's inputs
+    2i (low nibble) and 2i + 1 (high)."""
+    n, k = 20, 6
+    # Channel c's input i holds code (c + i) % 16, on a 0..15 grid (scale 1, offset 0).
+    grid = (torch.arange(n)[:, None] + torch.arange(k)[None, :]).remainder(16).float()
+    grid[:, 0] = torch.where(torch.arange(n) % 2 == 0, 0.0, 15.0)  # every group spans 0..15
+    grid[:, 1] = torch.where(torch.arange(n) % 2 == 0, 15.0, 0.0)
+    q4 = quantize_int4(grid, 32)
+    assert torch.equal(q4.codes(), grid.to(torch.uint8))
+    byte = q4.qweight[1, 2, 3]  # panel 1, inputs 4 and 5, channel 19
+    assert int(byte) & 0xF == int(grid[19, 4])
+    assert int(byte) >> 4 == int(grid[19, 5])
+    q8 = quantize_int8(grid - 7.5)
+    assert torch.equal(q8.qweight[1, 4, :4], q8.codes()[16:20, 4])  # input 4, channels 16-19
+    assert (q8.qweight[1, :, 4:] == 0).all()  # the padded channels of the last panel
+
+
+def test_int4_constant_groups_and_clipping() -> None:
+    w = torch.zeros(2, 64)
+    w[1, 32:] = 5.0
+    q = quantize_int4(w, 32)
+    assert torch.equal(q.dequantize(), w)  # constant groups are exact
+    outlier = torch.randn(4, 128)
+    outlier[:, 0] = 40.0
+    clip = torch.full((4, 4), 0.5)
+    clipped = quantize_int4(outlier, 32, clip).dequantize()
+    assert clipped[:, 0].max() <= 20.0 + 1e-4  # the clipped range ends at half the absmax
+    # Clipping narrows the step of the outlier's group: the other values get finer.
+    narrowed = quantize_int4(outlier, 32, clip).scale[0, 0, :4]  # panel 0, group 0
+    assert (narrowed < quantize_int4(outlier, 32).scale[0, 0, :4]).all()
+
+
+def test_group_size_must_be_a_multiple_of_the_block() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.randn(2, 64), 48)
+
+
+def test_kv_rows_round_trip_per_token_and_head() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(9, 3, 64)
+    x[4, 1] *= 1000  # one outlier row does not cost the others their precision
+    q, scale = quantize_kv_rows(x)
+    assert q.dtype == torch.int8
+    assert scale.shape == (9, 3)
+    err = (q.float() * scale[..., None] - x).abs()
+    assert (err <= scale[..., None] * (0.5 + SLACK)).all()
+    assert scale[4, 1] > 100 * scale[4, 0]
