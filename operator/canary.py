@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import tempfile
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from ladle.operator.analysis import (
     quality_outcome,
     quality_thresholds,
     slo_gates,
+    sum_pods,
 )
 from ladle.operator.api import (
     API_VERSION,
@@ -111,16 +111,13 @@ def run_eval(
     """Online ``ladle eval`` (blocking: run it in a thread). Raises EvalError or
     PromptFileError with a message that says what went wrong."""
     from ladle.runtime.eval.online import Endpoint, evaluate_online
-    from ladle.runtime.eval.prompts import load_prompts
+    from ladle.runtime.eval.prompts import load_prompts, parse_prompts
 
     if prompts is None:
         loaded = load_prompts()
     else:
-        with tempfile.TemporaryDirectory() as folder:
-            # The key's suffix says the format (.json, .jsonl, or one prompt per line).
-            path = Path(folder) / Path(prompts_name or "prompts.txt").name
-            path.write_text(prompts, encoding="utf-8")
-            loaded = load_prompts(path)
+        # The key's suffix says the format (.json, .jsonl, or one prompt per line).
+        loaded = parse_prompts(prompts, Path(prompts_name or "prompts.txt"))
     result = evaluate_online(
         Endpoint(stable_url, model=model),
         Endpoint(canary_url, model=model),
@@ -200,7 +197,12 @@ class CanaryAnalysis:
                 self._latest[uid] = end
                 began = base.scrape.at
                 canary = interval(base.scrape.canary, end.canary, began)
-                stable = interval(base.scrape.stable, end.stable, began)
+                if state.weight >= 100:
+                    # Stable takes no traffic at a 100% step: its pods' whole lifetime (the
+                    # earlier steps included) is the reference, which any leader can read.
+                    stable = sum_pods(list(end.stable.values()))
+                else:
+                    stable = interval(base.scrape.stable, end.stable, began)
                 slo = slo_gates(canary, stable, spec.slo, spec.min_requests)
         return Measured(read_action(isvc), slo, missing, self._verdicts.pop(uid, None))
 
