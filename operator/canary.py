@@ -57,7 +57,7 @@ EVAL_TOP_K = 20
 EVAL_GREEDY_TOKENS = 16
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]]
-IntervalKey = tuple[str | None, int, float | None]
+IntervalKey = tuple[str | None, int, int | None]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,10 @@ class Measured:
 
 
 def interval_key(state: RolloutState) -> IntervalKey:
-    return (state.canary_revision, state.step, state.interval_started)
+    """Which interval a baseline belongs to. Its start is compared in whole milliseconds, as
+    status keeps it: the state a decision made and the one read back from status must match."""
+    started = state.interval_started
+    return (state.canary_revision, state.step, None if started is None else round(started * 1000))
 
 
 def read_action(isvc: InferenceService) -> str | None:

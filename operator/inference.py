@@ -233,7 +233,7 @@ class InferenceServiceReconciler:
         previous = self.writer.previous(
             isvc.meta.uid, isvc.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS
         )
-        now = time.time()
+        now = round(time.time(), 3)  # status keeps milliseconds
         before = from_status(previous.get("rollout"))
         measured = await self.canary.measure(isvc, before, now)
         observation, _ = self._observation(isvc, before, measured, now)
