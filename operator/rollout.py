@@ -502,6 +502,8 @@ def _enter_step(m: _Machine, spec: RolloutSpec, step: int) -> None:
         step=step,
         weight=weight,
         interval_started=m.obs.now,
+        # Each step has its own deadline: scaling and the quality check had theirs.
+        step_started=m.obs.now,
         phase="Progressing",
         message=f"step {step}/{len(spec.steps)}: {weight}% to the canary; analysing",
     )

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 NAME = "canary"
 MODEL = "canary-model"
 STEPS = [25, 50, 100]
-INTERVAL = 8
+INTERVAL = 15
 # Six prompts, about 300 tokens: enough to score top-1 agreement to within a few percent.
 PROMPTS = "\n".join(
     [
@@ -65,8 +65,8 @@ def service(quantization: dict[str, Any], quality: dict[str, Any] | None = None)
             "rollout": {
                 "steps": STEPS,
                 "intervalSeconds": INTERVAL,
-                "minRequests": 4,
-                "progressDeadlineSeconds": 240,
+                "minRequests": 3,
+                "progressDeadlineSeconds": 300,
                 "analysis": {
                     "quality": {
                         "prompts": {"configMapName": "canary-prompts", "key": "prompts.txt"},
@@ -130,13 +130,13 @@ def rollouts(ladle_system: System, gateway_url: str) -> Iterator[System]:
 class Load:
     """`ladle bench serve` through the gateway, in the background."""
 
-    def __init__(self, gateway_url: str, concurrency: int = 2) -> None:
+    def __init__(self, gateway_url: str, concurrency: int = 4) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "ladle.cli", "bench", "serve",
                 "--base-url", gateway_url, "--model", MODEL,
                 "--num-prompts", "100000", "--max-concurrency", str(concurrency),
-                "--input-len", "16", "--output-len", "8", "--ignore-eos",
+                "--input-len", "16", "--output-len", "4", "--ignore-eos",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
