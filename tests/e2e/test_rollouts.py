@@ -66,7 +66,7 @@ def service(quantization: dict[str, Any], quality: dict[str, Any] | None = None)
                 "steps": STEPS,
                 "intervalSeconds": INTERVAL,
                 "minRequests": 3,
-                "progressDeadlineSeconds": 300,
+                "progressDeadlineSeconds": 480,
                 "analysis": {
                     "quality": {
                         "prompts": {"configMapName": "canary-prompts", "key": "prompts.txt"},
@@ -270,8 +270,11 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
                 else:
                     assert sample["canary"] >= 1, (weight, sample)
                     assert sample["stable"] >= 1, (weight, sample)
-            lisvc = rollouts.kubectl("get", "lisvc", NAME, "-n", rollouts.namespace)
-            assert "Progressing" in lisvc.stdout
+                # `kubectl get lisvc` shows the phase and the canary's weight.
+                lisvc = rollouts.kubectl("get", "lisvc", NAME, "-n", rollouts.namespace)
+                columns = lisvc.stdout.splitlines()[1].split()
+                if rollout(rollouts).get("step") == step:
+                    assert columns[-3:-1] == ["Progressing", str(weight)], lisvc.stdout
         assert seen_steps, "no step lasted long enough to sample the split"
         done = wait_until(
             lambda: (b := rollout(rollouts)).get("phase") == "Promoted" and b,
