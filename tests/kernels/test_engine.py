@@ -16,7 +16,6 @@ import torch
 
 from ladle.runtime import LLM, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
-from ladle.runtime.config import ConfigError
 from ladle.runtime.cuda_graphs import DecodeGraphRunner, batch_size_ladder
 from ladle.runtime.kernels.ops import TritonOps
 
@@ -115,8 +114,3 @@ def test_batch_size_ladder() -> None:
     assert batch_size_ladder(8) == [1, 2, 4, 8]
     assert batch_size_ladder(40) == [1, 2, 4, 8, 16, 32, 40]
     assert batch_size_ladder(256)[-3:] == [224, 240, 256]
-
-
-def test_int8_cache_needs_the_triton_backend(tiny_model: Callable[[str], Path]) -> None:
-    with pytest.raises(ConfigError, match="int8 needs the triton"):
-        _engine(tiny_model("llama"), "torch", kv_cache_dtype="int8")
