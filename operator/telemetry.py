@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,10 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from ladle.operator.rollout import PHASES, RolloutState
 from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.operator")
@@ -142,6 +145,23 @@ class Metrics:
         self.autoscaler_demand = autoscaler_gauge(
             "demand", "Requests wanting a replica, averaged over the stable window."
         )
+        labels = ["namespace", "inferenceservice"]
+        self.rollbacks = Counter(
+            "ladle_operator_rollout_rollbacks",
+            "Canary rollouts rolled back or failed, by the gate that ended them (quality, "
+            "errorRate, ttftP95, tpotP95, deadline, abort).",
+            [*labels, "gate"],
+            registry=self.registry,
+        )
+        self.analyses = Counter(
+            "ladle_operator_rollout_analysis",
+            "Canary analysis verdicts, by gate and result (pass, fail, inconclusive).",
+            [*labels, "gate", "result"],
+            registry=self.registry,
+        )
+        # The state of every InferenceService's rollout, as the leader last wrote it.
+        self.rollouts: dict[tuple[str, str], RolloutState] = {}
+        self.registry.register(_RolloutCollector(self.rollouts))
 
     def observe_isvc(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Set the gauges from an InferenceService's derived status (every reconcile)."""
@@ -198,6 +218,7 @@ class Metrics:
         ):
             gauge.clear()
         self._conditions.clear()
+        self.rollouts.clear()
 
     def forget_autoscaler(self, namespace: str, name: str) -> None:
         """Drop a service's autoscaler series once it is gone or no longer autoscaled."""
@@ -214,6 +235,46 @@ class Metrics:
             self.autoscaler_frozen,
             self.autoscaler_demand,
         )
+
+
+class _RolloutCollector(Collector):
+    """Rollout gauges, read from the leader's states at scrape time: a deleted service or the
+    end of a leadership term leaves no stale series behind."""
+
+    def __init__(self, states: dict[tuple[str, str], RolloutState]) -> None:
+        self.states = states
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["namespace", "inferenceservice"]
+        weight = GaugeMetricFamily(
+            "ladle_operator_rollout_canary_weight",
+            "Percent of traffic the canary takes (0-100).",
+            labels=labels,
+        )
+        step = GaugeMetricFamily(
+            "ladle_operator_rollout_step",
+            "The rollout step whose weight is in force (0: before any traffic moved).",
+            labels=labels,
+        )
+        phase = GaugeMetricFamily(
+            "ladle_operator_rollout_phase",
+            "1 for the rollout's current phase.",
+            labels=[*labels, "phase"],
+        )
+        started = GaugeMetricFamily(
+            "ladle_operator_rollout_step_started_timestamp_seconds",
+            "When the current rollout step started (Unix time).",
+            labels=labels,
+        )
+        for (namespace, name), state in sorted(self.states.items()):
+            key = [namespace, name]
+            weight.add_metric(key, state.weight if state.active else 0)
+            step.add_metric(key, state.step if state.active else 0)
+            for value in PHASES:
+                phase.add_metric([*key, value], 1.0 if state.phase == value else 0.0)
+            if state.active and state.step_started is not None:
+                started.add_metric(key, state.step_started)
+        yield from (weight, step, phase, started)
 
 
 @dataclass

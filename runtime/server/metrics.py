@@ -177,6 +177,11 @@ class ServerMetrics:
         self.itl = histogram(
             "inter_token_latency_seconds", "Gap between streamed tokens.", TOKEN_LATENCY_BUCKETS
         )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time over the output tokens after the first (vLLM's TPOT).",
+            TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to the last token.", LATENCY_BUCKETS
         )

@@ -200,6 +200,8 @@ def test_metrics_count_what_was_sent(server: Server) -> None:
     assert delta("ladle:request_time_per_output_token_seconds_count") == n
     # Every token after a request's first closes one inter-token gap.
     assert delta("ladle:inter_token_latency_seconds_count") == usage["completion_tokens"] - n
+    # TPOT is one observation per request with more than one token.
+    assert delta("ladle:request_time_per_output_token_seconds_count") == n
     assert delta("ladle:iteration_tokens_total_sum") >= usage["prompt_tokens"]
     # SLOs of 0.5, 1 and 2 s are bucket edges, so they read exactly.
     for edge in ("0.5", "1.0", "2.0"):
