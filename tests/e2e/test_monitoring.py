@@ -189,25 +189,6 @@ def service(name: str, model: str, **spec: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def gateway(ladle_system: System) -> str:
-    """The base URL of one of the chart's gateway pods (their addresses are loopback IPs)."""
-
-    def pod() -> str | None:
-        result = ladle_system.kubectl(
-            "get", "pods", "-n", ladle_system.system_namespace, "-o", "json",
-            "-l", "app.kubernetes.io/component=gateway",
-        )  # fmt: skip
-        for item in json.loads(result.stdout)["items"]:
-            ready = ladle_system.condition(item, "Ready") == "True"
-            if ready and item["status"].get("podIP"):
-                return f"http://{item['status']['podIP']}:8080"
-        return None
-
-    url: str = wait_until(pod, "a Ready gateway pod", timeout=120)
-    return url
-
-
 def traffic(gateway: str, model: str, count: int) -> list[int]:
     """Streamed completions through the gateway; their status codes."""
     codes = []
@@ -247,7 +228,7 @@ def recorded(prometheus: Prometheus) -> list[str]:
 
 
 def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_faults(
-    ladle_system: System, prometheus: Prometheus, namespace: str, gateway: str
+    ladle_system: System, prometheus: Prometheus, namespace: str, gateway_url: str
 ) -> None:
     system = ladle_system
     # A model loads for longer than the breaker's default 30 s without a ready pod on this
@@ -303,19 +284,21 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
 
     # Traffic, then the first fault: a burst beta's runtime answers with 429s opens its breaker.
     for model in (alpha, beta):
-        wait_until(lambda m=model: traffic(gateway, m, 1) == [200], f"the gateway to route {model}")
-    assert traffic(gateway, alpha, 4) == [200] * 4
-    assert traffic(gateway, beta, 4) == [200] * 4
+        wait_until(
+            lambda m=model: traffic(gateway_url, m, 1) == [200], f"the gateway to route {model}"
+        )
+    assert traffic(gateway_url, alpha, 4) == [200] * 4
+    assert traffic(gateway_url, beta, 4) == [200] * 4
     with ThreadPoolExecutor(12) as pool:
-        burst = list(pool.map(lambda _: complete(gateway, beta, 32).status_code, range(12)))
+        burst = list(pool.map(lambda _: complete(gateway_url, beta, 32).status_code, range(12)))
     assert burst.count(429) >= 4, burst
 
     def moved() -> bool:
-        r = complete(gateway, beta, 2)
+        r = complete(gateway_url, beta, 2)
         return r.status_code == 200 and r.headers.get("x-ladle-fallback") == "alpha"
 
     wait_until(moved, "beta's breaker to open and send its traffic to alpha", timeout=300)
-    traffic(gateway, beta, 4)
+    traffic(gateway_url, beta, 4)
 
     # Every recording rule (all the chart's, as Prometheus loaded them) answers with data.
     names = recorded(prometheus)
@@ -377,7 +360,7 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     assert deleted.returncode == 0, deleted.stderr
 
     def failing() -> bool:
-        return traffic(gateway, beta, 10).count(503) == 10
+        return traffic(gateway_url, beta, 10).count(503) == 10
 
     wait_until(failing, "beta to answer 503 without its fallback", timeout=120)
     deadline = time.monotonic() + 180
@@ -385,7 +368,7 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
         "LadleAvailabilityBudgetBurn", inferenceservice="beta", severity="critical"
     ):
         assert time.monotonic() < deadline, prometheus.get("/api/v1/alerts")
-        traffic(gateway, beta, 5)
+        traffic(gateway_url, beta, 5)
         time.sleep(2)
     alert = prometheus.firing(
         "LadleAvailabilityBudgetBurn", inferenceservice="beta", long_window="1h"

@@ -82,24 +82,6 @@ def service(quantization: dict[str, Any], quality: dict[str, Any] | None = None)
     }
 
 
-@pytest.fixture(scope="module")
-def gateway_url(ladle_system: System) -> str:
-    """One Ready gateway pod of the chart, by its pod address (no kube-proxy here)."""
-
-    def find() -> str | None:
-        for pod in ladle_system.core.list_namespaced_pod(
-            ladle_system.system_namespace, label_selector="app.kubernetes.io/component=gateway"
-        ).items:
-            conditions = pod.status.conditions or ()
-            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-            if ready and pod.status.pod_ip:
-                return f"http://{pod.status.pod_ip}:8080"
-        return None
-
-    url: str = wait_until(find, "a Ready gateway pod", 180)
-    return url
-
-
 def complete(gateway_url: str, timeout: float = 60) -> httpx.Response:
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
     return httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=timeout)
