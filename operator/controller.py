@@ -125,6 +125,7 @@ class Controller:
             config,
             queue_isvc=lambda key: self.queue.add(WorkKey("isvc", *key)),
             queue_pool=lambda name, delay: self.queue.add_after(WorkKey("pool", "", name), delay),
+            metrics=metrics,
         )
         self.inference = InferenceServiceReconciler(
             self.store,
@@ -132,6 +133,8 @@ class Controller:
             self.applier,
             self.pools,
             self.writer,
+            self.recorder,
+            metrics,
             config,
             requeue=self._requeue_isvc,
         )
@@ -236,10 +239,13 @@ class Controller:
         if rescaled:
             self.queue.add(WorkKey("isvc", *key), urgent=True)
             return
-        if not spec_changed and self.writer.is_echo(
-            new.meta.uid, new.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS
+        if (
+            not spec_changed
+            and old is not None
+            and old.meta.annotations == new.meta.annotations
+            and self.writer.is_echo(new.meta.uid, new.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS)
         ):
-            return  # the echo of our own status write
+            return  # the echo of our own status write (an annotation may be a rollout action)
         self.queue.add(WorkKey("isvc", *key), urgent=spec_changed)
 
     def _pool_changed(self, old: GPUPool | None, new: GPUPool | None) -> None:
@@ -352,6 +358,7 @@ class Controller:
         async with asyncio.TaskGroup() as group:
             self._group = group
             self.applier.start(self._spawn)
+            self.inference.canary.start(self._spawn, lambda key: self._requeue_isvc(key, 0))
             # A quarter of the workers wait for spec changes only.
             reserved = max(1, self.workers // 4)
             for index in range(self.workers):
@@ -371,6 +378,7 @@ class Controller:
         if self._sweep_timer is not None:
             self._sweep_timer.cancel()
         self.queue.close()
+        self.metrics.rollouts.clear()  # the next leader reports them
 
     async def _resync(self) -> None:
         # Watches catch drift as it happens; this is the safety net for missed events.

@@ -255,6 +255,7 @@ class Operator:
         finally:
             self.router.controller = None
             self.metrics.leader.set(0)
+            self.metrics.forget_objects()
             controller.stop()
             if holder is not None and not holder.done():
                 holder.cancel()

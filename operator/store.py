@@ -89,8 +89,9 @@ class PodInfo:
     holds: bool
     # The scheduler's reason, or the first container's waiting reason, and its message.
     problem: tuple[str, str] | None
-    # Where its /metrics answers, while it is Ready (the autoscaler reads it there).
-    metrics_url: str | None = None
+    # The runtime's HTTP address while the pod is Ready: the autoscaler reads its /metrics
+    # there, and the canary analysis its metrics and its OpenAI API.
+    base_url: str | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -112,15 +113,19 @@ class PodInfo:
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
             problem=None if deleting else _pod_problem(status),
-            metrics_url=None if deleting else _metrics_url(pod),
+            base_url=None if deleting else _base_url(pod),
         )
 
     def gpus(self, resource: str) -> int:
         return self.limits.get(resource, 0) if self.holds else 0
 
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.base_url is None else f"{self.base_url}/metrics"
 
-def _metrics_url(pod: Mapping[str, Any]) -> str | None:
-    """The runtime's /metrics on the pod's address and its "http" port, if the pod is Ready."""
+
+def _base_url(pod: Mapping[str, Any]) -> str | None:
+    """The pod's address and its "http" port, if the pod is Ready."""
     status = pod.get("status") or {}
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True"
@@ -133,7 +138,7 @@ def _metrics_url(pod: Mapping[str, Any]) -> str | None:
     for container in (pod.get("spec") or {}).get("containers") or ():
         for port in container.get("ports") or ():
             if port.get("name") == "http":
-                return f"http://{host}:{port['containerPort']}/metrics"
+                return f"http://{host}:{port['containerPort']}"
     return None
 
 

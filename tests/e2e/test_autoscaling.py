@@ -57,24 +57,6 @@ def service(min_replicas: int) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def gateway_url(ladle_system: System) -> str:
-    """One Ready gateway pod of the chart, by its pod address (no kube-proxy here)."""
-
-    def find() -> str | None:
-        for pod in ladle_system.core.list_namespaced_pod(
-            ladle_system.system_namespace, label_selector="app.kubernetes.io/component=gateway"
-        ).items:
-            conditions = pod.status.conditions or ()
-            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-            if ready and pod.status.pod_ip:
-                return f"http://{pod.status.pod_ip}:8080"
-        return None
-
-    url: str = wait_until(find, "a Ready gateway pod", 180)
-    return url
-
-
-@pytest.fixture(scope="module")
 def scaler(ladle_system: System, gateway_url: str) -> Iterator[System]:
     ladle_system.apply([service(min_replicas=1)])
     ladle_system.ready_pod(NAME)

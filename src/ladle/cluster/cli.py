@@ -145,13 +145,14 @@ def node_options(args: argparse.Namespace) -> Any:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ladle.cluster import build
+    from ladle.cluster import build, sre_tools
 
     if args.print_bin_dir:
         print(build.bin_dir())
         return 0
     try:
         build.build(force=args.force)
+        sre_tools.build_missing(force=args.force)
     except build.BuildError as exc:
         print(f"ladle cluster build: {exc}", file=sys.stderr)
         return 1
