@@ -169,7 +169,9 @@ class EngineArgs:
         group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
         group.add_argument("--attention-backend", default="auto", help="auto, cpu, torch or triton")
         group.add_argument(
-            "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
+            "--enforce-eager",
+            action="store_true",
+            help="run decode steps op by op: no CUDA graphs, no fused CPU decode step",
         )
         group.add_argument(
             "--kv-cache-dtype",

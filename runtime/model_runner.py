@@ -8,6 +8,7 @@ import torch
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
+from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
@@ -43,6 +44,8 @@ class ModelRunner:
         self.sampler = Sampler(device)
         # Set by the engine on CUDA: replays decode-only steps from captured graphs.
         self.graphs: DecodeGraphRunner | None = None
+        # Set by the engine on CPUs: small decode-only steps in one C call.
+        self.fused: CpuDecodeStep | None = None
 
     def _prepare(
         self, batch: list[ScheduledSequence]
@@ -98,6 +101,8 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.fused is not None and self.fused.can_run(meta):
+            hidden = self.fused.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.caches, meta)
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
