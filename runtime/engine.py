@@ -24,8 +24,8 @@ from ladle.runtime.attention.registry import select_backend
 from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.errors import RequestError
-from ladle.runtime.kernels import decode_step
 from ladle.runtime.input_processor import InputProcessor, PromptInput, Request
+from ladle.runtime.kernels import decode_step
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.limits import RequestLimits
 from ladle.runtime.model_runner import ModelRunner, ModelRunnerOutput

@@ -289,9 +289,7 @@ def bench(args: argparse.Namespace) -> list[Run]:
                     except llama_cpp.BaselineError as exc:
                         raise SystemExit(f"ladle bench latency: {exc}") from None
                     context = most * (args.input_len + args.output_len + 64)
-                    cmd = llama_cpp.server_command(
-                        bin_dir, weights, 0, args.threads, most, context
-                    )
+                    cmd = llama_cpp.server_command(bin_dir, weights, 0, args.threads, most, context)
                     cmd[cmd.index("--port") + 1] = "{port}"
                     urls[args.baseline] = stack.enter_context(
                         _server(cmd, _env(args.threads), f"llama.cpp-{precision}", log_dir)
@@ -310,8 +308,8 @@ def bench(args: argparse.Namespace) -> list[Run]:
                         run = _run_record(precision, system, concurrency, round_, summary)
                         runs.append(run)
                         print(
-                            f"  round {round_ + 1}/{args.repeats}  {precision:<5} c={concurrency:<3}"
-                            f" {system:<10} TPOT p50 {run.tpot_p50_ms:7.1f} ms"
+                            f"  round {round_ + 1}/{args.repeats}  {precision:<5}"
+                            f" c={concurrency:<3} {system:<10} TPOT p50 {run.tpot_p50_ms:7.1f} ms"
                             f"  TTFT p50 {run.ttft_p50_ms:7.1f} ms"
                             f"  {run.output_throughput:7.1f} tok/s"
                             + (f"  ({run.failed} failed)" if run.failed else ""),

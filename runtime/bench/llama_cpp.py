@@ -53,7 +53,7 @@ def _cpu_key() -> str:
 
 def _run(cmd: list[str], log: Path, what: str, cwd: Path | None = None) -> None:
     with log.open("a") as out:
-        done = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        done = subprocess.run(cmd, check=False, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise BaselineError(f"{what} failed (exit {done.returncode}); see {log}")
 
@@ -67,8 +67,18 @@ def _fetch_source(log: Path) -> None:
     if not sdist.is_file():
         print(f"llama.cpp: downloading the llama-cpp-python {VERSION} sdist", flush=True)
         _run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-            + [f"llama-cpp-python=={VERSION}", "-d", str(downloads)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={VERSION}",
+                "-d",
+                str(downloads),
+            ],
             log,
             "pip download of llama-cpp-python",
         )
@@ -132,8 +142,15 @@ def gguf(precision: str, model_dir: Path, bin_dir: Path, int4_type: str = "q4_1"
         print(f"llama.cpp: converting {model_dir} to an f32 GGUF", flush=True)
         partial = f32.with_suffix(".partial")
         _run(
-            [sys.executable, "convert_hf_to_gguf.py", str(model_dir), "--outtype", "f32"]
-            + ["--outfile", str(partial)],
+            [
+                sys.executable,
+                "convert_hf_to_gguf.py",
+                str(model_dir),
+                "--outtype",
+                "f32",
+                "--outfile",
+                str(partial),
+            ],
             log,
             "convert_hf_to_gguf.py",
             cwd=source_dir(),

@@ -242,7 +242,8 @@ class CpuDecodeStep:
             self._buffers = self._allocate(threads)
         self.residual[0, :batch] = self.model.embed(input_ids)
         tables = meta.block_tables
-        assert tables.stride(1) == 1 and positions.dtype == meta.slot_mapping.dtype == torch.int64
+        assert tables.stride(1) == 1
+        assert positions.dtype == meta.slot_mapping.dtype == torch.int64
         failed = self._lib.ladle_decode_step(
             ctypes.byref(self._model),
             ctypes.byref(self._buffers),
