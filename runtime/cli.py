@@ -57,8 +57,12 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 
 
 def _bench_latency(args: argparse.Namespace) -> int:
-    from ladle.runtime.bench.latency import bench
+    from ladle.runtime.bench.latency import bench, check_args, profile
 
+    if args.profile:
+        check_args(args)
+        profile(args)
+        return 0
     runs = bench(args)
     return 0 if runs and not any(r.failed for r in runs) else 1
 

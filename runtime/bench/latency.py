@@ -32,12 +32,8 @@ from pathlib import Path
 from typing import Any
 
 PRECISIONS = ("fp32", "int8", "int4")
-# What each of our precisions is served with: `ladle serve` flags.
-_LADLE_FLAGS = {
-    "fp32": [],
-    "int8": ["--quantization", "int8"],
-    "int4": ["--quantization", "int4"],
-}
+# What each of our precisions is served with: `ladle serve --quantization`.
+_QUANTIZATION = {"fp32": None, "int8": "int8", "int4": "int4"}
 _READY_TIMEOUT_S = 600.0
 
 
@@ -88,6 +84,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="measure this running Ladle server instead of starting one")
     parser.add_argument("--baseline-url", help="and this running baseline server")
     parser.add_argument("--json", help="also write every run's numbers here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead: profile a batch-1 decode step in this process, fused and op by op",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -177,7 +178,7 @@ def _ladle_command(args: argparse.Namespace, precision: str, max_concurrency: in
         args.kv_cache_memory,
         "--max-num-seqs",
         str(max(max_concurrency, 1)),
-        *_LADLE_FLAGS[precision],
+        *(["--quantization", q] if (q := _QUANTIZATION[precision]) else []),
     ]
 
 
@@ -247,6 +248,25 @@ def _run_record(
         s["p99_ttft_ms"],
         s["output_throughput"],
     )
+
+
+def profile(args: argparse.Namespace) -> None:
+    """``--profile``: where a batch-1 step's time goes, per precision, before and after."""
+    import torch
+
+    from ladle.runtime.bench.profile import latency_profile
+    from ladle.runtime.bench.serve import synthetic_requests
+    from ladle.runtime.llm import LLM
+
+    torch.set_num_threads(args.threads)
+    for precision in args.precisions:
+        llm = LLM(kv_cache_memory=args.kv_cache_memory, quantization=_QUANTIZATION[precision])
+        tokenizer = llm.get_tokenizer()
+        ns = _bench_namespace(args, "", 1, args.seed)
+        text = synthetic_requests(ns, tokenizer)[0].prompt
+        print(f"== {precision}")
+        print(latency_profile(llm, list(tokenizer.encode(text))), flush=True)
+        del llm
 
 
 def bench(args: argparse.Namespace) -> list[Run]:

@@ -3,20 +3,21 @@
  * At batch 1 a 135M-parameter model's step is a few milliseconds of weight reads; driving it op
  * by op from Python costs about a dozen torch ops and ctypes calls per layer, each waking the
  * thread team and joining it again. Here the team is woken once per step: one OpenMP parallel
- * region runs every layer, each thread takes a fixed share of each op (output panels, or
- * (sequence, KV head) pairs for attention) and the threads meet at five barriers a layer
- * (llama.cpp's scheme). Norms are computed by every thread for itself, redundantly (a few
- * thousand flops), which saves the barriers they would need; the residual stream is double
- * buffered so that thread 0 can write the new one while the others still read the old.
+ * region runs the step as a list of ops (seven a layer), each cut into chunks (a few output
+ * panels of a GEMV, one (sequence, KV head) of attention, one row of a norm).
  *
- * The barrier spins briefly, then sleeps on a futex: on a quiet machine the threads meet within
- * microseconds, and on a shared one (a pod among others, a CPU limit) a waiting thread gives
- * its core back instead of spinning through the other's time slice.
+ * Threads claim chunks with an atomic counter and then wait for the op's chunks to be *done*,
+ * not for the other threads to *arrive*: a thread that the OS has descheduled (a shared
+ * machine, a pod at its CPU limit) holds up nobody unless it holds a chunk, and catches up when
+ * it runs again, finding the finished ops' chunks all claimed. On a quiet machine the threads
+ * share every op; on a loaded one the step degrades towards one thread instead of stalling at
+ * every barrier. A waiting thread spins briefly, then sleeps on a futex, so that it gives its
+ * core back instead of spinning through the other's time slice.
  *
  * The pieces are the per-op kernels' own (kernels.h), so the numerics are theirs; only the
  * fp32 GEMV is new here (torch's GEMM serves the per-op path), and it sums in another order, so
- * outputs agree to rounding. The embedding lookup before and the LM head after stay with the
- * caller.
+ * outputs agree to rounding. The step ends with the LM head's logits; the embedding lookup
+ * before it stays with the caller.
  */
 #include <limits.h>
 #include <math.h>
@@ -54,7 +55,7 @@
 #endif
 /* Outputs per tile of the fp32 GEMV: each x vector loaded is used OUTS times. */
 #define OUTS 4
-/* Outputs are shared among threads in units of one panel. */
+/* GEMV outputs are cut into chunks of whole panels. */
 #define PANEL 16
 /* Pause instructions before a waiting thread sleeps: some tens of microseconds. */
 #define SPIN 2048
@@ -84,53 +85,56 @@ typedef struct {
     const ladle_decode_layer *layers;
     const float *final_norm;
     const float *cos, *sin; /* [max_position, head_dim / 2] */
+    ladle_linear lm_head;
 } ladle_decode_model;
 
-/* Per-step buffers, [batch, width] each: x is one such block per thread (its normed input),
- * residual two (old and new); widths are padded to whole panels where a GEMV writes them.
- * Thread 0's x holds the final hidden states on return. */
+/* One op's chunk counters: claimed by threads, then done; sleepers wait on done. A cache
+ * line each (OP_COUNTER_INTS ints), so that neighbouring ops do not share one. */
+#define OP_COUNTER_INTS 16
 typedef struct {
-    float *residual, *x, *qkv, *attn, *out, *gate_up, *act;
-    int64_t ld_qkv, ld_out, ld_gate_up, max_batch;
-    int32_t max_threads;
+    atomic_int claimed, done, sleepers;
+    int pad[OP_COUNTER_INTS - 3];
+} op_counter;
+
+/* Per-step buffers, [max_batch, width] each, widths padded to whole panels where a quantized
+ * GEMV writes them; and room for the step's op counters. */
+typedef struct {
+    float *residual, *x, *qkv, *attn, *out, *gate_up, *act, *logits;
+    int64_t ld_qkv, ld_out, ld_gate_up, ld_logits, max_batch;
+    op_counter *counters;
 } ladle_decode_buffers;
 
-typedef struct {
-    atomic_int arrived, generation, sleepers;
-    int n;
-} team_barrier;
+/* The next unclaimed chunk of the op, or -1 when all are claimed. */
+static inline int claim(op_counter *c, int chunks) {
+    if (atomic_load_explicit(&c->claimed, memory_order_relaxed) >= chunks) return -1;
+    const int chunk = atomic_fetch_add(&c->claimed, 1);
+    return chunk < chunks ? chunk : -1;
+}
 
-static void team_wait(team_barrier *b) {
-    if (b->n == 1) return;
-    const int gen = atomic_load(&b->generation);
-    if (atomic_fetch_add(&b->arrived, 1) == b->n - 1) {
-        atomic_store(&b->arrived, 0);
-        atomic_fetch_add(&b->generation, 1);
+static inline void finish(op_counter *c, int chunks) {
+    if (atomic_fetch_add(&c->done, 1) == chunks - 1 && atomic_load(&c->sleepers)) {
 #ifdef __linux__
-        if (atomic_load(&b->sleepers))
-            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
 #endif
-        return;
     }
+}
+
+/* Until every chunk of the op is done. */
+static void wait_done(op_counter *c, int chunks) {
     for (int i = 0; i < SPIN; i++) {
-        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+        if (atomic_load_explicit(&c->done, memory_order_acquire) >= chunks) return;
         cpu_relax();
     }
-    atomic_fetch_add(&b->sleepers, 1);
-    while (atomic_load(&b->generation) == gen) {
+    atomic_fetch_add(&c->sleepers, 1);
+    int seen;
+    while ((seen = atomic_load(&c->done)) < chunks) {
 #ifdef __linux__
-        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
 #else
         sched_yield();
 #endif
     }
-    atomic_fetch_sub(&b->sleepers, 1);
-}
-
-/* This thread's share [*lo, *hi) of n units. */
-static inline void share(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi) {
-    *lo = n * tid / nt;
-    *hi = n * (tid + 1) / nt;
+    atomic_fetch_sub(&c->sleepers, 1);
 }
 
 /* R (<= ROWS) rows against OUTS consecutive outputs of a row-major fp32 weight. */
@@ -209,27 +213,58 @@ static void linear_panels(const float *x, int64_t ldx, const ladle_linear *lin, 
 
 static inline int64_t panels(int32_t n) { return (n + PANEL - 1) / PANEL; }
 
-/* This thread's share of a linear layer's outputs. */
-static void linear_share(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
-                         int64_t ldy, int32_t R, int tid, int nt) {
-    int64_t lo, hi;
-    share(panels(lin->n), tid, nt, &lo, &hi);
-    linear_panels(x, ldx, lin, y, ldy, R, lo, hi);
+/* Output panels per GEMV chunk: about CHUNKS_PER_THREAD chunks for each thread, so that a
+ * descheduled thread holds up little, and the claims cost nothing against the weights read. */
+#define CHUNKS_PER_THREAD 8
+
+static inline int64_t panels_per_chunk(int64_t num_panels, int nt) {
+    const int64_t split = (int64_t)CHUNKS_PER_THREAD * nt;
+    const int64_t per = (num_panels + split - 1) / split;
+    return per > 0 ? per : 1;
 }
 
-/* x = norm(old + out) for every row, and (thread 0) new = old + out: each thread normalizes
- * the rows for itself, so no barrier separates the norm from the GEMV that reads x. */
-static void add_norm(const float *old, float *new_residual, const float *out, int64_t ld_out,
-                     const float *weight, float *x, int32_t batch, int32_t H, float eps,
-                     int tid) {
-    for (int32_t r = 0; r < batch; r++) {
-        float *xr = x + (int64_t)r * H;
-        const float *o = out + r * ld_out, *res = old + (int64_t)r * H;
-#pragma omp simd
-        for (int32_t d = 0; d < H; d++) xr[d] = res[d] + o[d];
-        if (tid == 0) memcpy(new_residual + (int64_t)r * H, xr, sizeof(float) * (size_t)H);
-        ladle_rms_norm_row(xr, NULL, weight, xr, H, eps);
+/* A GEMV as claimed chunks of output panels; returns once all of them are done. */
+static void linear_op(op_counter *c, const float *x, int64_t ldx, const ladle_linear *lin,
+                      float *y, int64_t ldy, int32_t R, int nt) {
+    const int64_t P = panels(lin->n), per = panels_per_chunk(P, nt);
+    const int chunks = (int)((P + per - 1) / per);
+    for (int chunk; (chunk = claim(c, chunks)) >= 0; finish(c, chunks)) {
+        const int64_t p0 = chunk * per;
+        linear_panels(x, ldx, lin, y, ldy, R, p0, p0 + per < P ? p0 + per : P);
     }
+    wait_done(c, chunks);
+}
+
+/* x = norm(residual += out), or norm(residual) without out: one row per chunk. */
+static void norm_op(op_counter *c, float *residual, const float *out, int64_t ld_out,
+                    const float *weight, float *x, int32_t batch, int32_t H, float eps) {
+    for (int r; (r = claim(c, batch)) >= 0; finish(c, batch)) {
+        float *res = residual + (int64_t)r * H;
+        if (out != NULL)
+            ladle_rms_norm_row(out + r * ld_out, res, weight, x + (int64_t)r * H, H, eps);
+        else
+            ladle_rms_norm_row(res, NULL, weight, x + (int64_t)r * H, H, eps);
+    }
+    wait_done(c, batch);
+}
+
+/* gate_up as chunks of gate panels with the matching up panels, then their SiLU-and-mul. */
+static void gate_up_op(op_counter *c, const float *x, const ladle_linear *lin,
+                       const ladle_decode_buffers *b, int32_t batch, int32_t H, int32_t I,
+                       int nt) {
+    const int64_t P = I / PANEL, per = panels_per_chunk(P, nt);
+    const int chunks = (int)((P + per - 1) / per);
+    for (int chunk; (chunk = claim(c, chunks)) >= 0; finish(c, chunks)) {
+        const int64_t p0 = chunk * per, p1 = p0 + per < P ? p0 + per : P;
+        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0, p1);
+        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0 + P, p1 + P);
+        for (int32_t r = 0; r < batch; r++) {
+            const float *g = b->gate_up + r * b->ld_gate_up + p0 * PANEL;
+            ladle_silu_and_mul_row(g, g + I, b->act + (int64_t)r * I + p0 * PANEL,
+                                   (int32_t)((p1 - p0) * PANEL));
+        }
+    }
+    wait_done(c, chunks);
 }
 
 /* Q/K norm, RoPE and the KV store for one (token, KV head), then its query heads' attention. */
@@ -264,70 +299,49 @@ static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, floa
                                            group, m->num_kv_heads, D, m->block_size, m->scale);
 }
 
-/* b->residual [batch, hidden] holds the embeddings on entry; thread 0's x block holds the
- * final-normed hidden states on return. Positions and slots are int64, one per token; block
- * tables int32 rows table_stride apart. Nonzero: too many threads or rows for the buffers, or
- * an attention buffer could not be allocated. */
+/* Ops per layer; a step has 2 + OPS_PER_LAYER * num_layers (the first input norm, the LM
+ * head). */
+#define OPS_PER_LAYER 7
+
+/* b->residual [batch, hidden] holds the embeddings on entry and the residual stream on return,
+ * b->x the final-normed hidden states, b->logits the LM head's output. Positions and slots are int64, one per token; block
+ * tables int32 rows table_stride apart. Nonzero: more rows than the buffers hold (2), or an
+ * attention buffer could not be allocated (1). */
 int ladle_decode_step(const ladle_decode_model *m, const ladle_decode_buffers *b,
                       const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                       int64_t table_stride, const int32_t *seq_lens, int32_t batch,
                       int32_t num_threads) {
-    const int32_t H = m->hidden, I = m->intermediate, D = m->head_dim;
-    const int32_t q_size = m->num_heads * D;
-    const int64_t block = b->max_batch * H; /* floats in one [max_batch, hidden] block */
-    if (num_threads > b->max_threads || batch > b->max_batch) return 2;
-    team_barrier barrier = {0, 0, 0, 1};
+    const int32_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
+    if (batch > b->max_batch) return 2;
+    memset(b->counters, 0, sizeof(op_counter) * (2 + (size_t)OPS_PER_LAYER * m->num_layers));
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-#pragma omp single
-        barrier.n = nt; /* single ends in a barrier: everyone sees n before using it */
-        float *x = b->x + tid * block;
-        int cur = 0; /* which residual block holds the stream */
-        for (int32_t r = 0; r < batch; r++)
-            ladle_rms_norm_row(b->residual + (int64_t)r * H, NULL, m->layers[0].input_norm,
-                               x + (int64_t)r * H, H, m->eps);
+        const int nt = omp_get_num_threads();
+        op_counter *op = b->counters;
+        norm_op(op++, b->residual, NULL, 0, m->layers[0].input_norm, b->x, batch, H, m->eps);
         for (int32_t l = 0; l < m->num_layers; l++) {
             const ladle_decode_layer *L = &m->layers[l];
-            linear_share(x, H, &L->qkv, b->qkv, b->ld_qkv, batch, tid, nt);
-            team_wait(&barrier);
-            int64_t lo, hi;
-            share((int64_t)batch * m->num_kv_heads, tid, nt, &lo, &hi);
-            for (int64_t task = lo; task < hi; task++) {
-                const int32_t s = (int32_t)(task / m->num_kv_heads);
+            linear_op(op++, b->x, H, &L->qkv, b->qkv, b->ld_qkv, batch, nt);
+            const int tasks = batch * m->num_kv_heads;
+            for (int task; (task = claim(op, tasks)) >= 0; finish(op, tasks)) {
+                const int32_t s = task / m->num_kv_heads;
                 if (attend(m, L, b->qkv + s * b->ld_qkv, b->attn + (int64_t)s * q_size,
                            positions[s], slots[s], block_tables + s * table_stride, seq_lens[s],
-                           (int32_t)(task % m->num_kv_heads))) {
+                           task % m->num_kv_heads)) {
 #pragma omp atomic write
                     failed = 1;
                 }
             }
-            team_wait(&barrier);
-            linear_share(b->attn, q_size, &L->o_proj, b->out, b->ld_out, batch, tid, nt);
-            team_wait(&barrier);
-            add_norm(b->residual + cur * block, b->residual + (1 - cur) * block, b->out,
-                     b->ld_out, L->post_norm, x, batch, H, m->eps, tid);
-            cur = 1 - cur;
-            /* gate_up: a thread's gate panels and the matching up panels, then their SiLU. */
-            share(panels(I), tid, nt, &lo, &hi);
-            linear_panels(x, H, &L->gate_up, b->gate_up, b->ld_gate_up, batch, lo, hi);
-            linear_panels(x, H, &L->gate_up, b->gate_up, b->ld_gate_up, batch, lo + I / PANEL,
-                          hi + I / PANEL);
-            const int64_t c0 = lo * PANEL, c1 = hi * PANEL < I ? hi * PANEL : I;
-            for (int32_t r = 0; r < batch && c0 < c1; r++) {
-                const float *g = b->gate_up + r * b->ld_gate_up;
-                ladle_silu_and_mul_row(g + c0, g + I + c0, b->act + (int64_t)r * I + c0,
-                                       (int32_t)(c1 - c0));
-            }
-            team_wait(&barrier);
-            linear_share(b->act, I, &L->down, b->out, b->ld_out, batch, tid, nt);
-            team_wait(&barrier);
+            wait_done(op++, tasks);
+            linear_op(op++, b->attn, q_size, &L->o_proj, b->out, b->ld_out, batch, nt);
+            norm_op(op++, b->residual, b->out, b->ld_out, L->post_norm, b->x, batch, H, m->eps);
+            gate_up_op(op++, b->x, &L->gate_up, b, batch, H, I, nt);
+            linear_op(op++, b->act, I, &L->down, b->out, b->ld_out, batch, nt);
             const float *next = l + 1 < m->num_layers ? m->layers[l + 1].input_norm : m->final_norm;
-            add_norm(b->residual + cur * block, b->residual + (1 - cur) * block, b->out,
-                     b->ld_out, next, x, batch, H, m->eps, tid);
-            cur = 1 - cur;
+            norm_op(op++, b->residual, b->out, b->ld_out, next, b->x, batch, H, m->eps);
         }
+        linear_op(op, b->x, H, &m->lm_head, b->logits, b->ld_logits, batch, nt);
     }
     return failed;
 }

@@ -3,8 +3,8 @@
 The per-op path spends a batch-1 step mostly around its arithmetic: a dozen torch ops and
 ctypes calls per layer, each waking the thread team. :class:`CpuDecodeStep` describes the
 model's weights and KV cache to C once (pointers in ctypes structures), owns the step's buffers
-(nothing is allocated per step), and replaces ``LlamaModel.forward`` for decode-only batches of
-up to ``max_batch`` sequences. Larger batches are GEMMs, where torch's kernels win and per-op
+(nothing is allocated per step), and replaces ``LlamaModel.forward`` and the LM head for
+decode-only batches of up to ``max_batch`` sequences. Larger batches are GEMMs, where torch's kernels win and per-op
 overhead is spread over many rows; they keep the per-op path.
 """
 
@@ -24,6 +24,8 @@ from ladle.runtime.quantization.linear import DenseLinear, Linear, QuantizedLine
 # it becomes a GEMM, which torch does better.
 MAX_BATCH = 8
 _DENSE, _INT8, _INT4 = 0, 1, 2
+# decode_step.c's op list: ops per layer, and the ints of one op's counters.
+_OPS_PER_LAYER, _OP_COUNTER_INTS = 7, 16
 _P = ctypes.c_void_p
 
 
@@ -72,6 +74,7 @@ class _Model(ctypes.Structure):
         ("final_norm", _P),
         ("cos", _P),
         ("sin", _P),
+        ("lm_head", _Linear),
     ]
 
 
@@ -84,11 +87,13 @@ class _Buffers(ctypes.Structure):
         ("out", _P),
         ("gate_up", _P),
         ("act", _P),
+        ("logits", _P),
         ("ld_qkv", ctypes.c_int64),
         ("ld_out", ctypes.c_int64),
         ("ld_gate_up", ctypes.c_int64),
+        ("ld_logits", ctypes.c_int64),
         ("max_batch", ctypes.c_int64),
-        ("max_threads", ctypes.c_int32),
+        ("counters", _P),
     ]
 
 
@@ -109,6 +114,7 @@ def supports(model: LlamaModel, caches: list[LayerKVCache]) -> bool:
     if model.config.intermediate_size % PANEL:  # gate and up are shared out in whole panels
         return False
     linears = [lin for L in model.layers for lin in (L.qkv, L.o_proj, L.gate_up, L.down)]
+    linears.append(model.lm_head)
     return all(
         (isinstance(lin, DenseLinear) and lin.weight.is_contiguous())
         or (isinstance(lin, QuantizedLinear) and lin.kernels == "cpu")
@@ -166,39 +172,37 @@ class CpuDecodeStep:
             model.norm.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
+            self._linear(model.lm_head),
         )
 
-        self._buffers = self._allocate(max(torch.get_num_threads(), 1))
+        def buffer(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype)
 
-    def _allocate(self, threads: int) -> _Buffers:
-        """The step's buffers, for up to ``threads`` threads; the C structure points into
-        them."""
-        cfg, rows = self.model.config, self.max_batch
-
-        def buffer(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.float32)
-
+        rows = max_batch
         qkv_width = _padded(cfg.q_size + 2 * cfg.kv_size)
         out_width = _padded(cfg.hidden_size)
         gate_up_width = _padded(2 * cfg.intermediate_size)
-        # Embeddings go into the first residual block; thread 0's x block is the output.
-        self.residual = buffer(2, rows, cfg.hidden_size)
-        self.hidden = buffer(threads, rows, cfg.hidden_size)
+        self.residual, self.hidden = buffer(rows, cfg.hidden_size), buffer(rows, cfg.hidden_size)
+        logits_width = _padded(cfg.vocab_size)
         work = [
             buffer(rows, w)
             for w in (qkv_width, cfg.q_size, out_width, gate_up_width, cfg.intermediate_size)
         ]
-        self._work = work
-        self._threads = threads
-        return _Buffers(
+        self.logits = buffer(rows, logits_width)
+        ops = 2 + _OPS_PER_LAYER * cfg.num_layers
+        counters = buffer(ops * _OP_COUNTER_INTS, dtype=torch.int32)
+        self._keep += [*work, counters]
+        self._buffers = _Buffers(
             self.residual.data_ptr(),
             self.hidden.data_ptr(),
             *(t.data_ptr() for t in work),
+            self.logits.data_ptr(),
             qkv_width,
             out_width,
             gate_up_width,
+            logits_width,
             rows,
-            threads,
+            counters.data_ptr(),
         )
 
     def _linear(self, lin: Linear) -> _Linear:
@@ -233,14 +237,11 @@ class CpuDecodeStep:
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """The final-normed hidden states [batch, hidden]: a view of a buffer that the next
-        step overwrites."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final-normed hidden states [batch, hidden] and the logits [batch, vocab]: views
+        of buffers that the next step overwrites."""
         batch = meta.num_seqs
-        threads = torch.get_num_threads()
-        if threads > self._threads:
-            self._buffers = self._allocate(threads)
-        self.residual[0, :batch] = self.model.embed(input_ids)
+        self.residual[:batch] = self.model.embed(input_ids)
         tables = meta.block_tables
         assert tables.stride(1) == 1
         assert positions.dtype == meta.slot_mapping.dtype == torch.int64
@@ -253,11 +254,11 @@ class CpuDecodeStep:
             tables.stride(0),
             meta.seq_lens.data_ptr(),
             batch,
-            threads,
+            torch.get_num_threads(),
         )
         if failed:
             raise MemoryError("the CPU decode step could not allocate its attention buffers")
-        return self.hidden[0, :batch]
+        return self.hidden[:batch], self.logits[:batch, : self.model.config.vocab_size]
 
 
 def for_model(model: LlamaModel, caches: list[LayerKVCache]) -> CpuDecodeStep | None:

@@ -58,10 +58,12 @@ def _compare_decode_steps(llm: LLM, threads: list[int]) -> int:
             saved = torch.get_num_threads()
             torch.set_num_threads(threads[compared % len(threads)])
             try:
-                hidden = fused.run(ids, positions, meta)
+                hidden, logits = fused.run(ids, positions, meta)
             finally:
                 torch.set_num_threads(saved)
             torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+            expected = engine.model.compute_logits(reference)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
             compared += 1
         return reference
 
