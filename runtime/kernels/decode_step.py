@@ -4,8 +4,8 @@ The per-op path spends a batch-1 step mostly around its arithmetic: a dozen torc
 ctypes calls per layer, each waking the thread team. :class:`CpuDecodeStep` describes the
 model's weights and KV cache to C once (pointers in ctypes structures), owns the step's buffers
 (nothing is allocated per step), and replaces ``LlamaModel.forward`` and the LM head for
-decode-only batches of up to ``max_batch`` sequences. Larger batches are GEMMs, where torch's kernels win and per-op
-overhead is spread over many rows; they keep the per-op path.
+decode-only batches of up to ``max_batch`` sequences. Larger batches are GEMMs, where
+torch's kernels win and per-op overhead is spread over many rows; they keep the per-op path.
 """
 
 from __future__ import annotations
