@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from ladle.gateway.ratelimit import KeyLimiter
+from ladle.logs import Recurring
 
 log = logging.getLogger("ladle.gateway")
 
@@ -121,6 +122,12 @@ class KeyStore:
         self._by_digest: dict[bytes, ApiKey] = {}
         self._mtime: int | None = None
         self._checked = now
+        self._state = Recurring(
+            log,
+            "keys file unusable; keeping the previous keys",
+            "keys file usable again",
+            path=str(path),
+        )
         try:
             self._load(now)
         except OSError as exc:
@@ -132,9 +139,10 @@ class KeyStore:
             try:
                 self._load(now)
             except (OSError, KeyFileError) as exc:
-                log.warning(
-                    "keys file unusable; keeping the previous keys", extra={"error": str(exc)}
-                )
+                error = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+                self._state.failed(error)
+            else:
+                self._state.recovered(keys=len(self._by_digest))
         return self._by_digest.get(digest(presented))
 
     def _load(self, now: float) -> None:

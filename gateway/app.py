@@ -25,7 +25,8 @@ from ladle.gateway.errors import GatewayError
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import ClientRequest, Outcome, Router
-from ladle.runtime.server.logs import request_id_var
+from ladle.http_errors import unknown_endpoint, wrong_method
+from ladle.logs import request_id_var
 
 log = logging.getLogger("ladle.gateway")
 access = logging.getLogger("ladle.gateway.access")
@@ -36,6 +37,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PROXIED = frozenset({b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize"})
+# What the gateway answers itself, to GET.
+_LOCAL = (b"/v1/models", b"/metrics", b"/health/live", b"/health/ready")
 # Incoming ids are echoed into headers and logs, so only a safe alphabet is honoured.
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")
 _JSON = [(b"content-type", b"application/json")]
@@ -96,7 +99,7 @@ class GatewayApp:
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        auth = rid = session = timeout = declared = None
+        auth = rid = session = timeout = declared = content_type = None
         for name, value in headers:
             if name == b"authorization":
                 auth = value
@@ -108,6 +111,8 @@ class GatewayApp:
                 timeout = value
             elif name == b"content-length":
                 declared = value
+            elif name == b"content-type":
+                content_type = value.decode("latin-1")
         request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
         out = Outcome()
@@ -127,7 +132,7 @@ class GatewayApp:
             key = self._authenticate(auth, loop.time())
             deadline = _deadline(timeout, arrival)
             body = await self._body(receive, declared)
-            inbound = Inbound.parse(body)
+            inbound = Inbound.parse(body, content_type)
             watcher = loop.create_task(watch_disconnect())
             request = ClientRequest(
                 request_id=request_id,
@@ -297,12 +302,15 @@ class GatewayApp:
             else:
                 err = GatewayError(404, f"the model {wanted!r} does not exist", "model_not_found")
                 await _send_json(send, 404, err.body(), [])
-        elif path in PROXIED or path in (b"/v1/models", b"/metrics", b"/health/ready"):
-            err = GatewayError(405, f"method {method} is not allowed here", "method_not_allowed")
-            await _send_json(send, 405, err.body(), [])
+        elif path in PROXIED or path in _LOCAL:
+            allowed = "POST" if path in PROXIED else "GET"
+            message = wrong_method(method, path.decode(errors="replace"), [allowed])
+            err = GatewayError(405, message, "method_not_allowed")
+            await _send_json(send, 405, err.body(), [(b"allow", allowed.encode())])
         else:
+            known = [p.decode() for p in (*PROXIED, *_LOCAL)]
             err = GatewayError(
-                404, f"no such endpoint: {path.decode(errors='replace')}", "not_found"
+                404, unknown_endpoint(path.decode(errors="replace"), known), "not_found"
             )
             await _send_json(send, 404, err.body(), [])
 

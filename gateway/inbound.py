@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from ladle import json_body
 from ladle.gateway.errors import GatewayError
 
 
@@ -22,13 +23,11 @@ class Inbound:
     stream: bool
 
     @classmethod
-    def parse(cls, body: bytes) -> Inbound:
+    def parse(cls, body: bytes, content_type: str | None = None) -> Inbound:
         try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise GatewayError(400, "the request body is not valid JSON", "invalid_json") from None
-        if not isinstance(doc, dict):
-            raise GatewayError(400, "the request body must be a JSON object", "invalid_json")
+            doc = json_body.parse_object(body, content_type)
+        except json_body.BodyError as exc:
+            raise GatewayError(400, str(exc), json_body.CODE) from None
         model = doc.get("model")
         if not isinstance(model, str) or not model:
             raise GatewayError(

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import kopf
 import prometheus_client
 import uvicorn
 
+from ladle import logs
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
 from ladle.gateway.kube import KubeApi
@@ -25,17 +27,18 @@ from ladle.gateway.scrape import Scraper
 from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
+from ladle.listen import bind
 from ladle.operator.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
-from ladle.runtime.config import ConfigError, parse_memory_size
-from ladle.runtime.server.logs import configure_logging
+from ladle.operator.kube import login
+from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.gateway")
 
 TICK_SECONDS = 1.0
 
 
-class SettingsError(ValueError):
-    pass
+class SettingsError(SettingError):
+    """A setting the gateway cannot start with (the command prints it in one line)."""
 
 
 @dataclass(frozen=True)
@@ -63,23 +66,16 @@ class GatewaySettings:
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> GatewaySettings:
-        try:
-            size = parse_memory_size(args.max_request_size)
-        except ConfigError as exc:
-            raise SettingsError(f"--max-request-size: {exc}") from None
-        for flag, value in (("--static", args.static), ("--api-keys-file", args.api_keys_file)):
-            if value is not None and not Path(value).is_file():
-                raise SettingsError(f"{flag}: no such file: {value}")
         return cls(
             host=args.host,
             port=args.port,
             namespaces=tuple(dict.fromkeys(n.strip() for n in args.namespace if n.strip())),
-            static=None if args.static is None else Path(args.static),
-            api_keys_file=None if args.api_keys_file is None else Path(args.api_keys_file),
+            static=args.static,
+            api_keys_file=args.api_keys_file,
             max_held_requests=args.max_held_requests,
             scrape_interval=args.scrape_interval,
             connect_timeout=args.connect_timeout,
-            max_request_size=size,
+            max_request_size=args.max_request_size,
             drain_timeout=args.drain_timeout,
             access_log=args.access_log,
             write_status=args.write_status,
@@ -117,6 +113,11 @@ class Gateway:
                 self._static = load_static(settings.static)
             except StaticConfigError as exc:
                 raise SettingsError(str(exc)) from None
+        else:
+            try:
+                login()  # where the watches will connect: a kubeconfig mistake, said now
+            except kopf.LoginError as exc:
+                raise SettingsError(f"{exc}; or route to plain servers with --static") from None
         if settings.api_keys_file is not None:
             try:
                 self.keys = KeyStore(settings.api_keys_file, 0.0)
@@ -238,13 +239,10 @@ def _crashed(task: asyncio.Task[None]) -> None:
 
 
 def serve(settings: GatewaySettings) -> int:
-    configure_logging(settings.log_level)
+    logs.configure(settings.log_level)
     prometheus_client.disable_created_metrics()
-    try:
-        gateway = Gateway(settings)
-    except SettingsError as exc:
-        log.error("cannot start", extra={"error": str(exc)})
-        return 2
+    gateway = Gateway(settings)  # a SettingsError is one line, printed by the command
+    sock = bind(settings.host, settings.port)
     config = uvicorn.Config(
         gateway.app(),
         host=settings.host,
@@ -259,5 +257,5 @@ def serve(settings: GatewaySettings) -> int:
         backlog=4096,
         timeout_graceful_shutdown=int(settings.drain_timeout),
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

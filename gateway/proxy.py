@@ -253,6 +253,8 @@ class Router:
             nxt = self.states.get((state.key[0], fallback)) if fallback else None
             if nxt is None or nxt in visited or nxt is state or len(visited) >= MAX_FALLBACK_HOPS:
                 self.metrics.rejected.labels(*state.key, "breaker_open").inc()
+                # Counted under the service that refused it: the availability SLO must see it.
+                out.service = state.service
                 wait = state.service.breaker.open_seconds - (loop.time() - state.breaker.since)
                 retry = max(1, math.ceil(wait))
                 raise GatewayError(

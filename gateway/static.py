@@ -18,6 +18,7 @@ Static pods are always considered ready; outlier ejection takes dead ones out of
 
 from __future__ import annotations
 
+import difflib
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,10 @@ import yaml
 
 from ladle.gateway.routes import Pod, Service, parse_service
 from ladle.operator.api import STABLE
+from ladle.settings import yaml_problem
 
 _SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts")
+_ENTRY_KEYS = ("name", "model", "namespace", "endpoints", "variants", *_SPEC_KEYS)
 
 
 class StaticConfigError(ValueError):
@@ -41,11 +44,25 @@ def _endpoint(url: Any, where: str) -> tuple[str, int]:
     return parsed.hostname, parsed.port or 80
 
 
+def _variants(entry: dict[str, Any]) -> dict[str, tuple[int, list[Any]]]:
+    if "variants" in entry:
+        return {
+            str(v): (int(spec.get("weight", 0)), list(spec.get("endpoints") or ()))
+            for v, spec in dict(entry["variants"]).items()
+        }
+    endpoints = entry.get("endpoints") or ()
+    if isinstance(endpoints, str):
+        raise TypeError("a string where a list belongs")
+    return {STABLE: (100, list(endpoints))}
+
+
 def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
     try:
         doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise StaticConfigError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise StaticConfigError(f"{path}: cannot read it: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise StaticConfigError(f"{path}: {yaml_problem(exc)}") from None
     entries = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise StaticConfigError(f"{path}: expected a mapping with a non-empty 'services' list")
@@ -55,15 +72,25 @@ def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
         where = f"{path}: services[{i}]"
         if not isinstance(entry, dict) or not entry.get("name") or not entry.get("model"):
             raise StaticConfigError(f"{where}: name and model are required")
+        for key in entry:
+            if key not in _ENTRY_KEYS:
+                close = difflib.get_close_matches(str(key), _ENTRY_KEYS, n=1)
+                hint = (
+                    f"did you mean {close[0]!r}?" if close else f"known: {', '.join(_ENTRY_KEYS)}"
+                )
+                raise StaticConfigError(f"{where}: unknown key {key!r}; {hint}")
         namespace = str(entry.get("namespace") or "default")
         name = str(entry["name"])
-        if "variants" in entry:
-            variants = {
-                str(v): (int(spec.get("weight", 0)), list(spec.get("endpoints") or ()))
-                for v, spec in dict(entry["variants"]).items()
-            }
-        else:
-            variants = {STABLE: (100, list(entry.get("endpoints") or ()))}
+        try:
+            variants = _variants(entry)
+        except (TypeError, ValueError, AttributeError):
+            raise StaticConfigError(
+                f"{where}: expected endpoints: [http://HOST:PORT, ...], or variants: "
+                "{NAME: {weight: N, endpoints: [...]}}"
+            ) from None
+        if "endpoints" not in entry and "variants" not in entry:
+            # An explicit empty list is a service scaled to zero; no list at all is a mistake.
+            raise StaticConfigError(f"{where}: endpoints (or variants) is required")
         count = 0
         for variant, (_, urls) in variants.items():
             for j, url in enumerate(urls):

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 import aiohttp
 
 from ladle.gateway.kube import JSON, KubeApi
+from ladle.logs import Recurring
 from ladle.operator.kube import ApiError
 
 log = logging.getLogger("ladle.gateway.watch")
@@ -56,6 +57,12 @@ class Informer(Generic[T]):
         self.relists = 0
         # The last resourceVersion seen: a restarted run() resumes from it.
         self.version: str | None = None
+        self._health = Recurring(
+            log,
+            "watch broke; listing again with backoff",
+            "watching again",
+            resource=self.name,
+        )
 
     async def run(self) -> None:
         failures = 0
@@ -70,10 +77,7 @@ class Informer(Generic[T]):
             except (ApiError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
                 failures += 1
                 delay = min(_BACKOFF_MAX, 0.5 * 2 ** min(failures, 8)) * random.uniform(0.5, 1)
-                log.warning(
-                    "watch broke; listing again",
-                    extra={"resource": self.name, "error": str(exc), "retry_s": round(delay, 2)},
-                )
+                self._health.failed(exc)
                 self.version = None
                 await asyncio.sleep(delay)
 
@@ -88,6 +92,7 @@ class Informer(Generic[T]):
         self.relists += 1
         self.synced.set()
         self.on_change()
+        self._health.recovered()
         log.info("listed", extra={"resource": self.name, "objects": len(fresh)})
         return version
 

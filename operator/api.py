@@ -8,7 +8,7 @@ mirror the CRD defaults so that objects stored before a default existed still re
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 GROUP = "ladle.dev"
@@ -35,8 +35,12 @@ POOL_FINALIZER = "ladle.dev/in-use"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 
-# Only the stable variant exists today; canary variants arrive with quantized rollouts.
+# The variants of an InferenceService: the revision that serves, and the one on trial.
 STABLE = "stable"
+CANARY = "canary"
+# One-shot rollout commands (promote, abort, retry): the operator acts, then removes it.
+ROLLOUT_ACTION_ANNOTATION = "ladle.dev/rollout-action"
+ROLLOUT_ACTIONS = ("promote", "abort", "retry")
 
 JSON = dict[str, Any]
 SourceKind = Literal["builtin", "pvc", "image"]
@@ -104,6 +108,69 @@ class SecretKeyRef:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling``: what the scaling loop aims at, and how fast it may move.
+
+    Durations are seconds; the replica bounds are the service's min/maxReplicas."""
+
+    target_concurrency: float | None = 16.0
+    target_kv_cache_usage: float | None = None
+    stable_window_seconds: float = 60.0
+    panic_window_percent: float = 10.0
+    panic_threshold_percent: float = 200.0
+    max_scale_up_rate: float = 1000.0
+    max_scale_down_rate: float = 2.0
+    scale_down_delay_seconds: float = 30.0
+    scale_to_zero_grace_period_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class ConfigMapKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class QualityGateSpec:
+    """``spec.rollout.analysis.quality``: online ``ladle eval`` between a stable and a canary
+    pod. A threshold left None takes the default for the canary's quantization."""
+
+    enabled: bool = True
+    min_top1: float | None = None
+    max_kld: float | None = None
+    max_ppl_increase: float | None = None
+    # The gate runs before any traffic moves, and again at the first step this heavy (0: not).
+    recheck_at_weight: int = 50
+    prompts: ConfigMapKeyRef | None = None
+
+
+@dataclass(frozen=True)
+class SLOGateSpec:
+    """``spec.rollout.analysis.slo``: canary over stable, as ratios; 0 turns a gate off."""
+
+    max_error_rate_ratio: float = 2.0
+    # Error rates below this count as this, so a clean stable does not make one error fatal.
+    error_rate_floor: float = 0.01
+    max_ttft_p95_ratio: float = 1.5
+    max_tpot_p95_ratio: float = 1.5
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """``spec.rollout``: how a change to what the pods run reaches them (a canary)."""
+
+    steps: tuple[int, ...]
+    interval_seconds: int = 60
+    min_requests: int = 20
+    failure_limit: int = 2
+    progress_deadline_seconds: int = 600
+    paused: bool = False
+    manual_promotion: bool = False
+    quality: QualityGateSpec = QualityGateSpec()
+    slo: SLOGateSpec = SLOGateSpec()
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     served_model_name: str
     source: ModelSource
@@ -117,6 +184,8 @@ class InferenceServiceSpec:
     min_replicas: int = 1
     max_replicas: int | None = None
     api_key_secret: SecretKeyRef | None = None
+    autoscaling: AutoscalingSpec | None = None
+    rollout: RolloutSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +197,8 @@ class ObjectMeta:
     created: str
     deleting: bool
     finalizers: tuple[str, ...] = ()
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    resource_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +206,9 @@ class InferenceService:
     meta: ObjectMeta
     spec: InferenceServiceSpec
     status: JSON
+    # The spec as stored: a variant that runs another revision re-parses it with its own
+    # template (``revisions.with_template``).
+    raw_spec: JSON = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -142,9 +216,15 @@ class InferenceService:
 
     @property
     def requested_replicas(self) -> int:
-        """The replicas this service asks its pool for: spec.replicas today, the scaling
-        loop's decision once autoscaling sets one."""
-        return self.spec.replicas
+        """The replicas this service asks its pool for: spec.replicas, or with autoscaling the
+        scaling loop's last decision (kept in status, so a new leader starts from it), and
+        spec.replicas within the bounds until the first one."""
+        spec = self.spec
+        if spec.autoscaling is None:
+            return spec.replicas
+        decided = (self.status.get("autoscaling") or {}).get("desiredReplicas")
+        wanted = int(decided) if isinstance(decided, int) else spec.replicas
+        return max(spec.min_replicas, min(wanted, spec.max_replicas or wanted))
 
 
 @dataclass(frozen=True)
@@ -224,6 +304,8 @@ def _meta(obj: Mapping[str, Any]) -> ObjectMeta:
         created=str(meta.get("creationTimestamp") or ""),
         deleting=bool(meta.get("deletionTimestamp")),
         finalizers=tuple(str(f) for f in meta.get("finalizers") or ()),
+        annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
 
 
@@ -264,6 +346,38 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
     )
 
 
+def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec | None:
+    if raw is None:
+        return None
+    concurrency = raw.get("targetConcurrency")
+    kv = raw.get("targetKVCacheUsage")
+    defaults = AutoscalingSpec()
+
+    def seconds(key: str, default: float) -> float:
+        return float(raw.get(key, default))
+
+    return AutoscalingSpec(
+        # Concurrency is the signal unless the spec names only the KV cache.
+        target_concurrency=(
+            float(concurrency)
+            if concurrency is not None
+            else (defaults.target_concurrency if kv is None else None)
+        ),
+        target_kv_cache_usage=None if kv is None else float(kv),
+        stable_window_seconds=seconds("stableWindowSeconds", defaults.stable_window_seconds),
+        panic_window_percent=seconds("panicWindowPercent", defaults.panic_window_percent),
+        panic_threshold_percent=seconds("panicThresholdPercent", defaults.panic_threshold_percent),
+        max_scale_up_rate=seconds("maxScaleUpRate", defaults.max_scale_up_rate),
+        max_scale_down_rate=seconds("maxScaleDownRate", defaults.max_scale_down_rate),
+        scale_down_delay_seconds=seconds(
+            "scaleDownDelaySeconds", defaults.scale_down_delay_seconds
+        ),
+        scale_to_zero_grace_period_seconds=seconds(
+            "scaleToZeroGracePeriodSeconds", defaults.scale_to_zero_grace_period_seconds
+        ),
+    )
+
+
 def parse_quantization(raw: Mapping[str, Any] | str | None) -> Quantization:
     # Objects stored while spec.quantization was a string (only "none" was allowed) still parse.
     if raw is None or isinstance(raw, str):
@@ -276,37 +390,84 @@ def parse_quantization(raw: Mapping[str, Any] | str | None) -> Quantization:
     )
 
 
-def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:
-    spec = obj.get("spec") or {}
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def parse_rollout(raw: Mapping[str, Any] | None) -> RolloutSpec | None:
+    if not raw:
+        return None
+    analysis = raw.get("analysis") or {}
+    quality = analysis.get("quality") or {}
+    slo = analysis.get("slo") or {}
+    prompts = quality.get("prompts")
+    return RolloutSpec(
+        steps=tuple(int(w) for w in raw.get("steps") or (100,)),
+        interval_seconds=int(raw.get("intervalSeconds", 60)),
+        min_requests=int(raw.get("minRequests", 20)),
+        failure_limit=int(raw.get("failureLimit", 2)),
+        progress_deadline_seconds=int(raw.get("progressDeadlineSeconds", 600)),
+        paused=bool(raw.get("paused", False)),
+        manual_promotion=bool(raw.get("manualPromotion", False)),
+        quality=QualityGateSpec(
+            enabled=bool(quality.get("enabled", True)),
+            min_top1=_opt_float(quality.get("minTop1Agreement")),
+            max_kld=_opt_float(quality.get("maxKLD")),
+            max_ppl_increase=_opt_float(quality.get("maxPerplexityIncrease")),
+            recheck_at_weight=int(quality.get("recheckAtWeight", 50)),
+            prompts=(
+                ConfigMapKeyRef(str(prompts["configMapName"]), str(prompts["key"]))
+                if prompts
+                else None
+            ),
+        ),
+        slo=SLOGateSpec(
+            max_error_rate_ratio=float(slo.get("maxErrorRateRatio", 2.0)),
+            error_rate_floor=float(slo.get("errorRateFloor", 0.01)),
+            max_ttft_p95_ratio=float(slo.get("maxTTFTP95Ratio", 1.5)),
+            max_tpot_p95_ratio=float(slo.get("maxTPOTP95Ratio", 1.5)),
+        ),
+    )
+
+
+def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
     model = spec.get("model") or {}
     runtime = spec.get("runtime") or {}
     resources = spec.get("resources") or {}
     secret = spec.get("apiKeySecret")
+    return InferenceServiceSpec(
+        served_model_name=str(model["name"]),
+        source=parse_source(model.get("source")),
+        quantization=parse_quantization(spec.get("quantization")),
+        runtime_image=_opt_str(runtime.get("image")),
+        startup_timeout_seconds=int(runtime.get("startupTimeoutSeconds", 600)),
+        engine=parse_engine(spec.get("engine")),
+        resources=Resources(
+            gpus=int(resources.get("gpus", 1)),
+            cpu=_opt_str(resources.get("cpu")),
+            memory=_opt_str(resources.get("memory")),
+        ),
+        gpu_pool=_opt_str(spec.get("gpuPool")),
+        replicas=int(spec.get("replicas", 1)),
+        min_replicas=int(spec.get("minReplicas", 1)),
+        max_replicas=_opt_int(spec.get("maxReplicas")),
+        api_key_secret=(
+            SecretKeyRef(name=str(secret["name"]), key=str(secret.get("key", "api-key")))
+            if secret
+            else None
+        ),
+        autoscaling=parse_autoscaling(spec.get("autoscaling")),
+        rollout=parse_rollout(spec.get("rollout")),
+    )
+
+
+def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:
+    spec = dict(obj.get("spec") or {})
     return InferenceService(
         meta=_meta(obj),
-        spec=InferenceServiceSpec(
-            served_model_name=str(model["name"]),
-            source=parse_source(model.get("source")),
-            quantization=parse_quantization(spec.get("quantization")),
-            runtime_image=_opt_str(runtime.get("image")),
-            startup_timeout_seconds=int(runtime.get("startupTimeoutSeconds", 600)),
-            engine=parse_engine(spec.get("engine")),
-            resources=Resources(
-                gpus=int(resources.get("gpus", 1)),
-                cpu=_opt_str(resources.get("cpu")),
-                memory=_opt_str(resources.get("memory")),
-            ),
-            gpu_pool=_opt_str(spec.get("gpuPool")),
-            replicas=int(spec.get("replicas", 1)),
-            min_replicas=int(spec.get("minReplicas", 1)),
-            max_replicas=_opt_int(spec.get("maxReplicas")),
-            api_key_secret=(
-                SecretKeyRef(name=str(secret["name"]), key=str(secret.get("key", "api-key")))
-                if secret
-                else None
-            ),
-        ),
+        spec=parse_spec(spec),
         status=dict(obj.get("status") or {}),
+        raw_spec=spec,
     )
 
 

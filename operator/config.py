@@ -17,6 +17,9 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     # The gateway's OpenAI base URL: status.url when set (else each service's own URL).
     gateway_url: str | None = None
+    # Where the gateway pods run, and their labels: the autoscaler reads their /metrics.
+    gateway_namespace: str | None = None
+    gateway_selector: str | None = None
     # The GPU resource for InferenceServices that name no GPUPool.
     default_gpu_resource: str = "nvidia.com/gpu"
     # The single server-side-apply field manager for everything the operator writes.

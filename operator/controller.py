@@ -36,6 +36,7 @@ from ladle.operator.api import (
     parse_pool,
 )
 from ladle.operator.applier import ChildApplier
+from ladle.operator.autoscaler import Autoscaler
 from ladle.operator.config import OperatorConfig
 from ladle.operator.events import EventRecorder
 from ladle.operator.inference import InferenceServiceReconciler
@@ -79,6 +80,10 @@ def _holding(pod: PodInfo | None) -> object:
     return None if pod is None else (pod.pool, pod.holds, tuple(pod.limits.items()))
 
 
+def _held_since(isvc: InferenceService) -> bool:
+    return bool((isvc.status.get("gateway") or {}).get("heldSince"))
+
+
 def new_store() -> Store:
     store = Store()
     store.add_indexer(ISVC_KIND, "pool", lambda i: [i.spec.gpu_pool] if i.spec.gpu_pool else [])
@@ -120,6 +125,7 @@ class Controller:
             config,
             queue_isvc=lambda key: self.queue.add(WorkKey("isvc", *key)),
             queue_pool=lambda name, delay: self.queue.add_after(WorkKey("pool", "", name), delay),
+            metrics=metrics,
         )
         self.inference = InferenceServiceReconciler(
             self.store,
@@ -127,8 +133,18 @@ class Controller:
             self.applier,
             self.pools,
             self.writer,
+            self.recorder,
+            metrics,
             config,
             requeue=self._requeue_isvc,
+        )
+        self.autoscaler = Autoscaler(
+            self.store,
+            client,
+            self.recorder,
+            metrics,
+            gateway_namespace=config.gateway_namespace,
+            gateway_selector=config.gateway_selector,
         )
         self._primed = False
         self._sweep_due = asyncio.Event()
@@ -206,7 +222,11 @@ class Controller:
             or new is None
             or (old.meta.generation, old.meta.deleting) != (new.meta.generation, new.meta.deleting)
         )
-        if spec_changed:
+        # The autoscaler's decision arrives as a status change it wrote (not ours to echo).
+        rescaled = (
+            old is not None and new is not None and old.requested_replicas != new.requested_replicas
+        )
+        if spec_changed or rescaled:
             for isvc in (old, new):
                 if isvc is not None and isvc.spec.gpu_pool:
                     self.pools.invalidate(isvc.spec.gpu_pool)
@@ -214,10 +234,18 @@ class Controller:
             assert old is not None
             self.inference.forget(key, old.meta.uid)
             return
-        if not spec_changed and self.writer.is_echo(
-            new.meta.uid, new.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS
+        if _held_since(new) and not (old and _held_since(old)):
+            self.autoscaler.poke()  # a request waits at a service with no ready pod
+        if rescaled:
+            self.queue.add(WorkKey("isvc", *key), urgent=True)
+            return
+        if (
+            not spec_changed
+            and old is not None
+            and old.meta.annotations == new.meta.annotations
+            and self.writer.is_echo(new.meta.uid, new.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS)
         ):
-            return  # the echo of our own status write
+            return  # the echo of our own status write (an annotation may be a rollout action)
         self.queue.add(WorkKey("isvc", *key), urgent=spec_changed)
 
     def _pool_changed(self, old: GPUPool | None, new: GPUPool | None) -> None:
@@ -330,6 +358,7 @@ class Controller:
         async with asyncio.TaskGroup() as group:
             self._group = group
             self.applier.start(self._spawn)
+            self.inference.canary.start(self._spawn, lambda key: self._requeue_isvc(key, 0))
             # A quarter of the workers wait for spec changes only.
             reserved = max(1, self.workers // 4)
             for index in range(self.workers):
@@ -339,6 +368,7 @@ class Controller:
             group.create_task(self._resync(), name="resync")
             group.create_task(self._sweeper(), name="sweeper")
             group.create_task(self.recorder.run(), name="events")
+            group.create_task(self.autoscaler.run(), name="autoscaler")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         assert self._group is not None
@@ -348,6 +378,7 @@ class Controller:
         if self._sweep_timer is not None:
             self._sweep_timer.cancel()
         self.queue.close()
+        self.metrics.rollouts.clear()  # the next leader reports them
 
     async def _resync(self) -> None:
         # Watches catch drift as it happens; this is the safety net for missed events.

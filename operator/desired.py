@@ -16,6 +16,7 @@ import yaml
 
 from ladle.operator.api import (
     API_VERSION,
+    CANARY,
     ISVC_KIND,
     JSON,
     LABEL_ISVC,
@@ -29,6 +30,8 @@ from ladle.operator.api import (
 )
 from ladle.operator.config import OperatorConfig
 from ladle.operator.quantity import quantity_to_int
+from ladle.operator.revisions import with_template
+from ladle.operator.rollout import RolloutState, split
 
 HTTP_PORT = 8000
 SERVICE_PORT = 80
@@ -52,20 +55,38 @@ TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
 
 @dataclass(frozen=True)
 class Variant:
-    """One Deployment's worth of an InferenceService: its name and replica count.
-
-    Today there is one, the stable variant. Canary rollouts add a second (with its own
-    quantization) and split the granted replicas between them; the reconciler and the applier
-    handle any number of variants."""
+    """One Deployment's worth of an InferenceService: the service as that variant runs it
+    (its revision), its replicas and its share of traffic."""
 
     name: str
     replicas: int
+    source: InferenceService
+    weight: int = 100
+
+    @property
+    def idle(self) -> bool:
+        """It takes no traffic (stable while a promotion moves it to the canary's revision):
+        its pods may all be replaced at once."""
+        return self.weight == 0
 
 
-def plan_variants(isvc: InferenceService, granted: int) -> list[Variant]:
-    """The variants to run and their replicas, given the replicas the pool granted."""
-    del isvc  # the rollout state machine of canary variants will read the spec and status
-    return [Variant(STABLE, granted)]
+def plan_variants(isvc: InferenceService, state: RolloutState, granted: int) -> list[Variant]:
+    """The variants to run and their replicas, given the rollout state and the replicas the
+    pool granted (stable first: a canary never takes a stable replica's place)."""
+    steps = isvc.spec.rollout.steps if isvc.spec.rollout else (100,)
+    total = isvc.requested_replicas
+    stable_want, canary_want = split(state, steps, total)
+    stable = min(stable_want, granted)
+    stable_source = (
+        with_template(isvc, state.stable_template) if state.stable_template is not None else isvc
+    )
+    variants = [Variant(STABLE, stable, stable_source, 100 - state.weight)]
+    if state.active and state.canary_template is not None:
+        canary = min(canary_want, max(granted - stable, 0))
+        variants.append(
+            Variant(CANARY, canary, with_template(isvc, state.canary_template), state.weight)
+        )
+    return variants
 
 
 def variant_name(isvc_name: str, variant: str) -> str:
@@ -230,10 +251,16 @@ def _probe(path: str, period: int, timeout: int, failures: int) -> JSON:
     }
 
 
-def rollout_strategy(surge: bool) -> JSON:
+def rollout_strategy(surge: bool, idle: bool = False) -> JSON:
     """Surge when the pool has room for a spare replica: a replica is only retired once its
     successor has loaded the model. Without that room, a surge pod could never be scheduled
-    (or would break the quota), so replace one replica at a time instead."""
+    (or would break the quota), so replace one replica at a time instead. A variant that takes
+    no traffic (``idle``) replaces all its replicas at once, in the GPUs they free."""
+    if idle:
+        return {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "100%"},
+        }
     if surge:
         return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
@@ -251,6 +278,7 @@ def desired_children(
     variant: str = STABLE,
     *,
     surge: bool = True,
+    idle: bool = False,
 ) -> Children:
     """Build the children of one variant running ``replicas`` pods (already quota-limited)."""
     spec = isvc.spec
@@ -386,7 +414,7 @@ def desired_children(
             "selector": {"matchLabels": selector_labels(name, variant)},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 120,
-            "strategy": rollout_strategy(surge),
+            "strategy": rollout_strategy(surge, idle),
             "template": template,
         },
     }

@@ -1,20 +1,37 @@
-"""The InferenceService reconciler: grant → variants → desired children → apply → status.
+"""The InferenceService reconciler: rollout → grant → variants → desired children → apply →
+status.
 
 One reconcile recomputes everything from the store, whatever event caused it (level-based).
-The pool grants replicas; ``desired.plan_variants`` splits them into variants (one today,
-canaries tomorrow); each variant renders its children, the Service fronts them all; the
-applier makes them so; and status is derived from what the store then holds.
+The rollout state machine (``rollout.decide``) picks up where ``status.rollout`` left off, on
+what the canary analysis measured; the pool grants replicas for the state it decided;
+``desired.plan_variants`` splits them into variants (stable, and a canary while one runs); each
+variant renders its children, the Service fronts them all; the applier makes them so; and
+status is derived from what the store then holds. Events and metrics of the decision follow
+the status write.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
-from ladle.operator.api import API_VERSION, ISVC_KIND, JSON, InferenceService
+from ladle.operator.api import (
+    API_VERSION,
+    CANARY,
+    ISVC_KIND,
+    JSON,
+    ROLLOUT_ACTION_ANNOTATION,
+    ROLLOUT_ACTIONS,
+    STABLE,
+    GPUPoolSpec,
+    InferenceService,
+)
 from ladle.operator.applier import ChildApplier, ChildConflict, Owner, SyncResult, child_key
+from ladle.operator.canary import CanaryAnalysis, Measured
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
+    Variant,
     desired_children,
     desired_service,
     label_selector,
@@ -23,9 +40,11 @@ from ladle.operator.desired import (
     template_hash,
     variant_name,
 )
-from ladle.operator.events import ObjectRef, now_rfc3339
+from ladle.operator.events import EventRecorder, ObjectRef, now_rfc3339
 from ladle.operator.kube import ApiError, KubeClient, resource_path
 from ladle.operator.pools import Grant, PoolReconciler
+from ladle.operator.revisions import revision_of, template_of
+from ladle.operator.rollout import Decision, Observation, RolloutState, decide, from_status, split
 from ladle.operator.status import (
     ISVC_CONDITIONS,
     ISVC_STATUS_FIELDS,
@@ -33,15 +52,18 @@ from ladle.operator.status import (
     Problem,
     VariantObservation,
     derive_isvc_status,
+    read_rollout,
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store
+from ladle.operator.telemetry import Metrics
 
 log = logging.getLogger("ladle.operator.inference")
 
 IsvcKey = tuple[str, str]
-# Children that come and go with the spec: deleted when no longer desired.
-PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget")
+# Children that come and go with the spec: deleted when no longer desired (a canary's
+# Deployment goes when its rollout ends).
+PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget", "Deployment")
 
 
 def isvc_ref(isvc: InferenceService) -> ObjectRef:
@@ -82,6 +104,8 @@ class InferenceServiceReconciler:
         applier: ChildApplier,
         pools: PoolReconciler,
         writer: StatusWriter,
+        recorder: EventRecorder,
+        metrics: Metrics,
         config: OperatorConfig,
         requeue: Callable[[IsvcKey, float], None],
     ) -> None:
@@ -90,41 +114,115 @@ class InferenceServiceReconciler:
         self.applier = applier
         self.pools = pools
         self.writer = writer
+        self.recorder = recorder
+        self.metrics = metrics
         self.config = config
         self.requeue = requeue
+        self.canary = CanaryAnalysis(store, client)
 
     def forget(self, key: IsvcKey, uid: str | None) -> None:
+        self.metrics.forget_isvc(*key)
         if uid:
             self.applier.forget(uid)
             self.writer.forget(uid)
+            self.canary.forget(uid)
         self.pools.forget(key)
+        self.metrics.rollouts.pop(key, None)
 
-    def desired(self, isvc: InferenceService, grant: Grant, rolling: set[str]) -> list[JSON]:
+    def _pool(self, isvc: InferenceService) -> GPUPoolSpec | None:
+        if not isvc.spec.gpu_pool:
+            return None
+        pool = self.store.get("GPUPool", ("", isvc.spec.gpu_pool))
+        return pool.spec if pool is not None else None
+
+    def _planned(
+        self, isvc: InferenceService, state: RolloutState, granted: int, pool: GPUPoolSpec | None
+    ) -> list[tuple[Variant, JSON, JSON | None]]:
+        """Each variant, its desired Deployment and the live one."""
+        out = []
+        for variant in plan_variants(isvc, state, granted):
+            wanted = desired_children(
+                variant.source, pool, variant.replicas, self.config, variant.name
+            ).deployment
+            out.append((variant, wanted, self.store.get("Deployment", child_key(wanted)[1:])))
+        return out
+
+    def desired(
+        self, isvc: InferenceService, state: RolloutState, grant: Grant, rolling: set[str]
+    ) -> list[JSON]:
         """Every child: each variant's, then the Service. A variant about to roll out gets the
         strategy its pool's headroom allows; the others keep the one they have, so that a
         strategy never changes (and bumps a Deployment) for nothing."""
         objects: list[JSON] = []
-        for variant in plan_variants(isvc, grant.replicas):
+        for variant in plan_variants(isvc, state, grant.replicas):
             name = variant_name(isvc.meta.name, variant.name)
             live = self.store.get("Deployment", (isvc.meta.namespace, name))
             surge = grant.surge if variant.name in rolling else surges(live)
             children = desired_children(
-                isvc, grant.pool, variant.replicas, self.config, variant.name, surge=surge
+                variant.source,
+                grant.pool,
+                variant.replicas,
+                self.config,
+                variant.name,
+                surge=surge,
+                idle=variant.idle and state.active,
             )
             objects += children.all()
         return [*objects, desired_service(isvc)]
 
-    def _rolling(self, isvc: InferenceService) -> set[str]:
-        """The variants whose rollout is due or under way."""
-        pool = self.store.get("GPUPool", ("", isvc.spec.gpu_pool)) if isvc.spec.gpu_pool else None
-        rolling = set()
-        for variant in plan_variants(isvc, isvc.requested_replicas):
-            wanted = desired_children(
-                isvc, pool.spec if pool else None, variant.replicas, self.config, variant.name
-            ).deployment
-            if rolling_out(self.store.get("Deployment", child_key(wanted)[1:]), wanted):
-                rolling.add(variant.name)
-        return rolling
+    def _rolling(self, isvc: InferenceService, state: RolloutState) -> set[str]:
+        """The variants whose rollout is due or under way and that take traffic (one that
+        takes none replaces its pods without a surge replica)."""
+        planned = self._planned(isvc, state, isvc.requested_replicas, self._pool(isvc))
+        return {v.name for v, wanted, live in planned if v.weight > 0 and rolling_out(live, wanted)}
+
+    def _observation(
+        self,
+        isvc: InferenceService,
+        state: RolloutState,
+        measured: Measured,
+        now: float,
+    ) -> tuple[Observation, Grant]:
+        """What the rollout state machine decides on, measured under the state it is in."""
+        spec = isvc.spec.rollout
+        steps = spec.steps if spec else (100,)
+        total = isvc.requested_replicas
+        asked = split(state, steps, total)[1]
+        grant = self.pools.grant(isvc, bool(self._rolling(isvc, state)), asked)
+        canary_ready = canary_granted = 0
+        stable_complete = False
+        for variant, wanted, live in self._planned(isvc, state, grant.replicas, grant.pool):
+            current = live is not None and template_hash(live) == template_hash(wanted)
+            if variant.name == CANARY:
+                canary_granted = variant.replicas
+                status = (live or {}).get("status") or {}
+                generation = int(((live or {}).get("metadata") or {}).get("generation") or 0)
+                settled = int(status.get("observedGeneration") or 0) >= generation
+                if current and settled and status.get("updatedReplicas") == status.get("replicas"):
+                    canary_ready = int(status.get("availableReplicas") or 0)
+            elif current:
+                stable_complete = read_rollout(live, total).complete
+        template = template_of(isvc.raw_spec, self.config.runtime_image)
+        action = measured.action if measured.action in ROLLOUT_ACTIONS else None
+        return (
+            Observation(
+                now=now,
+                revision=revision_of(template),
+                template=template,
+                rollout=spec,
+                total=total,
+                canary_ready=canary_ready,
+                canary_granted=canary_granted,
+                canary_asked=asked,
+                stable_complete=stable_complete,
+                action=action,
+                quality=measured.quality,
+                slo=measured.slo,
+                baseline_missing=measured.baseline_missing,
+                quota_note=grant.note,
+            ),
+            grant,
+        )
 
     async def reconcile(self, key: IsvcKey) -> None:
         isvc: InferenceService | None = self.store.get(ISVC_KIND, key)
@@ -133,23 +231,33 @@ class InferenceServiceReconciler:
         if isvc.meta.deleting:
             return  # the garbage collector removes the children
         owner = Owner(isvc_ref(isvc), lambda delay: self.requeue(key, delay))
-        rolling = self._rolling(isvc)
-        grant = self.pools.grant(isvc, bool(rolling))
-        blockers = [grant.blocker] if grant.blocker else []
-        result = SyncResult()
-        if grant.pool is not None or not isvc.spec.gpu_pool:
-            desired = self.desired(isvc, grant, rolling)
-            result = await self.applier.sync(owner, desired, PRUNED_KINDS)
-        blockers += [apply_problem(k, err) for k, err in result.errors]
-
-        service = child_key(desired_service(isvc))
-        variants = [
-            await self._observe(isvc, variant.name, variant.replicas, grant)
-            for variant in plan_variants(isvc, grant.replicas)
-        ]
         previous = self.writer.previous(
             isvc.meta.uid, isvc.status, ISVC_STATUS_FIELDS, ISVC_CONDITIONS
         )
+        now = round(time.time(), 3)  # status keeps milliseconds
+        before = from_status(previous.get("rollout"))
+        measured = await self.canary.measure(isvc, before, now)
+        observation, _ = self._observation(isvc, before, measured, now)
+        decision = decide(before, observation)
+        state = decision.state
+
+        spec = isvc.spec.rollout
+        asked = split(state, spec.steps if spec else (100,), isvc.requested_replicas)[1]
+        rolling = self._rolling(isvc, state)
+        grant = self.pools.grant(isvc, bool(rolling), asked)
+        blockers = [grant.blocker] if grant.blocker else []
+        result = SyncResult()
+        if grant.pool is not None or not isvc.spec.gpu_pool:
+            desired = self.desired(isvc, state, grant, rolling)
+            result = await self.applier.sync(owner, desired, PRUNED_KINDS)
+        blockers += [apply_problem(k, err) for k, err in result.errors]
+        await self.canary.follow(isvc, decision)
+
+        service = child_key(desired_service(isvc))
+        variants = [
+            await self._observe(isvc, variant, grant)
+            for variant in plan_variants(isvc, state, grant.replicas)
+        ]
         status = derive_isvc_status(
             isvc,
             variants,
@@ -160,29 +268,65 @@ class InferenceServiceReconciler:
             blockers=blockers,
             service_exists=self.store.get("Service", service[1:]) is not None,
             service_error=result.create_errors.get(service),
+            rollout=state,
         )
+        self.metrics.observe_isvc(*key, status)
         await self.writer.write(owner.ref, status, previous)
+        self._announce(isvc, decision)
+        if measured.action is not None:
+            if not decision.action_used:
+                self._refuse_action(isvc, measured.action, state)
+            await self.canary.clear_action(isvc)
+        if decision.wake_in is not None:
+            self.requeue(key, decision.wake_in)
         if result.errors:
             raise result.errors[0][1]  # the work queue retries with backoff
 
+    def _announce(self, isvc: InferenceService, decision: Decision) -> None:
+        """Events and metrics for what the decision did, once its status is written."""
+        ref = isvc_ref(isvc)
+        for event in decision.events:
+            self.recorder.emit(ref, event.type, event.reason, event.message)
+        labels = (isvc.meta.namespace, isvc.meta.name)
+        for gate, result in decision.analysed:
+            self.metrics.analyses.labels(*labels, gate, result).inc()
+        if decision.rolled_back is not None:
+            self.metrics.rollbacks.labels(*labels, decision.rolled_back).inc()
+        self.metrics.rollouts[isvc.key] = decision.state
+
+    def _refuse_action(self, isvc: InferenceService, action: str, state: RolloutState) -> None:
+        if action not in ROLLOUT_ACTIONS:
+            why = f"unknown action {action!r}: use one of {', '.join(ROLLOUT_ACTIONS)}"
+        elif state.stage in ("Promoting", "Finalizing"):
+            why = f"{action}: the rollout is already {state.stage.lower()}"
+        else:
+            why = f"{action}: there is nothing to {action} (rollout phase {state.phase})"
+        self.recorder.emit(
+            isvc_ref(isvc), "Warning", "RolloutActionIgnored", f"{ROLLOUT_ACTION_ANNOTATION} {why}"
+        )
+
     async def _observe(
-        self, isvc: InferenceService, variant: str, granted: int, grant: Grant
+        self, isvc: InferenceService, variant: Variant, grant: Grant
     ) -> VariantObservation:
-        name = variant_name(isvc.meta.name, variant)
+        name = variant_name(isvc.meta.name, variant.name)
         pods: list[PodInfo] = [
-            p for p in self.store.by_index("Pod", "owner", isvc.key) if p.variant == variant
+            p for p in self.store.by_index("Pod", "owner", isvc.key) if p.variant == variant.name
         ]
+        source = variant.source
+        stable = variant.name == STABLE
         return VariantObservation(
-            name=variant,
-            quantization=isvc.spec.quantization.label(),
-            image=isvc.spec.runtime_image or self.config.runtime_image,
+            name=variant.name,
+            quantization=source.spec.quantization.label(),
+            image=source.spec.runtime_image or self.config.runtime_image,
             deployment_name=name,
             deployment=self.store.get("Deployment", (isvc.meta.namespace, name)),
-            requested_replicas=isvc.requested_replicas,
-            granted_replicas=granted,
+            requested_replicas=isvc.requested_replicas if stable else variant.replicas,
+            granted_replicas=variant.replicas,
             gpu_resource=grant.gpu_resource,
             pod_problems=tuple(await self._pod_problems(isvc.meta.namespace, pods)),
-            quota_note=grant.note,
+            quota_note=grant.note if stable else None,
+            weight=variant.weight,
+            revision=revision_of(template_of(source.raw_spec, self.config.runtime_image)),
         )
 
     async def _pod_problems(self, namespace: str, pods: list[PodInfo]) -> list[PodProblem]:

@@ -18,8 +18,10 @@ from typing import Any
 
 import aiohttp
 import kopf
+import yaml
 
 from ladle.operator.api import API_VERSION, ISVC_KIND, JSON, POOL_KIND
+from ladle.settings import yaml_problem
 
 # (apiVersion, kind) → (plural, namespaced), for every kind the operator touches.
 RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
@@ -78,6 +80,9 @@ def _absolute(value: Any, base: Path) -> Any:
     return value
 
 
+KUBECONFIG_HINT = 'set KUBECONFIG (for the local cluster: eval "$(ladle cluster env)")'
+
+
 def login() -> kopf.ConnectionInfo:
     """In-cluster ServiceAccount first, then $KUBECONFIG / ~/.kube/config."""
     settings = kopf.OperatorSettings()
@@ -91,9 +96,27 @@ def login() -> kopf.ConnectionInfo:
             host = f"[{host}]" if ":" in host else host
             info = dataclasses.replace(info, server=f"https://{host}:{port}")
         return info
-    info = kopf.login_with_kubeconfig(settings=settings)
+    try:
+        info = kopf.login_with_kubeconfig(settings=settings)
+    except kopf.LoginError as err:  # "Current context is not set in kubeconfigs."
+        raise kopf.LoginError(f"{str(err).rstrip('.')}; {KUBECONFIG_HINT}") from None
+    except OSError as err:
+        raise kopf.LoginError(
+            f"cannot read the kubeconfig {err.filename}: {err.strerror} (check KUBECONFIG)"
+        ) from None
+    except yaml.YAMLError as err:
+        raise kopf.LoginError(f"the kubeconfig is {yaml_problem(err)}; {KUBECONFIG_HINT}") from None
+    except KeyError as err:
+        raise kopf.LoginError(
+            f"the kubeconfig names a context, cluster or user {err} that it does not define; "
+            f"{KUBECONFIG_HINT}"
+        ) from None
+    except (TypeError, AttributeError):
+        raise kopf.LoginError(
+            f"the kubeconfig is not one (expected clusters, contexts and users); {KUBECONFIG_HINT}"
+        ) from None
     if info is None:
-        raise kopf.LoginError("no in-cluster ServiceAccount and no kubeconfig")
+        raise kopf.LoginError(f"no in-cluster ServiceAccount and no kubeconfig: {KUBECONFIG_HINT}")
     # kubeconfig file paths are relative to the kubeconfig itself; kopf passes them through.
     first = os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0]
     base = Path(os.path.expanduser(first)).resolve().parent
@@ -191,12 +214,21 @@ class KubeClient:
         raise AssertionError("unreachable")
 
     async def apply(
-        self, obj: Mapping[str, Any], *, subresource: str | None = None, force: bool = True
+        self,
+        obj: Mapping[str, Any],
+        *,
+        subresource: str | None = None,
+        force: bool = True,
+        field_manager: str | None = None,
     ) -> JSON:
-        """Server-side apply under the operator's single field manager; ``force`` takes over
-        fields that other managers own, otherwise such a conflict is a 409."""
+        """Server-side apply under the operator's field manager (or another of its own, for
+        fields a separate loop owns); ``force`` takes over fields that other managers own,
+        otherwise such a conflict is a 409."""
         path = object_path(obj) + (f"/{subresource}" if subresource else "")
-        params = {"fieldManager": self.field_manager, "force": str(force).lower()}
+        params = {
+            "fieldManager": field_manager or self.field_manager,
+            "force": str(force).lower(),
+        }
         return await self.request("PATCH", path, params=params, body=obj, content_type=APPLY_PATCH)
 
     async def merge_patch(self, path: str, patch: Mapping[str, Any]) -> JSON:

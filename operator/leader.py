@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from ladle.logs import Recurring
 from ladle.operator.api import JSON
 from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 
@@ -83,6 +84,9 @@ class LeaderElector:
         self._namespace = namespace
         self._name = name
         self._clock = clock
+        self._requests = Recurring(
+            log, "lease requests failing; retrying", "lease requests succeed again", lease=name
+        )
         # Like client-go, judge expiry by when *we* saw the record change, not by the
         # holder's clock: clocks of two nodes need not agree.
         self._observed: tuple[str | None, str | None] | None = None
@@ -155,11 +159,12 @@ class LeaderElector:
             async with asyncio.timeout(max(limit, 0.0)):
                 won = await self.try_acquire_or_renew()
         except TimeoutError:
-            log.warning("lease request timed out", extra={"after_seconds": round(limit, 2)})
+            self._requests.failed(f"timed out after {limit:.2g} s")
             return False
         except REQUEST_ERRORS as err:
-            log.warning("lease request failed", extra={"error": str(err)})
+            self._requests.failed(err)
             return False
+        self._requests.recovered()
         if won:
             self.valid_until = started + self.timing.renew_deadline_seconds
         return won

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import kopf
 
+from ladle import logs
 from ladle.operator.config import OperatorConfig
 from ladle.operator.controller import Controller
 from ladle.operator.kube import REQUEST_ERRORS, KubeClient, login
@@ -31,7 +32,7 @@ from ladle.operator.leader import (
     LeadershipLost,
     LeaseNamespaceMissing,
 )
-from ladle.operator.telemetry import Health, Metrics, build_app, configure_logging, serve
+from ladle.operator.telemetry import Health, Metrics, build_app, serve
 from ladle.operator.watch import build_registry, build_settings
 
 log = logging.getLogger("ladle.operator")
@@ -53,7 +54,7 @@ class Options:
     timing: ElectionTiming = field(default_factory=ElectionTiming)
     workers: int = 32
     resync_seconds: float = 600.0
-    log_level: str = "INFO"
+    log_level: str = "info"
 
 
 class Router:
@@ -162,6 +163,10 @@ class Operator:
                 settings=build_settings(self.options.workers),
                 clusterwide=True,
                 standalone=True,
+                # Our own identity: kopf would otherwise derive one from $POD_ID or the
+                # process's user name, which uid 10001 lacks in the image (getpwuid fails).
+                # kopf types it as a NewType of str that it does not export.
+                identity=self.options.identity,  # type: ignore[arg-type]
                 stop_flag=self.kopf_stop,
                 ready_flag=started,
             ),
@@ -250,6 +255,7 @@ class Operator:
         finally:
             self.router.controller = None
             self.metrics.leader.set(0)
+            self.metrics.forget_objects()
             controller.stop()
             if holder is not None and not holder.done():
                 holder.cancel()
@@ -257,7 +263,7 @@ class Operator:
 
 
 def run(options: Options) -> int:
-    configure_logging(options.log_level)
+    logs.configure(options.log_level)
     operator = Operator(options)
     with asyncio.Runner() as runner:
         code = runner.run(operator.run())

@@ -36,6 +36,7 @@ from ladle.operator.status import (
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import NodeInfo, PodInfo, Store, node_matches
+from ladle.operator.telemetry import Metrics
 
 log = logging.getLogger("ladle.operator.pools")
 
@@ -72,7 +73,9 @@ class PoolReconciler:
         config: OperatorConfig,
         queue_isvc: Callable[[IsvcKey], None],
         queue_pool: Callable[[str, float], None],
+        metrics: Metrics,
     ) -> None:
+        self.metrics = metrics
         self.store = store
         self.client = client
         self.writer = writer
@@ -86,6 +89,8 @@ class PoolReconciler:
         self._granted: dict[str, dict[IsvcKey, int]] = {}
         # Members whose rollout is due, and (pools without a quota) those allowed to surge.
         self._rolling: dict[str, set[IsvcKey]] = {}
+        # Canary replicas each member asks for on top of its own (during a canary rollout).
+        self._canary: dict[str, dict[IsvcKey, int]] = {}
         self._surging: dict[str, set[IsvcKey]] = {}
         self._written_at: dict[str, float] = {}
 
@@ -114,9 +119,10 @@ class PoolReconciler:
                 if key in members:
                     members.discard(key)
                     pools.add(pool)
-        for pool, granted in self._granted.items():
-            if granted.pop(key, None) is not None:
-                pools.add(pool)
+        for counts in (self._granted, self._canary):
+            for pool, by_key in counts.items():
+                if by_key.pop(key, None) is not None:
+                    pools.add(pool)
         for pool in pools:
             self.invalidate(pool)
 
@@ -167,7 +173,7 @@ class PoolReconciler:
             Claim(
                 key=isvc.key,
                 created=isvc.meta.created,
-                requested_replicas=isvc.requested_replicas,
+                requested_replicas=self._asked(name, isvc),
                 gpus_per_replica=isvc.spec.resources.gpus,
                 current_replicas=self._current(name, isvc),
                 min_replicas=isvc.spec.min_replicas,
@@ -193,9 +199,13 @@ class PoolReconciler:
         self._plans[name] = plan
         return plan
 
-    def grant(self, isvc: InferenceService, rolling: bool) -> Grant:
-        """The replicas (and surge) of one member; ``rolling``: its rollout is due."""
-        requested = isvc.requested_replicas
+    def _asked(self, pool: str, isvc: InferenceService) -> int:
+        return isvc.requested_replicas + self._canary.get(pool, {}).get(isvc.key, 0)
+
+    def grant(self, isvc: InferenceService, rolling: bool, canary: int = 0) -> Grant:
+        """The replicas (and surge) of one member, canary replicas included; ``rolling``: its
+        rollout is due; ``canary``: the canary replicas it asks for besides its own."""
+        requested = isvc.requested_replicas + canary
         name = isvc.spec.gpu_pool
         if not name:
             return Grant(requested, True, None, self.config.default_gpu_resource)
@@ -213,6 +223,7 @@ class PoolReconciler:
             )
             return Grant(0, True, pool.spec, resource, blocker=blocker)
         self._set_rolling(name, isvc.key, rolling)
+        self._set_canary(name, isvc.key, canary)
         if pool.spec.quota_gpus is None:
             surge = self._surge_without_quota(pool, isvc, rolling)
             return Grant(requested, surge, pool.spec, resource)
@@ -227,6 +238,15 @@ class PoolReconciler:
                 f"{plan.requested_gpus} requested)"
             )
         return Grant(granted, not rolling or isvc.key in plan.surge, pool.spec, resource, note)
+
+    def _set_canary(self, pool: str, key: IsvcKey, canary: int) -> None:
+        counts = self._canary.setdefault(pool, {})
+        if counts.get(key, 0) != canary:
+            if canary:
+                counts[key] = canary
+            else:
+                counts.pop(key, None)
+            self._plans.pop(pool, None)
 
     def _set_rolling(self, pool: str, key: IsvcKey, rolling: bool) -> None:
         members = self._rolling.setdefault(pool, set())
@@ -258,9 +278,10 @@ class PoolReconciler:
     async def reconcile(self, name: str) -> None:
         pool: GPUPool | None = self.store.get("GPUPool", ("", name))
         if pool is None:
-            for table in (self._plans, self._granted, self._rolling, self._surging):
+            for table in (self._plans, self._granted, self._rolling, self._surging, self._canary):
                 table.pop(name, None)
             self._written_at.pop(name, None)
+            self.metrics.forget_pool(name)
             return
         members = self.members(name)
         plan = self.plan(pool) if pool.spec.quota_gpus is not None else self._plain_plan(pool)
@@ -278,6 +299,7 @@ class PoolReconciler:
         status = derive_pool_status(
             pool, list(self.store.values("Node")), plan, facts, now_rfc3339(), previous
         )
+        self.metrics.observe_pool(name, status, pool.spec.quota_gpus)
         if status == previous:
             return
         # A pool's counts move with every member: write them at most once a second.
@@ -295,7 +317,7 @@ class PoolReconciler:
             Claim(
                 isvc.key,
                 isvc.meta.created,
-                isvc.requested_replicas,
+                self._asked(pool.meta.name, isvc),
                 isvc.spec.resources.gpus,
                 held_gpus=held.pop(isvc.key, 0),
             )

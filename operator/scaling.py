@@ -114,6 +114,18 @@ class ScalerState:
     recent: tuple[tuple[float, int], ...] = ()
     # The last tick with any demand; None until the first tick.
     last_active: float | None = None
+    # (until, replicas): no decision below this count before then.
+    floor: tuple[float, int] | None = None
+
+
+def resumed(now: float, replicas: int, policy: ScalingPolicy) -> ScalerState:
+    """The state to start from when the scaler takes over a running service (a new leader,
+    autoscaling just switched on): with no history yet, an empty window would read as no load,
+    so it stays at or above the current count for one stable window (Knative starts such
+    scalers in panic mode for the same reason)."""
+    if replicas <= 1:
+        return ScalerState()
+    return ScalerState(floor=(now + policy.stable_window, replicas))
 
 
 @dataclass(frozen=True)
@@ -268,6 +280,9 @@ def decide(
 
     recent = (*(r for r in state.recent if r[0] > now - policy.scale_down_delay), (now, desired))
     desired = max(d for _, d in recent)
+    floor = state.floor if state.floor is not None and now < state.floor[0] else None
+    if floor is not None:
+        desired = max(desired, floor[1])
 
     if held > 0 and desired < 1:
         desired, reason = 1, ACTIVATING
@@ -291,7 +306,7 @@ def decide(
         panic_demand=panic_demand,
         wanted=wanted,
     )
-    return decision, ScalerState(window, panic_since, max_panic, recent, last_active)
+    return decision, ScalerState(window, panic_since, max_panic, recent, last_active, floor)
 
 
 def _message(

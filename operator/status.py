@@ -22,11 +22,12 @@ reads it with Reconciling and Stalled (Current, InProgress or Failed).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ladle.operator.api import JSON, GPUPool, InferenceService
 from ladle.operator.quota import PoolPlan
+from ladle.operator.rollout import RolloutState, to_status
 from ladle.operator.store import NodeInfo, node_matches
 
 READY = "Ready"
@@ -35,6 +36,9 @@ RECONCILING = "Reconciling"
 STALLED = "Stalled"
 DEGRADED = "Degraded"
 ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED)
+# Written by the autoscaler under its own field manager, as an HPA reports them.
+SCALING_ACTIVE = "ScalingActive"
+SCALING_LIMITED = "ScalingLimited"
 POOL_CONDITIONS = (READY, DEGRADED)
 # The status fields the operator writes; other field managers (the gateway) own the rest.
 ISVC_STATUS_FIELDS = (
@@ -46,6 +50,7 @@ ISVC_STATUS_FIELDS = (
     "selector",
     "url",
     "variants",
+    "rollout",
 )
 POOL_STATUS_FIELDS = (
     "observedGeneration",
@@ -74,6 +79,20 @@ class Condition:
     status: bool
     reason: str
     message: str = ""
+
+
+def _scaled_to_zero(isvc: InferenceService) -> str:
+    """How a service at zero will serve its next request, in so many words."""
+    if isvc.spec.autoscaling is not None:
+        return (
+            "scaled to zero for lack of requests; the gateway holds the next one (up to "
+            "spec.timeouts.scaleFromZeroSeconds) while the autoscaler starts a replica"
+        )
+    return (
+        "scaled to zero replicas (spec.replicas is 0): the gateway holds each request up to "
+        "spec.timeouts.scaleFromZeroSeconds for a ready replica, then answers 503 no_ready_pods; "
+        "raise spec.replicas to serve"
+    )
 
 
 def merge_conditions(
@@ -175,6 +194,9 @@ class VariantObservation:
     pod_problems: tuple[PodProblem, ...] = ()
     # Why granted < requested, in words, when a GPUPool quota caps this variant.
     quota_note: str | None = None
+    # Its share of traffic (percent), and the revision it runs.
+    weight: int = 100
+    revision: str | None = None
     rollout: Rollout = field(init=False)
 
     def __post_init__(self) -> None:
@@ -242,9 +264,15 @@ def derive_isvc_status(
     blockers: Sequence[Problem] = (),
     service_exists: bool = True,
     service_error: str | None = None,
+    rollout: RolloutState | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
+
+    During a canary rollout, Ready is about the variants that take traffic (a canary still
+    starting, or one being removed, does not make the service unready) and Progressing
+    follows the rollout; after a rollback or a failed rollout, Degraded says which gate failed
+    and with what numbers while stable serves (Ready stays True).
 
     ``blockers`` are why the current generation's children could not be applied (a missing
     GPUPool, someone else's object holding a child's name, a refused apply): the live children
@@ -259,10 +287,11 @@ def derive_isvc_status(
                 stalls=True,
             )
         )
+    traffic = [v for v in variants if v.weight > 0] or list(variants)
     for v in variants:
-        problems.extend(_pod_problems(v))
+        found = _pod_problems(v)
         if v.rollout.stalled:
-            problems.append(
+            found.append(
                 Problem(
                     "ProgressDeadlineExceeded",
                     f"{v.deployment_name}: {v.rollout.stalled}",
@@ -270,13 +299,20 @@ def derive_isvc_status(
                 )
             )
         if v.rollout.failure:
-            problems.append(Problem("ReplicaFailure", f"{v.deployment_name}: {v.rollout.failure}"))
+            found.append(Problem("ReplicaFailure", f"{v.deployment_name}: {v.rollout.failure}"))
+        if v not in traffic:
+            # A variant without traffic stops nothing: the rollout holds on it instead.
+            found = [replace(p, stalls=False) for p in found]
+        problems.extend(found)
+    if rollout is not None and rollout.failed_revision is not None and rollout.reason:
+        problems.insert(0, Problem(rollout.reason, rollout.message))
 
-    granted = sum(v.granted_replicas for v in variants)
-    requested = sum(v.requested_replicas for v in variants)
-    available = sum(v.rollout.available for v in variants)
+    granted = sum(v.granted_replicas for v in traffic)
+    requested = sum(v.requested_replicas for v in traffic)
+    available = sum(v.rollout.available for v in traffic)
     updated = sum(v.rollout.updated for v in variants)
     complete = bool(variants) and all(v.rollout.complete for v in variants)
+    canary = rollout is not None and (rollout.active or rollout.phase == "Paused")
     notes = [v.quota_note for v in variants if v.quota_note]
     if notes:
         problems.append(Problem("QuotaExceeded", "; ".join(notes), stalls=granted == 0))
@@ -292,10 +328,14 @@ def derive_isvc_status(
     elif service_pending:
         ready = Condition(READY, False, "ServiceNotCreated", service_pending)
     elif requested == 0:
-        ready = Condition(READY, True, "ScaledToZero", "scaled to zero replicas")
+        ready = Condition(READY, True, "ScaledToZero", _scaled_to_zero(isvc))
     elif available >= granted:
         serving = f"{available}/{granted} replicas available"
-        if not complete:
+        if canary and rollout is not None:
+            ready = Condition(
+                READY, True, "RollingOut", f"serving {serving}; canary: {rollout.message}"
+            )
+        elif not complete:
             ready = Condition(
                 READY, True, "RollingOut", f"serving {serving} while rolling out: {progress}"
             )
@@ -321,6 +361,9 @@ def derive_isvc_status(
         progressing = Condition(PROGRESSING, True, blocker.reason, blocker.message)
     elif service_pending:
         progressing = Condition(PROGRESSING, True, "CreatingService", service_pending)
+    elif canary and rollout is not None:
+        reason = "RolloutPaused" if rollout.phase == "Paused" else "CanaryRollout"
+        progressing = Condition(PROGRESSING, True, reason, rollout.message)
     elif not complete:
         progressing = Condition(PROGRESSING, True, "RollingOut", progress)
     else:
@@ -342,7 +385,7 @@ def derive_isvc_status(
     )
 
     generation = isvc.meta.generation
-    return {
+    status: JSON = {
         "observedGeneration": generation,
         "replicas": sum(v.rollout.replicas for v in variants),
         "readyReplicas": sum(v.rollout.ready for v in variants),
@@ -368,10 +411,15 @@ def derive_isvc_status(
                 "readyReplicas": v.rollout.ready,
                 "availableReplicas": v.rollout.available,
                 "updatedReplicas": v.rollout.updated,
+                "weight": v.weight,
+                **({"revision": v.revision} if v.revision else {}),
             }
             for v in variants
         ],
     }
+    if rollout is not None:
+        status["rollout"] = to_status(rollout)
+    return status
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,9 @@ class PodInfo:
     holds: bool
     # The scheduler's reason, or the first container's waiting reason, and its message.
     problem: tuple[str, str] | None
+    # The runtime's HTTP address while the pod is Ready: the autoscaler reads its /metrics
+    # there, and the canary analysis its metrics and its OpenAI API.
+    base_url: str | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -110,10 +113,33 @@ class PodInfo:
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
             problem=None if deleting else _pod_problem(status),
+            base_url=None if deleting else _base_url(pod),
         )
 
     def gpus(self, resource: str) -> int:
         return self.limits.get(resource, 0) if self.holds else 0
+
+    @property
+    def metrics_url(self) -> str | None:
+        return None if self.base_url is None else f"{self.base_url}/metrics"
+
+
+def _base_url(pod: Mapping[str, Any]) -> str | None:
+    """The pod's address and its "http" port, if the pod is Ready."""
+    status = pod.get("status") or {}
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or ()
+    )
+    if not ready or not status.get("podIP"):
+        return None
+    host = str(status["podIP"])
+    host = f"[{host}]" if ":" in host else host
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        for port in container.get("ports") or ():
+            if port.get("name") == "http":
+                return f"http://{host}:{port['containerPort']}"
+    return None
 
 
 def _pod_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from ladle.settings import Default, integer, memory, number
+
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -27,17 +29,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ladle.runtime.config import ConfigError, EngineArgs
+    from ladle.runtime.config import EngineArgs
     from ladle.runtime.limits import RequestLimits
     from ladle.runtime.server.settings import ServerSettings
 
-    resolved = args.layered.resolve(args)
-    try:
-        settings = ServerSettings.from_namespace(resolved)
-        engine_args = EngineArgs.from_cli_args(resolved)
-        limits = RequestLimits.from_cli_args(resolved)
-    except ConfigError as exc:
-        raise SystemExit(f"ladle serve: {exc}") from None
+    settings = ServerSettings.from_namespace(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    limits = RequestLimits.from_cli_args(args)
     from ladle.runtime.server.main import serve
 
     return serve(settings, engine_args, limits)
@@ -76,6 +74,7 @@ def _eval(args: argparse.Namespace) -> int:
 def add_parsers(sub: SubParsers) -> None:
     from ladle.runtime.bench.workloads import WORKLOADS
     from ladle.runtime.config import (
+        DEFAULT_GROUP_SIZE,
         KV_CACHE_DTYPES,
         QUANTIZATION_METHODS,
         WEIGHT_QUANTIZATIONS,
@@ -83,26 +82,38 @@ def add_parsers(sub: SubParsers) -> None:
     )
     from ladle.runtime.limits import RequestLimits
 
-    generate = sub.add_parser("generate", help="chat once with a model, offline")
-    generate.add_argument("prompt")
-    generate.add_argument("--temperature", type=float, default=0.0)
-    generate.add_argument("--max-tokens", type=int, default=128)
+    generate = sub.add_parser(
+        "generate",
+        help="chat once with a model, offline",
+        description="Send one chat message through the engine in this process and print the "
+        "answer. Takes the engine flags of ladle serve.",
+    )
+    generate.add_argument("prompt", help="the user message")
+    generate.add_argument(
+        "--temperature",
+        type=number(0),
+        default=0.0,
+        help="sampling temperature; 0 is greedy (docs/sampling.md)",
+    )
+    generate.add_argument(
+        "--max-tokens", type=integer(1), default=128, help="tokens to generate at most"
+    )
     EngineArgs.add_cli_args(generate)
     generate.set_defaults(func=_generate)
 
-    from ladle.runtime.server.settings import LayeredOptions, add_server_args
+    from ladle.runtime.server.settings import add_server_args
 
     serve = sub.add_parser(
         "serve",
         help="the OpenAI-compatible server",
         description="Serve a model over the OpenAI API. Every flag can also be set as a "
-        "LADLE_<FLAG> environment variable or a key of the --config YAML file; the command "
-        "line wins, then the environment, then the file.",
+        "LADLE_SERVE_<FLAG> environment variable (upper case, dashes as underscores) or a key "
+        "of the --config YAML file; the command line wins, then the environment, then the file.",
     )
     add_server_args(serve)
     EngineArgs.add_cli_args(serve)
     RequestLimits.add_cli_args(serve)
-    serve.set_defaults(func=_serve, layered=LayeredOptions(serve))
+    serve.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench", metavar="BENCHMARK", required=True
@@ -110,23 +121,57 @@ def add_parsers(sub: SubParsers) -> None:
     throughput = bench.add_parser(
         "throughput", help="offline throughput: ours vs transformers vs the GEMM ceiling"
     )
-    throughput.add_argument("--model", help="HF folder or .gguf (default: embedded SmolLM2)")
-    throughput.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all")
-    throughput.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    throughput.add_argument("--kv-cache-memory", default="8GiB")
-    throughput.add_argument("--quantization", choices=WEIGHT_QUANTIZATIONS)
-    throughput.add_argument("--quantization-method", choices=QUANTIZATION_METHODS)
-    throughput.add_argument("--quantization-group-size", type=int)
-    throughput.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
-    throughput.add_argument("--seed", type=int, default=0)
-    throughput.add_argument("--skip-transformers", action="store_true")
+    throughput.add_argument(
+        "--model",
+        default=Default(None, "the embedded SmolLM2-135M-Instruct"),
+        help="HF folder or .gguf file",
+    )
+    throughput.add_argument(
+        "--workload", choices=[*WORKLOADS, "all"], default="all", help="request set to run"
+    )
+    throughput.add_argument(
+        "--max-num-batched-tokens", type=integer(1), default=2048, help="tokens per engine step"
+    )
+    throughput.add_argument(
+        "--kv-cache-memory", type=memory, default="8Gi", help="KV cache budget (a quantity)"
+    )
+    throughput.add_argument(
+        "--quantization",
+        choices=WEIGHT_QUANTIZATIONS,
+        default=Default(None, "none"),
+        help="weight-only quantization applied at load",
+    )
+    throughput.add_argument(
+        "--quantization-method",
+        choices=QUANTIZATION_METHODS,
+        default=Default(None, "awq, with --quantization"),
+        help="how the weights are quantized",
+    )
+    throughput.add_argument(
+        "--quantization-group-size",
+        type=integer(32),
+        default=Default(None, f"{DEFAULT_GROUP_SIZE}, with --quantization int4"),
+        help="int4 weights per scale, a multiple of 32",
+    )
+    throughput.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV cache element type"
+    )
+    throughput.add_argument("--seed", type=integer(0), default=0, help="sampling seed")
+    throughput.add_argument(
+        "--skip-transformers", action="store_true", help="run only our engine and the probe"
+    )
     throughput.add_argument(
         "--repeats",
-        type=int,
+        type=integer(1),
         default=3,
         help="rounds of interleaved runs; the report gives the median and spread over them",
     )
-    throughput.add_argument("--json", help="also write the results to this file")
+    throughput.add_argument(
+        "--json",
+        metavar="FILE",
+        default=Default(None, "none"),
+        help="also write the results to this file",
+    )
     throughput.add_argument(
         "--profile", action="store_true", help="then break a decode step down by where time goes"
     )

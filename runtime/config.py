@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ladle.settings import Default, Invalid, SettingError, existing_path, integer, memory, number
+
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -15,30 +17,21 @@ QUANTIZATION_METHODS = ("rtn", "awq")
 # int4 group size when none is given: llama.cpp's block size, and the best quality per byte in
 # the quality table (docs/quantization.md).
 DEFAULT_GROUP_SIZE = 32
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingError):
     """A user-facing configuration problem; the message names the setting and what is allowed."""
 
 
 def parse_memory_size(value: str | int) -> int:
-    """Parse ``4GiB``, ``512m`` or a byte count into bytes (binary units, like Kubernetes' Gi)."""
+    """Bytes from a Kubernetes quantity (``4Gi``, ``4G``), ``4GiB``/``4GB`` or a byte count:
+    one rule for the command line and the CRD (see ``ladle.settings.memory``)."""
     if isinstance(value, int):
         return value
-    text = value.strip().lower().removesuffix("b").removesuffix("i")
-    number, unit = text, ""
-    if text and text[-1] in _UNITS:
-        number, unit = text[:-1], text[-1]
     try:
-        size = int(float(number) * _UNITS[unit])
-    except ValueError:
-        raise ConfigError(
-            f"invalid memory size {value!r}: use e.g. 4GiB, 512MiB or bytes"
-        ) from None
-    if size <= 0:
-        raise ConfigError(f"memory size must be positive, got {value!r}")
-    return size
+        return memory(value)
+    except Invalid as exc:
+        raise ConfigError(f"invalid memory size {value!r}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -151,23 +144,82 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add the engine flags, spelled as vLLM spells them."""
         group = parser.add_argument_group("engine")
-        group.add_argument("--model", help="HF folder or .gguf file (default: embedded SmolLM2)")
-        group.add_argument("--served-model-name", help="the OpenAI `model` name")
-        group.add_argument("--dtype", choices=DTYPES, default="auto")
-        group.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-        group.add_argument("--max-model-len", type=int)
-        group.add_argument("--max-num-seqs", type=int, default=256)
-        group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        group.add_argument("--block-size", type=int, default=16)
         group.add_argument(
-            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+            "--model",
+            type=_model_path,
+            default=Default(None, "the embedded SmolLM2-135M-Instruct"),
+            help="HF folder (config.json, safetensors, tokenizer) or .gguf file",
         )
-        group.add_argument("--kv-cache-memory", default="4GiB", help="KV cache budget on CPU")
-        group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        group.add_argument("--num-gpu-blocks-override", type=int)
-        group.add_argument("--seed", type=int, default=0)
-        group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
-        group.add_argument("--attention-backend", default="auto", help="auto, cpu, torch or triton")
+        group.add_argument(
+            "--served-model-name",
+            default=Default(None, "the model folder's name"),
+            help="the OpenAI `model` name",
+        )
+        group.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and compute")
+        group.add_argument(
+            "--device",
+            type=_device,
+            default="auto",
+            help="auto (CUDA when present), cpu or cuda[:N]",
+        )
+        group.add_argument(
+            "--max-model-len",
+            type=integer(1),
+            default=Default(None, "the model's, lowered to what the KV cache holds"),
+            help="tokens per sequence, prompt and output together",
+        )
+        group.add_argument(
+            "--max-num-seqs", type=integer(1), default=256, help="sequences per engine step"
+        )
+        group.add_argument(
+            "--max-num-batched-tokens",
+            type=integer(1),
+            default=2048,
+            help="tokens per engine step (prefill chunks and decodes)",
+        )
+        group.add_argument(
+            "--block-size", type=integer(1), default=16, help="tokens per KV cache block"
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="reuse the KV blocks of shared prompt prefixes",
+        )
+        group.add_argument(
+            "--kv-cache-memory",
+            type=memory,
+            default="4Gi",
+            help="KV cache budget on the CPU: a Kubernetes quantity (4Gi = 4 x 2^30 bytes, "
+            "4G = 4 x 10^9; 4GiB and 4GB too) or bytes",
+        )
+        group.add_argument(
+            "--gpu-memory-utilization",
+            type=number(above=0, maximum=1),
+            default=0.9,
+            help="fraction of GPU memory for weights, activations and the KV cache",
+        )
+        group.add_argument(
+            "--num-gpu-blocks-override",
+            type=integer(1),
+            default=Default(None, "sized from --gpu-memory-utilization"),
+            help="KV cache blocks on the GPU",
+        )
+        group.add_argument(
+            "--seed", type=integer(0), default=0, help="engine seed for unseeded requests"
+        )
+        group.add_argument(
+            "--scheduling-policy",
+            choices=("fcfs", "priority"),
+            default="fcfs",
+            help="fcfs, or priority (a request's `priority`, lower first)",
+        )
+        group.add_argument(
+            "--attention-backend",
+            choices=("auto", "cpu", "torch", "triton"),
+            default="auto",
+            help="attention kernels",
+        )
         group.add_argument(
             "--enforce-eager",
             action="store_true",
@@ -184,21 +236,42 @@ class EngineArgs:
             "--quantization",
             "-q",
             choices=WEIGHT_QUANTIZATIONS,
+            default=Default(None, "none"),
             help="quantize the weights at load: int8 per output channel, int4 in groups",
         )
         group.add_argument(
             "--quantization-method",
             choices=QUANTIZATION_METHODS,
-            help="rtn: round to nearest; awq (default): activation-aware scales (and int4 "
-            "clipping) calibrated on text that ships with Python, cached after the first load",
+            default=Default(None, "awq, with --quantization"),
+            help="rtn: round to nearest; awq: activation-aware scales (and int4 clipping) "
+            "calibrated on text that ships with Python, cached after the first load",
         )
         group.add_argument(
             "--quantization-group-size",
-            type=int,
-            help=f"int4 weights per scale, a multiple of 32 (default {DEFAULT_GROUP_SIZE})",
+            type=integer(32),
+            default=Default(None, f"{DEFAULT_GROUP_SIZE}, with --quantization int4"),
+            help="int4 weights per scale, a multiple of 32",
         )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _model_path(text: str) -> str:
+    """What ``resolve_model`` would refuse, said at once (it runs only once torch loads)."""
+    path = existing_path(text)
+    if path.is_file() and path.suffix != ".gguf":
+        raise Invalid("expected a model folder or a .gguf file")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise Invalid(f"{path} has no config.json: expected an HF model folder or a .gguf file")
+    return str(path)
+
+
+def _device(text: str) -> str:
+    name = text.strip()
+    index = name.removeprefix("cuda:")
+    if name in ("auto", "cpu", "cuda") or (name.startswith("cuda:") and index.isdigit()):
+        return name
+    raise Invalid("expected auto, cpu, cuda or cuda:N")

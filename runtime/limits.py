@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ladle.runtime.config import ConfigError
+from ladle.settings import integer
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RequestLimits:
         for f in dataclasses.fields(RequestLimits):
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
-                type=int,
+                type=integer(1),
                 default=getattr(defaults, f.name),
                 help=helps[f.name],
             )

@@ -26,39 +26,94 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ladle.settings import Default, Invalid, integer, memory, number, seconds
+
 SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def base_url(text: str) -> str:
+    """The server's root URL: the OpenAI base URL (``…/v1``) that servers print is accepted
+    too, since endpoints are given with their ``/v1``."""
+    from urllib.parse import urlsplit
+
+    url = text.strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise Invalid("expected an http:// or https:// URL such as http://127.0.0.1:8000/v1")
+    return url.removesuffix("/v1")
+
+
+def _percentiles(text: str) -> list[float]:
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < p <= 100 for p in values):
+        raise Invalid("expected comma-separated percentiles in (0, 100], such as 50,90,99")
+    return values
+
+
+def _slo(text: str) -> str:
+    name, sep, value = text.partition(":")
+    try:
+        limit = float(value)
+    except ValueError:
+        limit = -1.0
+    if not sep or name not in SLO_METRICS or not limit > 0:
+        raise Invalid(f"expected METRIC:MS with METRIC one of {', '.join(SLO_METRICS)} and MS > 0")
+    return text
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from ladle.runtime.bench.workloads import WORKLOADS
 
     target = parser.add_argument_group("target")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000")
+    target.add_argument(
+        "--base-url",
+        type=base_url,
+        default="http://127.0.0.1:8000",
+        metavar="URL",
+        help="the server, with or without its /v1 (what ladle serve and ladle up print)",
+    )
     target.add_argument(
         "--endpoint",
         default="/v1/completions",
         choices=("/v1/completions", "/v1/chat/completions"),
+        help="the API to load",
     )
-    target.add_argument("--model", help="the `model` to send (default: the server's first model)")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    target.add_argument("--timeout", type=float, default=3600.0, help="per request, seconds")
+    target.add_argument(
+        "--model",
+        default=Default(None, "the server's first model"),
+        help="the `model` to send",
+    )
+    target.add_argument(
+        "--api-key",
+        default=Default(lambda: os.environ.get("OPENAI_API_KEY"), "$OPENAI_API_KEY"),
+        help="bearer key for the server",
+    )
+    target.add_argument(
+        "--timeout", type=seconds(above=0), default=3600.0, help="per request, seconds"
+    )
 
     data = parser.add_argument_group("requests")
     data.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
+        default=Default(None, "synthetic prompts from the flags below"),
         help="the engine benchmark's request set (sets prompts, count and output length)",
     )
-    data.add_argument("--num-prompts", type=int, default=32)
-    data.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-    data.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    data.add_argument("--num-prompts", type=integer(1), default=32, help="requests to send")
+    data.add_argument("--input-len", type=integer(1), default=128, help="prompt tokens")
+    data.add_argument("--output-len", type=integer(1), default=128, help="max_tokens per request")
     data.add_argument(
         "--range-ratio",
-        type=float,
+        type=number(0, maximum=1, finite=True),
         default=0.0,
         help="draw input and output lengths uniformly from [len*(1-r), len*(1+r)]",
     )
-    data.add_argument("--temperature", type=float, default=0.0)
+    data.add_argument(
+        "--temperature", type=number(0), default=0.0, help="sampling temperature; 0 is greedy"
+    )
     data.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -66,34 +121,56 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="send vLLM's ignore_eos so every request generates its full output length",
     )
     data.add_argument(
-        "--tokenizer", help="tokenizer folder for building prompts (default: the embedded model)"
+        "--tokenizer",
+        default=Default(None, "the embedded model's"),
+        help="tokenizer folder for building prompts and counting tokens",
     )
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=integer(0), default=0, help="seed for lengths and arrivals")
 
     load = parser.add_argument_group("load")
     load.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s (default: all at once)"
+        "--request-rate",
+        type=number(above=0, finite=False),
+        default=math.inf,
+        help="requests/s; inf sends them all at once",
     )
-    load.add_argument("--burstiness", type=float, default=1.0, help="1 is Poisson")
-    load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
+    load.add_argument(
+        "--burstiness", type=number(above=0), default=1.0, help="gamma shape; 1 is Poisson"
+    )
+    load.add_argument(
+        "--max-concurrency",
+        type=integer(1),
+        default=Default(None, "no cap"),
+        help="cap on requests in flight",
+    )
 
     report = parser.add_argument_group("report")
     report.add_argument(
         "--goodput",
         nargs="+",
-        default=[],
+        type=_slo,
+        default=Default([], "none"),
         metavar="METRIC:MS",
         help="SLOs for goodput, e.g. ttft:500 tpot:100 (metrics: ttft, tpot, e2el)",
     )
-    report.add_argument("--percentiles", default="50,90,99")
-    report.add_argument("--label", help="name of this run in the results")
-    report.add_argument("--result-file", help="write the results as JSON")
+    report.add_argument(
+        "--percentiles",
+        type=_percentiles,
+        default="50,90,99",
+        help="latency percentiles to report, comma-separated",
+    )
+    report.add_argument("--label", default=Default(None, "none"), help="name of this run")
+    report.add_argument(
+        "--result-file", default=Default(None, "none"), help="write the results as JSON"
+    )
     report.add_argument(
         "--offline",
         action="store_true",
         help="also run the same requests through Ladle's offline engine here, for the ratio",
     )
-    report.add_argument("--kv-cache-memory", default="4GiB", help="for --offline")
+    report.add_argument(
+        "--kv-cache-memory", type=memory, default="4Gi", help="the KV cache for --offline"
+    )
 
 
 @dataclass
@@ -124,12 +201,8 @@ def parse_slos(items: list[str]) -> dict[str, float]:
     """``ttft:500`` → {"ttft": 0.5} (milliseconds on the command line, seconds inside)."""
     slos = {}
     for item in items:
-        name, sep, value = item.partition(":")
-        if not sep or name not in SLO_METRICS:
-            raise SystemExit(f"--goodput: expected METRIC:MS with METRIC in {SLO_METRICS}: {item}")
+        name, _, value = _slo(item).partition(":")
         slos[name] = float(value) / 1000.0
-        if slos[name] <= 0:
-            raise SystemExit(f"--goodput: the SLO must be positive: {item}")
     return slos
 
 
@@ -282,7 +355,7 @@ async def run_load(
     import httpx
     import numpy as np
 
-    url = args.base_url.rstrip("/") + args.endpoint
+    url = args.base_url + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
@@ -295,7 +368,7 @@ async def run_load(
         probe = BenchRequest(text, len(tokenizer.encode(text, add_special_tokens=False)), 4)
         check = await send(client, url, _payload(args, model, probe), probe, tokenizer)
         if not check.success:
-            raise SystemExit(f"the test request failed: {check.error}")
+            raise SystemExit(f"ladle bench serve: the test request failed: {check.error}")
 
         async def limited(request: BenchRequest) -> RequestResult:
             async with gate:
@@ -364,21 +437,45 @@ def _print(summary: dict[str, Any], percentiles: list[float]) -> None:
     print("=" * 54)
 
 
-def main(args: argparse.Namespace) -> int:
+def served_model(args: argparse.Namespace) -> str:
+    """The model to send: ``--model``, else the server's first. Asked before anything slow
+    loads, so that a wrong URL or key is one line at once."""
     import httpx
+
+    if args.model is not None:
+        return str(args.model)
+    url = args.base_url + "/v1/models"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        listing = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise SystemExit(
+            f"ladle bench serve: cannot reach {url}: {exc or type(exc).__name__} "
+            "(is the server up? check --base-url)"
+        ) from None
+    if listing.status_code != 200:
+        hint = " (pass --api-key or set OPENAI_API_KEY)" if listing.status_code == 401 else ""
+        raise SystemExit(
+            f"ladle bench serve: GET {url} answered {listing.status_code}: "
+            f"{listing.text[:200]}{hint}"
+        )
+    try:
+        return str(listing.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise SystemExit(
+            f"ladle bench serve: GET {url} did not list a model; pass --model"
+        ) from None
+
+
+def main(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ladle.runtime.models.loader import resolve_model
 
-    percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
+    percentiles = args.percentiles
     slos = parse_slos(args.goodput)
+    model = served_model(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
-    model = args.model
-    if model is None:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        listing = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
-        listing.raise_for_status()
-        model = listing.json()["data"][0]["id"]
     requests = synthetic_requests(args, tokenizer)
     results, duration = asyncio.run(run_load(args, model, requests, tokenizer))
     summary = summarize(results, duration, percentiles, slos)

@@ -15,28 +15,65 @@ from pathlib import Path
 
 from ladle.runtime.eval.metrics import GATES, EvalResult
 from ladle.runtime.eval.prompts import PromptFileError, load_prompts
+from ladle.settings import Default, existing_file, integer
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from ladle.runtime.config import EngineArgs
 
     group = parser.add_argument_group("comparison")
-    group.add_argument("--prompts", type=Path, help="prompt file (.json, .jsonl or lines)")
-    group.add_argument("--max-prompts", type=int, help="score only the first N prompts")
     group.add_argument(
-        "--greedy-tokens", type=int, default=16, help="N for greedy agreement (default 16)"
+        "--prompts",
+        type=existing_file,
+        default=Default(None, "the built-in prompt set"),
+        help="prompt file (.json, .jsonl or lines)",
     )
-    group.add_argument("--gate", choices=sorted(GATES), help="exit 1 unless this gate passes")
-    group.add_argument("--json", type=Path, help="also write the result to this file")
+    group.add_argument(
+        "--max-prompts",
+        type=integer(1),
+        default=Default(None, "all"),
+        help="score only the first N prompts",
+    )
+    group.add_argument(
+        "--greedy-tokens", type=integer(1), default=16, help="N for greedy agreement"
+    )
+    group.add_argument(
+        "--gate",
+        choices=sorted(GATES),
+        default=Default(None, "none: report only"),
+        help="exit 1 unless this gate passes",
+    )
+    group.add_argument(
+        "--json",
+        type=Path,
+        default=Default(None, "stdout only"),
+        help="also write the result to this file",
+    )
     online = parser.add_argument_group("online (both URLs: OpenAI base URLs ending in /v1)")
-    online.add_argument("--reference-url")
-    online.add_argument("--candidate-url")
-    online.add_argument("--reference-model", help="`model` for the reference server")
-    online.add_argument("--candidate-model", help="`model` for the candidate server")
-    online.add_argument("--api-key", help="bearer key for both servers")
     online.add_argument(
-        "--top-k", type=int, default=20, help="prompt logprobs per position (default 20)"
+        "--reference-url",
+        default=Default(None, "offline: the model in full precision"),
+        help="the reference server's OpenAI base URL",
     )
+    online.add_argument(
+        "--candidate-url",
+        default=Default(None, "offline: the model under the engine flags"),
+        help="the candidate server's OpenAI base URL",
+    )
+    online.add_argument(
+        "--reference-model",
+        default=Default(None, "the server's only model"),
+        help="`model` for the reference server",
+    )
+    online.add_argument(
+        "--candidate-model",
+        default=Default(None, "the server's only model"),
+        help="`model` for the candidate server",
+    )
+    online.add_argument(
+        "--api-key", default=Default(None, "none"), help="bearer key for both servers"
+    )
+    online.add_argument("--top-k", type=integer(1), default=20, help="prompt logprobs per position")
     online.add_argument(
         "--protocol",
         choices=("auto", "prompt_logprobs", "echo"),

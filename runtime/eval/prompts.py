@@ -50,6 +50,12 @@ def load_prompts(path: Path | None = None) -> list[Prompt]:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise PromptFileError(f"cannot read prompt file {path}: {exc}") from None
+    return parse_prompts(raw, path)
+
+
+def parse_prompts(raw: str, path: Path) -> list[Prompt]:
+    """Prompts from text already read (a ConfigMap key, for the operator, whose filesystem is
+    read-only); ``path``'s suffix says the format, as for :func:`load_prompts`."""
     try:
         if path.suffix == ".json":
             items = json.loads(raw)

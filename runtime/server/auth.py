@@ -7,6 +7,7 @@ import logging
 import os
 from pathlib import Path
 
+from ladle.logs import Recurring
 from ladle.runtime.config import ConfigError
 
 log = logging.getLogger("ladle.server")
@@ -21,6 +22,12 @@ class ApiKeys:
         self._file = key_file
         self._file_mtime: int | None = None
         self._file_keys: list[bytes] = []
+        self._file_state = Recurring(
+            log,
+            "api key file unreadable; keeping the previous keys",
+            "api key file readable again",
+            path=str(key_file),
+        )
         if key_file is not None:
             self._reload()
             if not self._file_keys:
@@ -40,10 +47,11 @@ class ApiKeys:
         except OSError as exc:
             if self._file_mtime is None:
                 raise ConfigError(f"cannot read api key file {self._file}: {exc}") from None
-            log.warning("api key file unreadable; keeping the previous keys", exc_info=exc)
+            self._file_state.failed(exc.strerror or exc)
             return
         self._file_keys = [line.strip().encode() for line in lines if line.strip()]
         self._file_mtime = mtime
+        self._file_state.recovered(keys=len(self._file_keys))
 
     def check(self, presented: str) -> bool:
         """Compare against every key, without stopping early, so timing reveals nothing."""

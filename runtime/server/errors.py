@@ -5,6 +5,7 @@ Clients (the OpenAI SDK, gateways) branch on the status; ``type`` and ``code`` s
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -15,10 +16,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ladle import json_body
+from ladle.http_errors import unknown_endpoint, wrong_method
 from ladle.runtime.errors import RequestError
 from ladle.runtime.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("ladle.server")
+
+# pydantic's errors for a value that is not a mapping where a model was expected.
+_NOT_A_MAPPING = frozenset({"model_attributes_type", "model_type", "dict_type"})
 
 _TYPES = {
     400: "invalid_request_error",
@@ -77,18 +83,34 @@ def invalid_request(exc: RequestError) -> APIError:
     return APIError(400, str(exc), code="invalid_parameter", param=exc.param)
 
 
-def from_validation_errors(errors: list[Any]) -> APIError:
-    """The first pydantic error, with ``param`` as the dotted field path."""
+def from_validation_errors(errors: list[Any], body: Any = None) -> APIError:
+    """The first pydantic error, with ``param`` as the dotted field path; a body that is no
+    JSON object at all (broken, empty, an array, form data) says so, with ``param`` null."""
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        position = int(first["loc"][-1])
+        message = first.get("ctx", {}).get("error", "invalid JSON")
+        text = body if isinstance(body, str) else ""
+        return _not_an_object(json_body.broken(json.JSONDecodeError(message, text, position)))
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, RequestError):
         return invalid_request(cause)
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union bodies (/tokenize) put the model's class name in the path: not a field.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not str(p)[:1].isupper()]
+    if not loc:
+        if first.get("type") == "missing":
+            return _not_an_object(json_body.EMPTY)
+        if first.get("type") in _NOT_A_MAPPING:
+            return _not_an_object(json_body.not_an_object(first.get("input")))
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request")
     if param:
         message = f"{param}: {message}"
     return APIError(400, message, code="invalid_parameter", param=param)
+
+
+def _not_an_object(message: str) -> APIError:
+    return APIError(400, message, code=json_body.CODE)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -114,13 +136,27 @@ def install_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError | ValidationError)
-        return await on_api_error(request, from_validation_errors(list(exc.errors())))
+        content_type = request.headers.get("content-type")
+        if isinstance(exc, RequestValidationError) and not json_body.is_json(content_type):
+            # FastAPI parsed nothing: the body may well be JSON, sent as form data by curl -d.
+            message = json_body.wrong_content_type(str(content_type))
+            return await on_api_error(request, _not_an_object(message))
+        body = exc.body if isinstance(exc, RequestValidationError) else None
+        return await on_api_error(request, from_validation_errors(list(exc.errors()), body))
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        message = str(exc.detail)
+        path = request.url.path
+        if exc.status_code == 404:
+            known = [str(getattr(route, "path", "")) for route in app.routes]
+            message = unknown_endpoint(path, known)
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "").split(", ")
+            message = wrong_method(request.method, path, filter(None, allowed))
         return error_response(
-            exc.status_code, str(exc.detail), code.get(exc.status_code), headers=exc.headers
+            exc.status_code, message, code.get(exc.status_code), headers=exc.headers
         )
 
     app.add_exception_handler(APIError, on_api_error)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from ladle.runtime.config import ConfigError
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
@@ -61,6 +62,12 @@ class ServerState:
         try:
             llm = await _in_daemon_thread(self._load_engine)
             await self._warm_up(llm)
+        except ConfigError as exc:
+            # A setting the engine cannot use: the message says which; no traceback.
+            log.error("the engine failed to start", extra={"error": str(exc)})
+            self.exit_code = 2
+            self.request_exit()
+            return
         except Exception:
             log.exception("the engine failed to start")
             self.exit_code = 1

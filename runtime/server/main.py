@@ -9,12 +9,13 @@ from types import FrameType
 import prometheus_client
 import uvicorn
 
+from ladle import logs
+from ladle.listen import bind
 from ladle.runtime.async_engine import AsyncLLM
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.limits import RequestLimits
 from ladle.runtime.server.app import create_app
 from ladle.runtime.server.lifecycle import ServerState
-from ladle.runtime.server.logs import configure_logging
 from ladle.runtime.server.settings import ServerSettings
 
 # After the drain, uvicorn's own shutdown only closes idle connections; bound it anyway.
@@ -59,7 +60,8 @@ class _DrainingServer(uvicorn.Server):
 
 
 def serve(settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimits) -> int:
-    configure_logging(settings.log_level)
+    sock = bind(settings.host, settings.port)  # before the model starts to load
+    logs.configure(settings.log_level)
     # vLLM does the same: ``*_created`` series double the scrape size and nobody reads them.
     prometheus_client.disable_created_metrics()
     state = ServerState(settings, lambda: AsyncLLM.from_engine_args(engine_args, limits))
@@ -73,5 +75,5 @@ def serve(settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimi
     )
     server = _DrainingServer(config, state)
     state.request_exit = server.request_exit
-    server.run()
+    server.run(sockets=[sock])
     return state.exit_code

@@ -177,6 +177,11 @@ class ServerMetrics:
         self.itl = histogram(
             "inter_token_latency_seconds", "Gap between streamed tokens.", TOKEN_LATENCY_BUCKETS
         )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time over the output tokens after the first (vLLM's TPOT).",
+            TOKEN_LATENCY_BUCKETS,
+        )
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to the last token.", LATENCY_BUCKETS
         )
@@ -188,6 +193,11 @@ class ServerMetrics:
         )
         self.decode = histogram(
             "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
+        )
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Per request, (last token - first token) / (generated tokens - 1).",
+            TOKEN_LATENCY_BUCKETS,
         )
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt length per request.", token_buckets
@@ -225,3 +235,6 @@ class ServerMetrics:
             value = timings[key]
             if value is not None:
                 histogram.observe(value)
+        decode = timings["decode_s"]
+        if decode is not None and record.completion_tokens > 1:
+            self.tpot.observe(decode / (record.completion_tokens - 1))

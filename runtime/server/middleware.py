@@ -15,9 +15,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ladle.logs import request_id_var
 from ladle.runtime.server.errors import error_response
 from ladle.runtime.server.lifecycle import OPEN_PATHS, ServerState
-from ladle.runtime.server.logs import request_id_var
 
 log = logging.getLogger("ladle.server")
 

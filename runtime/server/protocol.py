@@ -71,7 +71,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    # OpenAI's roles: a misspelt one would otherwise reach the template as text.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:

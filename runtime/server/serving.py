@@ -22,6 +22,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ladle.logs import request_id_var
 from ladle.runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.outputs import PromptLogprobs, RequestOutput
@@ -29,7 +30,6 @@ from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, S
 from ladle.runtime.server import rendering
 from ladle.runtime.server.errors import APIError, error_body, from_validation_errors
 from ladle.runtime.server.lifecycle import ServerState
-from ladle.runtime.server.logs import request_id_var
 from ladle.runtime.server.metrics import RequestRecord
 from ladle.runtime.server.protocol import (
     AssistantMessage,

@@ -3,6 +3,10 @@
 Each area contributes its subcommands through a module with an ``add_parsers`` function.
 Those modules must import only the standard library at import time, so that ``ladle cluster``
 or ``ladle operator`` never pay for importing torch.
+
+Every subcommand's settings go through ``ladle.settings`` (flags, ``LADLE_*`` variables, a
+``--config`` file), read only once that subcommand runs; a setting error anywhere in a command
+is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from ladle import __version__
+from ladle.settings import Parser, SettingError, attach_all, command_of, parse, resolve
 
 # Modules that register subcommands, in the order they appear in ``ladle --help``.
 COMMAND_MODULES = (
@@ -25,17 +30,34 @@ COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ladle", description="Kubernetes-native LLM serving.")
+    parser = Parser(
+        prog="ladle",
+        description="Kubernetes-native LLM serving.",
+        epilog="Start with 'ladle serve' (the embedded default model on http://127.0.0.1:8000/v1) "
+        "or 'ladle up' (a local cluster, the operator and gateway, a serving pod). Every flag of "
+        "every command also reads LADLE_<COMMAND>_<FLAG> (ladle serve --port: LADLE_SERVE_PORT); "
+        "'ladle COMMAND --help' lists them with their defaults.",
+    )
     parser.add_argument("--version", action="version", version=f"ladle {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parsers(sub)
+    attach_all(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result: int | None = args.func(args)
+    parser = build_parser()
+    args = parse(parser, argv)
+    command = command_of(args)
+    try:
+        args = resolve(args, parser=parser)
+        result: int | None = args.func(args)
+    except SettingError as exc:
+        print(f"ladle {command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
     return result or 0
 
 

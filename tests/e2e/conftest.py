@@ -192,3 +192,21 @@ def ladle_system(
         system.kubectl("delete", "gpupool", "h200", "--wait=false")
         for name in (namespace, system_namespace):
             system.kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture(scope="package")
+def gateway_url(ladle_system: System) -> str:
+    """One Ready gateway pod of the chart, by its pod address (no kube-proxy here)."""
+
+    def find() -> str | None:
+        for pod in ladle_system.core.list_namespaced_pod(
+            ladle_system.system_namespace, label_selector="app.kubernetes.io/component=gateway"
+        ).items:
+            conditions = pod.status.conditions or ()
+            ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+            if ready and pod.status.pod_ip:
+                return f"http://{pod.status.pod_ip}:8080"
+        return None
+
+    url: str = wait_until(find, "a Ready gateway pod", 180)
+    return url

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ladle.cluster import build
 from ladle.cluster.control_plane import used_loopback_subnets
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -74,6 +75,16 @@ def test_ladle_up_serves_and_ladle_down_leaves_nothing_running(tmp_path: Path) -
         )
         assert answer.returncode == 0, answer.stderr
         assert json.loads(answer.stdout)["choices"][0]["message"]["content"]
+        # The README's next step: this cluster's own kubectl, first on PATH, shows the service.
+        shown = subprocess.run(
+            ["bash", "-c", f'eval "$({sys.executable} -m ladle.cli cluster env --state-dir '
+             f'{state_dir})" && command -v kubectl && kubectl wait --for=condition=Ready lisvc '
+             '--all -A --timeout=60s >/dev/null && kubectl get lisvc -A'],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert shown.stdout.splitlines()[0] == str(build.bin_dir() / "kubectl")
+        assert re.search(r"smollm2 .* True +False +Available", shown.stdout), shown.stdout
 
         running = cluster_processes(state_dir, state["cluster_id"])
         # etcd, kube-apiserver, -controller-manager, -scheduler, the agent, two operator

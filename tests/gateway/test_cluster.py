@@ -359,8 +359,8 @@ def test_the_watch_cache_lists_again_after_a_gap(
         await asyncio.wait_for(informer.synced.wait(), 30)
         assert set(informer.items) == {(namespace, "a")}
         await asyncio.to_thread(create_ready_pod, k8s_api, namespace, "b", "chat", 8000)
-        await _until(lambda: (namespace, "b") in informer.items)
-        assert informer.items[(namespace, "b")].ready
+        # Created, then its status written: the cache may see the two apart.
+        await _until(lambda: (b := informer.items.get((namespace, "b"))) is not None and b.ready)
         await asyncio.to_thread(set_pod_ready, k8s_api, namespace, "b", False)
         await _until(lambda: not informer.items[(namespace, "b")].ready)
         assert informer.relists == 1

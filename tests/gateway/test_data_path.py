@@ -143,6 +143,11 @@ async def test_first_token_timeout_is_a_504_and_a_breaker_failure(
     assert again.status_code == 503
     assert again.json()["error"]["code"] == "circuit_open"
     assert int(again.headers["retry-after"]) >= 1
+    # Both count against the service in requests_total, which the availability SLO reads; the
+    # refusal before any variant was picked has none.
+    for variant, code in (("stable", "504"), ("", "503")):
+        labels = {"namespace": "default", "service": "chat", "variant": variant, "code": code}
+        assert sample(gw.gateway, "ladle_gateway_requests_total", **labels) == 1, code
 
 
 async def test_a_clients_own_deadline_is_a_504_that_does_not_count_against_the_service(

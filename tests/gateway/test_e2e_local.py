@@ -9,15 +9,20 @@ short breaker windows set through the spec.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 import yaml
 from kube_harness import Kube, OperatorProcess, wait_for
+from kubernetes import watch
+from urllib3.exceptions import ProtocolError
 
 from ladle.cluster.pytest_plugin import KubeCluster
 
@@ -276,39 +281,62 @@ def test_killing_a_pod_mid_load_loses_no_unstarted_request(
 def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     kube: Kube, services: str, gateway: Process
 ) -> None:
-    # Every request to beta answers 429 (a queue of zero), which this breaker counts.
+    # Beta runs one sequence with one waiting, so a burst is answered 429 by its runtime,
+    # which this breaker counts.
     kube.kubectl(
-        "patch",
-        "lisvc",
-        "beta",
-        "-n",
-        services,
-        "--type=merge",
-        "-p",
-        '{"spec": {"engine": {"maxWaitingRequests": 0}}}',
-    )
+        "patch", "lisvc", "beta", "-n", services, "--type=merge",
+        "-p", '{"spec": {"engine": {"maxNumSeqs": 1, "maxWaitingRequests": 1}}}',
+    )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
+    # Until the old pod is gone, the gateway would retry a 429 there.
+    rolled = kube.kubectl(
+        "rollout", "status", "deployment/beta-stable", "-n", services, "--timeout=300s"
+    )
+    assert rolled.returncode == 0, rolled.stderr
+
+    # The breaker may open, half-open and close between two reads (openSeconds is 5), so
+    # every status the gateway writes is watched.
+    seen: list[dict[str, Any]] = []
+    stream = watch.Watch()
+
+    def follow() -> None:
+        # Stopped, it lingers until its next event; the cluster's teardown may end it first.
+        with contextlib.suppress(ProtocolError):
+            for event in stream.stream(
+                kube.custom.list_namespaced_custom_object, "ladle.dev", "v1alpha1", services,
+                "inferenceservices", field_selector="metadata.name=beta", timeout_seconds=300,
+            ):  # fmt: skip
+                seen.append((event["object"].get("status") or {}).get("gateway") or {})
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
 
     def moved() -> httpx.Response | None:
-        r = complete(gateway, "model-b")
-        return r if r.headers.get("x-ladle-fallback") == "alpha" else None
+        with ThreadPoolExecutor(6) as pool:
+            burst = list(
+                pool.map(
+                    lambda _: complete(gateway, "model-b", max_tokens=32, ignore_eos=True),
+                    range(6),
+                )
+            )
+        return next((r for r in burst if r.headers.get("x-ladle-fallback") == "alpha"), None)
 
     r = wait_for(moved, "beta's breaker to open and send traffic to alpha", timeout=120)
     assert r.status_code == 200
     assert r.json()["model"] == "model-a"
-    gw_status = kube.isvc(services, "beta")["status"]["gateway"]
-    assert gw_status["breaker"]["state"] == "Open"
-    assert gw_status["fallback"] == "alpha"
-    kube.kubectl(
-        "patch",
-        "lisvc",
-        "beta",
-        "-n",
-        services,
-        "--type=json",
-        "-p",
-        '[{"op": "remove", "path": "/spec/engine/maxWaitingRequests"}]',
+    wait_for(
+        lambda: any(
+            g.get("breaker", {}).get("state") == "Open" and g.get("fallback") == "alpha"
+            for g in seen
+        ),
+        "the gateway to write beta's open breaker and its fallback into status",
     )
+    stream.stop()
+    kube.kubectl(
+        "patch", "lisvc", "beta", "-n", services, "--type=json", "-p",
+        '[{"op": "remove", "path": "/spec/engine/maxNumSeqs"},'
+        ' {"op": "remove", "path": "/spec/engine/maxWaitingRequests"}]',
+    )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
 
     def closed() -> bool:

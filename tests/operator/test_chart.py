@@ -72,10 +72,13 @@ def test_install_upgrade_and_uninstall(
     env = {e.name: e.value for e in dep.spec.template.spec.containers[0].env}
     assert env["LADLE_OPERATOR_LEADER_ELECT"] == "true"
     # Every variable follows the one rule: LADLE_OPERATOR_ and an `ladle operator` flag.
-    from ladle.operator.cli import SETTINGS, env_name
+    from ladle.cli import build_parser
+    from ladle.settings import env_name, leaf_parsers
 
+    operator_cli = dict(leaf_parsers(build_parser()))["operator"]
+    flags = [f for a in operator_cli._actions for f in a.option_strings if f.startswith("--")]
     names = {e.name for e in dep.spec.template.spec.containers[0].env}
-    assert names <= {env_name(s.flag) for s in SETTINGS}
+    assert names <= {env_name("operator", f) for f in flags}
     assert env["LADLE_OPERATOR_RUNTIME_IMAGE"] == "ghcr.io/ladle-dev/ladle-runtime:0.1.0"
     gateway = f"{release}-gateway"
     assert env["LADLE_OPERATOR_GATEWAY_URL"] == (

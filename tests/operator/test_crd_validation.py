@@ -38,6 +38,21 @@ def with_spec(base: dict[str, Any], **spec: Any) -> dict[str, Any]:
 
 ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
     (
+        "autoscaling-without-max",
+        with_spec(VALID_ISVC, autoscaling={"targetConcurrency": 8}),
+        "spec.maxReplicas: Required value: autoscaling needs maxReplicas",
+    ),
+    (
+        "autoscaling-kv-target-above-one",
+        with_spec(VALID_ISVC, maxReplicas=3, autoscaling={"targetKVCacheUsage": 1.5}),
+        "spec.autoscaling.targetKVCacheUsage: Invalid value",
+    ),
+    (
+        "autoscaling-tiny-window",
+        with_spec(VALID_ISVC, maxReplicas=3, autoscaling={"stableWindowSeconds": 2}),
+        "spec.autoscaling.stableWindowSeconds: Invalid value",
+    ),
+    (
         "name-with-a-dot",
         {**copy.deepcopy(VALID_ISVC), "metadata": {"name": "chat.v2"}},
         "metadata.name must be a DNS-1035 label",
@@ -217,6 +232,29 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "load-factor-below-one",
         with_spec(VALID_ISVC, routing={"loadFactorPercent": 90}),
         "spec.routing.loadFactorPercent in body should be greater than or equal to 100",
+    ),
+    (
+        "rollout-steps-not-increasing",
+        with_spec(VALID_ISVC, rollout={"steps": [50, 25, 100]}),
+        "rollout.steps must be strictly increasing, for example [5, 25, 50, 100]",
+    ),
+    (
+        "rollout-step-above-100",
+        with_spec(VALID_ISVC, rollout={"steps": [50, 150]}),
+        "rollout.steps are traffic weights in percent, from 1 to 100",
+    ),
+    (
+        "rollout-deadline-shorter-than-an-interval",
+        with_spec(
+            VALID_ISVC,
+            rollout={"steps": [50], "intervalSeconds": 120, "progressDeadlineSeconds": 60},
+        ),
+        "rollout.progressDeadlineSeconds (60) must exceed rollout.intervalSeconds (120)",
+    ),
+    (
+        "rollout-quality-gate-behind-an-api-key",
+        with_spec(VALID_ISVC, apiKeySecret={"name": "keys"}, rollout={"steps": [50]}),
+        "set rollout.analysis.quality.enabled to false",
     ),
 ]
 

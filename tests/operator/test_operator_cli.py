@@ -3,7 +3,6 @@ mistake."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
@@ -13,8 +12,10 @@ from typing import Any
 import pytest
 from kube_harness import free_port
 
+from ladle import settings
+from ladle.cli import build_parser
 from ladle.cluster.pytest_plugin import KubeCluster
-from ladle.operator import cli
+from ladle.operator.config import DEFAULT_RUNTIME_IMAGE
 
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -29,10 +30,10 @@ def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def parsed(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    cli.add_parsers(parser.add_subparsers())
-    return parser.parse_args(["operator", *argv])
+def resolve(*argv: str, env: dict[str, str]) -> dict[str, Any]:
+    """``ladle operator ARGV`` as the real CLI resolves it under ENV."""
+    parser = build_parser()
+    return vars(settings.resolve(parser.parse_args(["operator", *argv]), env, parser))
 
 
 def test_every_flag_has_a_help_line_a_default_and_its_variable() -> None:
@@ -40,12 +41,13 @@ def test_every_flag_has_a_help_line_a_default_and_its_variable() -> None:
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     flags = set(re.findall(r"--([a-z][a-z-]+)", result.stdout)) - {"help", "no-leader-elect"}
-    assert flags == {s.flag for s in cli.SETTINGS}
-    for setting in cli.SETTINGS:
-        variable = "LADLE_OPERATOR_" + setting.flag.upper().replace("-", "_")
-        assert f"(default: {setting.shown}; env {variable})" in text, setting.flag
-    # The fallback runtime image is shown, not left to guess.
-    assert "ghcr.io/ladle-dev/ladle-runtime:" in text
+    assert "lease-namespace" in flags
+    for flag in flags:
+        variable = "LADLE_OPERATOR_" + flag.upper().replace("-", "_")
+        assert re.search(rf"\(default: [^;()]+; env {variable}\)", text), flag
+    # The fallback runtime image and the chart's Lease namespace are shown, not left to guess.
+    assert f"(default: {DEFAULT_RUNTIME_IMAGE}; env LADLE_OPERATOR_RUNTIME_IMAGE)" in text
+    assert "(default: the pod's namespace, else ladle-system;" in text
 
 
 @pytest.mark.parametrize(
@@ -53,31 +55,33 @@ def test_every_flag_has_a_help_line_a_default_and_its_variable() -> None:
     [("1", True), ("true", True), ("Yes", True), ("ON", True), ("0", False), ("off", False)],
 )
 def test_booleans_accept_the_usual_spellings(spelling: str, value: bool) -> None:
-    assert cli.resolve(parsed(), {"LADLE_OPERATOR_LEADER_ELECT": spelling})["leader_elect"] is value
+    assert resolve(env={"LADLE_OPERATOR_LEADER_ELECT": spelling})["leader_elect"] is value
 
 
 def test_the_command_line_wins_and_defaults_match_the_chart() -> None:
-    values: dict[str, Any] = cli.resolve(
-        parsed("--no-leader-elect", "--workers", "4"),
-        {"LADLE_OPERATOR_LEADER_ELECT": "true", "LADLE_OPERATOR_WORKERS": "8"},
+    values = resolve(
+        "--no-leader-elect",
+        "--workers",
+        "4",
+        env={"LADLE_OPERATOR_LEADER_ELECT": "true", "LADLE_OPERATOR_WORKERS": "8"},
     )
     assert (values["leader_elect"], values["workers"]) == (False, 4)
-    defaults = cli.resolve(parsed(), {})
+    defaults = resolve(env={})
     # The chart's release namespace, so that a local operator competes for the same Lease.
     assert defaults["lease_namespace"] == "ladle-system"
     assert defaults["log_level"] == "info"
-    assert cli.resolve(parsed(), {"LADLE_OPERATOR_LEASE_NAMESPACE": "ops"})["lease_namespace"] == (
-        "ops"
-    )
-    assert cli.resolve(parsed("--log-level", "DEBUG"), {})["log_level"] == "debug"
+    assert defaults["lease_duration"] == 15
+    assert resolve(env={"LADLE_OPERATOR_LEASE_NAMESPACE": "ops"})["lease_namespace"] == "ops"
+    assert resolve("--log-level", "DEBUG", env={})["log_level"] == "debug"
+    assert resolve(env={"LADLE_OPERATOR_LEASE_DURATION": "20s"})["lease_duration"] == 20
 
 
 @pytest.mark.parametrize(
     ("variable", "value", "expected"),
     [
         ("LADLE_OPERATOR_LEADER_ELECT", "maybe", "expected true or false"),
-        ("LADLE_OPERATOR_LEASE_DURATION", "15m", "expected a whole number of seconds"),
-        ("LADLE_OPERATOR_WORKERS", "0", "expected a whole number of at least 1"),
+        ("LADLE_OPERATOR_LEASE_DURATION", "15m", "expected a whole number of seconds >= 2"),
+        ("LADLE_OPERATOR_WORKERS", "0", "expected a whole number >= 1"),
         ("LADLE_OPERATOR_METRICS_BIND_ADDRESS", "8080", "expected HOST:PORT"),
         ("LADLE_OPERATOR_LOG_LEVEL", "loud", "expected one of debug, info, warning, error"),
         ("LADLE_OPERATOR_RENEW_DEADLINE", "20", "renew deadline < lease duration"),
@@ -98,7 +102,9 @@ def test_a_bad_variable_is_one_line_naming_it(variable: str, value: str, expecte
 def test_a_bad_flag_is_a_usage_error() -> None:
     result = run("operator", "--lease-duration", "soon")
     assert result.returncode == 2
-    assert "argument --lease-duration: expected a whole number of seconds" in result.stderr
+    assert result.stderr.strip() == (
+        "ladle operator: --lease-duration 'soon': expected a whole number of seconds >= 2"
+    )
     assert "Traceback" not in result.stderr
 
 

@@ -25,6 +25,7 @@ from ladle.operator.scaling import (
     ScalerState,
     ScalingPolicy,
     decide,
+    resumed,
 )
 
 TICK = 2.0
@@ -277,3 +278,13 @@ def test_no_flapping_on_a_steady_noisy_load(policy: ScalingPolicy, level: float)
         steps = [b - a for a, b in itertools.pairwise(counts) if b != a]
         reversals += sum(1 for a, b in itertools.pairwise(steps) if (a > 0) != (b > 0))
     assert reversals <= 3
+
+
+def test_a_resumed_scaler_keeps_the_count_for_a_stable_window() -> None:
+    """A new leader has no history: the idle window it starts with is not evidence of idleness."""
+    policy = ScalingPolicy(target_concurrency=10, max_replicas=10, stable_window=20)
+    decisions = run(policy, [8.0] * 40, start_replicas=4, state=resumed(0.0, 4, policy))
+    counts = [d.replicas for d in decisions]
+    assert counts[:10] == [4] * 10  # the first 20 s
+    assert counts[-1] == 1
+    assert resumed(0.0, 1, policy) == ScalerState()

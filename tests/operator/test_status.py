@@ -299,7 +299,13 @@ def test_a_service_granted_nothing_is_stalled_even_mid_rollout(
 
 def test_scaled_to_zero_is_ready(make_isvc: Builder, make_deployment: Builder) -> None:
     isvc = parse_isvc(make_isvc(spec={"replicas": 0, "minReplicas": 0}))
-    assert conditions(observe(isvc, make_deployment(0)))["Ready"] == ("True", "ScaledToZero")
+    status = observe(isvc, make_deployment(0))
+    assert conditions(status)["Ready"] == ("True", "ScaledToZero")
+    # It says plainly what happens to the next request, and what to do about it.
+    (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert "holds each request" in ready["message"]
+    assert "503 no_ready_pods" in ready["message"]
+    assert "raise spec.replicas" in ready["message"]
 
 
 def test_transition_times_move_only_when_status_changes(

@@ -35,7 +35,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory, key_file: Path) -> Iterato
         folder,
         "--config",
         str(config),
-        env={"LADLE_MAX_WAITING_REQUESTS": "1", "LADLE_MAX_REQUEST_SIZE": "64KiB"},
+        env={"LADLE_SERVE_MAX_WAITING_REQUESTS": "1", "LADLE_SERVE_MAX_REQUEST_SIZE": "64KiB"},
     )
     yield srv
     assert srv.stop() == 0

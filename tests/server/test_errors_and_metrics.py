@@ -196,8 +196,12 @@ def test_metrics_count_what_was_sent(server: Server) -> None:
         "request_generation_tokens",
     ):
         assert delta(f"ladle:{histogram}_count") == n, histogram
+    # Each request here generates more than one token, so each has a TPOT.
+    assert delta("ladle:request_time_per_output_token_seconds_count") == n
     # Every token after a request's first closes one inter-token gap.
     assert delta("ladle:inter_token_latency_seconds_count") == usage["completion_tokens"] - n
+    # TPOT is one observation per request with more than one token.
+    assert delta("ladle:request_time_per_output_token_seconds_count") == n
     assert delta("ladle:iteration_tokens_total_sum") >= usage["prompt_tokens"]
     # SLOs of 0.5, 1 and 2 s are bucket edges, so they read exactly.
     for edge in ("0.5", "1.0", "2.0"):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ladle import settings
+from ladle.cli import build_parser
 from ladle.runtime.bench import throughput
 from ladle.runtime.bench.serve import RequestResult, parse_slos, summarize
 from ladle.runtime.bench.workloads import WORKLOADS
@@ -19,14 +21,14 @@ from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.metrics import LATENCY_BUCKETS, one_two_five_buckets
 from ladle.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from ladle.runtime.server.serving import build_sampling_params
-from ladle.runtime.server.settings import LayeredOptions, ServerSettings, add_server_args
+from ladle.runtime.server.settings import ServerSettings
+from ladle.settings import SettingError
 
 
-def layered() -> tuple[argparse.ArgumentParser, LayeredOptions]:
-    parser = argparse.ArgumentParser()
-    add_server_args(parser)
-    EngineArgs.add_cli_args(parser)
-    return parser, LayeredOptions(parser)
+def resolved(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
+    """``ladle serve`` ARGV as the real CLI resolves it under ENV."""
+    parser = build_parser()
+    return settings.resolve(parser.parse_args(["serve", *argv]), env, parser)
 
 
 def test_command_line_beats_environment_beats_config_file(tmp_path: Path) -> None:
@@ -35,38 +37,34 @@ def test_command_line_beats_environment_beats_config_file(tmp_path: Path) -> Non
         "port: 9000\nmax-waiting-requests: 3\ndrain_timeout: 12\n"
         "enable-prefix-caching: false\nkv-cache-memory: 1048576\napi-key: [a, b]\n"
     )
-    parser, options = layered()
-    typed = parser.parse_args(["--config", str(config), "--port", "9100"])
-    env = {"LADLE_MAX_WAITING_REQUESTS": "7", "LADLE_LOG_PROMPTS": "true"}
-    args = options.resolve(typed, env)
-    settings = ServerSettings.from_namespace(args)
+    env = {"LADLE_SERVE_MAX_WAITING_REQUESTS": "7", "LADLE_SERVE_LOG_PROMPTS": "true"}
+    args = resolved(["--config", str(config), "--port", "9100"], env)
+    server = ServerSettings.from_namespace(args)
     engine = EngineArgs.from_cli_args(args)
-    assert settings.port == 9100  # command line
-    assert settings.max_waiting_requests == 7  # environment over the file
-    assert settings.log_prompts is True
-    assert settings.drain_timeout == 12  # file, underscores accepted
-    assert settings.api_keys == ["a", "b"]
-    assert settings.host == "127.0.0.1"  # default
+    assert server.port == 9100  # command line
+    assert server.max_waiting_requests == 7  # environment over the file
+    assert server.log_prompts is True
+    assert server.drain_timeout == 12  # file, underscores accepted
+    assert server.api_keys == ["a", "b"]
+    assert server.host == "127.0.0.1"  # default
     assert engine.enable_prefix_caching is False
     assert engine.kv_cache_memory == 1 << 20
     assert engine.max_num_seqs == 256
 
 
 def test_config_path_from_environment_and_bad_values(tmp_path: Path) -> None:
-    parser, options = layered()
     config = tmp_path / "c.yaml"
     config.write_text("served-model-name: from-file\n")
-    args = options.resolve(parser.parse_args([]), {"LADLE_CONFIG": str(config)})
-    assert args.served_model_name == "from-file"
-    config.write_text("no-such-flag: 1\n")
-    with pytest.raises(ConfigError, match="unknown setting 'no-such-flag'"):
-        options.resolve(parser.parse_args(["--config", str(config)]), {})
-    with pytest.raises(ConfigError, match="LADLE_PORT"):
-        options.resolve(parser.parse_args([]), {"LADLE_PORT": "eighty"})
-    with pytest.raises(ConfigError, match="not one of"):
-        options.resolve(parser.parse_args([]), {"LADLE_DTYPE": "int3"})
-    with pytest.raises(ConfigError, match="true or false"):
-        options.resolve(parser.parse_args([]), {"LADLE_LOG_PROMPTS": "maybe"})
+    assert resolved([], {"LADLE_SERVE_CONFIG": str(config)}).served_model_name == "from-file"
+    config.write_text("max-num-seqz: 1\n")
+    with pytest.raises(SettingError, match=r"'max-num-seqz' is not a setting.*max-num-seqs"):
+        resolved(["--config", str(config)], {})
+    with pytest.raises(SettingError, match="LADLE_SERVE_PORT='eighty': expected a whole number"):
+        resolved([], {"LADLE_SERVE_PORT": "eighty"})
+    with pytest.raises(SettingError, match="expected one of auto, float32"):
+        resolved([], {"LADLE_SERVE_DTYPE": "int3"})
+    with pytest.raises(SettingError, match="expected true or false"):
+        resolved([], {"LADLE_SERVE_LOG_PROMPTS": "maybe"})
 
 
 def test_api_keys_from_flags_and_a_rotating_file(tmp_path: Path) -> None:
@@ -147,7 +145,7 @@ def test_bench_statistics_follow_vllm_definitions() -> None:
     assert summary["mean_tpot_ms"] == pytest.approx((100 + 500) / 2)  # 0.4/4 and 1.0/2
     assert summary["p50_itl_ms"] == pytest.approx(100)
     assert summary["mean_e2el_ms"] == pytest.approx(1250)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="METRIC:MS"):
         parse_slos(["latency:5"])
 
 

@@ -71,3 +71,48 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "ladle.gatewayURL" -}}
 {{- printf "http://%s.%s.svc.%s/v1" (include "ladle.gatewayName" .) .Release.Namespace .Values.clusterDomain -}}
 {{- end -}}
+
+{{/* Labels of every monitoring object: the chart's plus monitoring.labels (for selectors). */}}
+{{- define "ladle.monitoringLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: monitoring
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- with .Values.monitoring.labels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The TTFT objective as the runtime's `le` label value. It must be a bucket edge (the share is
+then read exactly), written as Prometheus writes it: 1 is "1.0", 0.5 is "0.5".
+*/}}
+{{- define "ladle.ttftLe" -}}
+{{- $t := float64 .Values.monitoring.slo.latency.ttftSeconds -}}
+{{- $edges := list 0.01 0.025 0.05 0.075 0.1 0.15 0.2 0.3 0.4 0.5 0.75 1.0 1.5 2.0 2.5 5.0 7.5 10.0 20.0 40.0 80.0 160.0 320.0 640.0 -}}
+{{- if not (has $t $edges) -}}
+{{- fail (printf "monitoring.slo.latency.ttftSeconds: %v is not a bucket edge of ladle:time_to_first_token_seconds; use one of %v" $t $edges) -}}
+{{- end -}}
+{{- if eq $t (floor $t) -}}{{ printf "%.1f" $t }}{{- else -}}{{ $t }}{{- end -}}
+{{- end -}}
+
+{{/* An SLO objective in percent, checked: (0, 100). */}}
+{{- define "ladle.objective" -}}
+{{- $o := float64 .objective -}}
+{{- if or (le $o 0.0) (ge $o 100.0) -}}
+{{- fail (printf "monitoring.slo.%s.objectivePercent: %v must be above 0 and below 100" .name $o) -}}
+{{- end -}}
+{{- $o -}}
+{{- end -}}
+
+{{/* Relabelings that give runtime series the InferenceService and variant they serve. */}}
+{{- define "ladle.runtimeRelabelings" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_ladle_dev_inferenceservice]
+  targetLabel: inferenceservice
+- sourceLabels: [__meta_kubernetes_pod_label_ladle_dev_variant]
+  targetLabel: variant
+- targetLabel: job
+  replacement: ladle-runtime
+{{- end -}}

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class Tool:
     package: str
     version_module: str
     xflags: tuple[str, ...] = field(default=())
+    tags: tuple[str, ...] = field(default=())
 
 
 def _kube_xflags() -> tuple[str, ...]:
@@ -86,10 +88,10 @@ def cache_root() -> Path:
     return Path(xdg).expanduser() / "ladle"
 
 
-def versions_hash() -> str:
+def versions_hash(tools: Sequence[Tool] = TOOLS, recipe: str = RECIPE) -> str:
     """Hash of every wrapper go.mod/go.sum plus the recipe and platform: the cache key."""
-    digest = hashlib.sha256(f"{RECIPE} {sys.platform} {platform.machine()}".encode())
-    for module_dir in sorted({tool.module_dir for tool in TOOLS}):
+    digest = hashlib.sha256(f"{recipe} {sys.platform} {platform.machine()}".encode())
+    for module_dir in sorted({tool.module_dir for tool in tools}):
         for name in ("go.mod", "go.sum"):
             path = HACK_DIR / module_dir / name
             if not path.is_file():
@@ -186,6 +188,9 @@ def _xvalue(flag: str, version: str, released: str) -> str:
         "gitTreeState": "clean",
         "buildDate": released,
         "version": version,
+        # github.com/prometheus/common/version
+        "Version": version,
+        "BuildDate": released,
     }[name]
 
 
@@ -236,16 +241,27 @@ def build(force: bool = False) -> Path:
     if not todo:
         _log(f"cluster binaries up to date in {target}")
         return target
+    total_start = time.monotonic()
+    build_tools([tool for tool in TOOLS if tool.name in todo], target, len(todo))
+    if "stages" in todo:
+        _copy_stages(find_go())
+        _log(f"[{len(todo)}/{len(todo)}] kwok stages copied to {stages_dir()}")
+    _log(f"done in {time.monotonic() - total_start:.0f}s: {target}")
+    return target
+
+
+def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -> None:
+    """Build ``tools`` into ``target``, with progress; ``steps`` counts extra steps to come."""
     go = find_go()
     target.mkdir(parents=True, exist_ok=True)
-    _log(f"building {', '.join(todo)} into {target} (CGO_ENABLED=0, {len(todo)} steps)")
-    total_start = time.monotonic()
+    total = steps or len(tools)
+    names = ", ".join(tool.name for tool in tools)
+    _log(f"building {names} into {target} (CGO_ENABLED=0, {total} steps)")
     downloaded: set[str] = set()
-    steps = [tool for tool in TOOLS if tool.name in todo]
-    for index, tool in enumerate(steps, 1):
+    for index, tool in enumerate(tools, 1):
         if tool.module_dir not in downloaded:
             t0 = time.monotonic()
-            _log(f"[{index}/{len(todo)}] downloading modules for hack/k8s/{tool.module_dir}")
+            _log(f"[{index}/{total}] downloading modules for hack/k8s/{tool.module_dir}")
             _download(go, tool.module_dir)
             downloaded.add(tool.module_dir)
             _log(f"      modules ready in {time.monotonic() - t0:.0f}s")
@@ -255,18 +271,15 @@ def build(force: bool = False) -> Path:
         # Per-process name: two builds racing into one cache never write the same file.
         partial = target / f".{tool.name}.{os.getpid()}.partial"
         cmd = [*_nice(), go, "build", "-v", "-trimpath", "-ldflags", ldflags]
+        if tool.tags:
+            cmd += ["-tags", ",".join(tool.tags)]
         cmd += ["-o", str(partial), tool.package]
-        _log(f"[{index}/{len(todo)}] {tool.name} ({tool.version_module} {version})")
+        _log(f"[{index}/{total}] {tool.name} ({tool.version_module} {version})")
         t0 = time.monotonic()
         _run_build(cmd, HACK_DIR / tool.module_dir, tool.name)
         partial.replace(target / tool.name)
         size = (target / tool.name).stat().st_size / 2**20
         _log(f"      {tool.name} built in {time.monotonic() - t0:.0f}s ({size:.0f} MiB)")
-    if "stages" in todo:
-        _copy_stages(go)
-        _log(f"[{len(todo)}/{len(todo)}] kwok stages copied to {stages_dir()}")
-    _log(f"done in {time.monotonic() - total_start:.0f}s: {target}")
-    return target
 
 
 def _download(go: str, module_dir: str) -> None:

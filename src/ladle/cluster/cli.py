@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ladle.settings import Default, integer, memory, seconds
+
 
 def default_state_dir() -> Path:
     """Where ``up`` keeps a cluster unless told otherwise (next to the binary cache)."""
@@ -35,69 +37,95 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--print-bin-dir", action="store_true", help="only print the bin folder")
     p.set_defaults(func=_build)
 
-    def state_arg(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--state-dir",
-            type=Path,
-            default=None,
-            help="cluster state folder (default: $LADLE_CACHE_DIR/clusters/default)",
-        )
-
     p = verbs.add_parser("up", help="start the control plane, kwok nodes and local nodes")
-    state_arg(p)
+    add_state_arg(p)
     add_node_args(p, kwok_nodes=2)
     p.set_defaults(func=_up)
 
+    p = verbs.add_parser(
+        "env",
+        help="print the shell line that puts this cluster's kubectl and helm first on PATH",
+        description="Print `export PATH=...:$PATH KUBECONFIG=...` for the cluster's own kubectl "
+        "and helm (an older kubectl elsewhere on PATH would shadow them). Use it as "
+        'eval "$(ladle cluster env)".',
+    )
+    add_state_arg(p)
+    p.set_defaults(func=_env)
+
     p = verbs.add_parser("down", help="stop the processes `up` started and remove the state")
-    state_arg(p)
+    add_state_arg(p)
     p.set_defaults(func=_down)
 
     p = verbs.add_parser("status", help="show processes, API health and nodes")
-    state_arg(p)
+    add_state_arg(p)
     p.set_defaults(func=_status)
 
 
-def _memory(text: str) -> int:
-    from ladle.operator.quantity import quantity_to_int
+def add_state_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Default(None, "$LADLE_CACHE_DIR/clusters/default"),
+        metavar="DIR",
+        help="cluster state folder (kubeconfig, certificates, logs)",
+    )
+
+
+def _cpu(text: str) -> str:
+    from ladle.operator.quantity import parse_quantity
+    from ladle.settings import Invalid
 
     try:
-        return quantity_to_int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+        if parse_quantity(text) > 0:
+            return text.strip()
+    except ValueError:
+        pass
+    raise Invalid("expected a positive CPU quantity such as 8 or 7500m")
 
 
 def add_node_args(parser: argparse.ArgumentParser, *, kwok_nodes: int) -> None:
     """Flags shaping the cluster's nodes (shared by `ladle cluster up` and `ladle up`)."""
     parser.add_argument(
-        "--nodes", type=int, default=kwok_nodes, help=f"fake GPU nodes, kwok (default {kwok_nodes})"
+        "--nodes", type=integer(0), default=kwok_nodes, help="fake GPU nodes (kwok)"
     )
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="nvidia.com/gpu per kwok node")
-    parser.add_argument("--gpu-product", default="NVIDIA-H200", help="nvidia.com/gpu.product label")
+    parser.add_argument(
+        "--gpus-per-node", type=integer(0), default=8, help="nvidia.com/gpu per kwok node"
+    )
+    parser.add_argument(
+        "--gpu-product", default="NVIDIA-H200", help="nvidia.com/gpu.product label of kwok nodes"
+    )
     parser.add_argument(
         "--local-nodes",
-        type=int,
+        type=integer(0),
         default=2,
-        help="local nodes whose pods run as processes (default 2; 0 for kwok only)",
+        help="local nodes whose pods run as processes (0 for kwok only)",
     )
     parser.add_argument(
-        "--local-cpu", default="8", help="CPU each local node advertises (default 8)"
+        "--local-cpu", type=_cpu, default="8", help="CPU each local node advertises"
     )
     parser.add_argument(
         "--local-memory",
-        type=_memory,
-        default=0,
-        help="memory each local node advertises, e.g. 16Gi (default: the machine's)",
+        type=memory,
+        default=Default(0, "the machine's"),
+        metavar="SIZE",
+        help="memory each local node advertises, a quantity such as 16Gi",
     )
     parser.add_argument(
-        "--local-gpus", type=int, default=4, help="fake nvidia.com/gpu per local node (default 4)"
+        "--local-gpus", type=integer(0), default=4, help="fake nvidia.com/gpu per local node"
     )
     parser.add_argument(
         "--local-taint",
         action=argparse.BooleanOptionalAction,
-        default=None,
-        help="taint local nodes NoSchedule (default: only when kwok nodes run beside them)",
+        default=Default(None, "only when kwok nodes run beside them"),
+        help="taint local nodes NoSchedule",
     )
-    parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Ready")
+    parser.add_argument(
+        "--timeout",
+        type=seconds(above=0),
+        default=180.0,
+        metavar="SECONDS",
+        help="seconds to wait for Ready",
+    )
 
 
 def node_options(args: argparse.Namespace) -> Any:
@@ -117,13 +145,14 @@ def node_options(args: argparse.Namespace) -> Any:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ladle.cluster import build
+    from ladle.cluster import build, sre_tools
 
     if args.print_bin_dir:
         print(build.bin_dir())
         return 0
     try:
         build.build(force=args.force)
+        sre_tools.build_missing(force=args.force)
     except build.BuildError as exc:
         print(f"ladle cluster build: {exc}", file=sys.stderr)
         return 1
@@ -147,7 +176,23 @@ def _up(args: argparse.Namespace) -> int:
         f"{args.local_nodes} local nodes"
     )
     print(f"kubeconfig: {cluster.kubeconfig}")
-    print(f"export KUBECONFIG={cluster.kubeconfig}")
+    print('the cluster\'s own kubectl and helm, first on PATH (or: eval "$(ladle cluster env)"):')
+    print(cluster.shell_env)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from ladle.cluster.control_plane import Cluster
+
+    cluster = Cluster(args.state_dir or default_state_dir())
+    if not cluster.kubeconfig.is_file():
+        print(
+            f"ladle cluster env: no cluster in {cluster.state_dir} (start one with ladle cluster "
+            "up or ladle up, or pass its --state-dir)",
+            file=sys.stderr,
+        )
+        return 1
+    print(cluster.shell_env)
     return 0
 
 
@@ -155,6 +200,9 @@ def _down(args: argparse.Namespace) -> int:
     from ladle.cluster.control_plane import Cluster
 
     cluster = Cluster(args.state_dir or default_state_dir())
+    if not cluster.state_dir.exists():
+        print(f"no cluster in {cluster.state_dir}: nothing to stop")
+        return 0
     stopped = cluster.down()
     print(f"stopped {', '.join(stopped) or 'nothing'}; removed {cluster.state_dir}")
     return 0
@@ -167,7 +215,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         report = cluster.status()
     except ClusterError as exc:
-        print(exc)
+        print(f"ladle cluster status: {exc} (start one with ladle cluster up)", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=2))
     healthy = report.get("readyz") == "ok" and all(report["processes"].values())

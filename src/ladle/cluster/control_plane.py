@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import random
+import shlex
 import shutil
 import socket
 import ssl
@@ -197,6 +198,15 @@ class Cluster:
     @property
     def kubeconfig(self) -> Path:
         return self.state_dir / "admin.kubeconfig"
+
+    @property
+    def shell_env(self) -> str:
+        """The shell line that selects this cluster and puts the built kubectl and helm first
+        on PATH (an older kubectl elsewhere on PATH would otherwise answer)."""
+        return (
+            f'export PATH={shlex.quote(str(build.bin_dir()))}:"$PATH" '
+            f"KUBECONFIG={shlex.quote(str(self.kubeconfig))}"
+        )
 
     @property
     def log_dir(self) -> Path:

@@ -268,7 +268,6 @@ def main_up(state_dir: Path, options: Options, timeout: float) -> int:
         print(f"ladle up: {err}", file=sys.stderr)
         print(f"component logs: {system.cluster.log_dir}", file=sys.stderr)
         return 1
-    kubeconfig = system.cluster.kubeconfig
     print()
     where = "the gateway" if endpoint.gateway_url else "the runtime pod's own address"
     print(f"OpenAI base URL: {endpoint.front_door}   ({where}; model {endpoint.model})")
@@ -276,13 +275,17 @@ def main_up(state_dir: Path, options: Options, timeout: float) -> int:
     if endpoint.gateway_url:
         print(f"the runtime pod {endpoint.pod} itself: {endpoint.base_url}")
     print()
-    print(f"export KUBECONFIG={kubeconfig}")
+    print('the cluster\'s own kubectl and helm, first on PATH (or: eval "$(ladle cluster env)"):')
+    print(system.cluster.shell_env)
     print("kubectl get lisvc,pods -A -o wide     # then: ladle down")
     return 0
 
 
 def main_down(state_dir: Path) -> int:
     system = System(state_dir)
+    if not system.cluster.state_dir.exists():
+        print(f"no cluster in {system.cluster.state_dir}: nothing to stop")
+        return 0
     stopped = system.down()
     print(f"stopped {', '.join(stopped) or 'nothing'}; removed {system.cluster.state_dir}")
     return 0

@@ -6,20 +6,12 @@ Imports only the standard library at import time (see ``ladle.cli``).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ladle.cluster.cli import add_node_args, default_state_dir, node_options
+from ladle.cluster.cli import add_node_args, add_state_arg, default_state_dir, node_options
+from ladle.settings import seconds
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    def state_arg(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--state-dir",
-            type=Path,
-            default=None,
-            help="cluster state folder (default: $LADLE_CACHE_DIR/clusters/default)",
-        )
-
     up = sub.add_parser(
         "up",
         help="the whole system: cluster, operator, a GPUPool and the default model, serving",
@@ -27,15 +19,19 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "operator runs as pods), apply examples/gpupool.yaml and examples/smollm2.yaml, wait "
         "for a Ready runtime pod, and print its OpenAI base URL and a curl that works.",
     )
-    state_arg(up)
+    add_state_arg(up)
     add_node_args(up, kwok_nodes=0)
     up.add_argument(
-        "--wait", type=float, default=600.0, help="seconds to wait for the chart and the pod"
+        "--wait",
+        type=seconds(above=0),
+        default=600.0,
+        metavar="SECONDS",
+        help="seconds to wait for the chart and the pod",
     )
     up.set_defaults(func=_up)
 
     down = sub.add_parser("down", help="stop everything `ladle up` started and remove its state")
-    state_arg(down)
+    add_state_arg(down)
     down.set_defaults(func=_down)
 
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from pythonjsonlogger.json import JsonFormatter
 
+from ladle import logs
 from ladle.cluster.agent import podnet
 from ladle.cluster.agent.allocators import AddressAllocator, GpuAllocator
 from ladle.cluster.agent.config import AgentConfig
@@ -34,6 +34,7 @@ from ladle.cluster.agent.kube import JSON, TRANSIENT, Kube, WatchExpired
 from ladle.cluster.agent.node import NodeHeartbeat, capacity
 from ladle.cluster.agent.pods import NodeContext, PodRecord, PodWorker, Pulls
 from ladle.cluster.agent.server import KubeletServer, server_context
+from ladle.logs import Recurring
 
 log = logging.getLogger("ladle.node_agent")
 
@@ -170,13 +171,20 @@ class Agent:
         """List then watch the node's pods, forever, relisting when the watch expires."""
         path = "/api/v1/pods"
         params = {"fieldSelector": f"spec.nodeName={ctx.node.name}"}
+        health = Recurring(
+            log,
+            "listing or watching pods failed; retrying every second",
+            "pods listed and watched again",
+            node=ctx.node.name,
+        )
         while True:
             try:
                 listing = await kube.get(path, params)
             except TRANSIENT as err:
-                log.warning("listing pods failed", extra={"error": str(err)})
+                health.failed(err)
                 await asyncio.sleep(1)
                 continue
+            health.recovered()
             version = listing["metadata"]["resourceVersion"]
             seen = set()
             for pod in listing["items"]:
@@ -191,6 +199,7 @@ class Agent:
             while True:
                 try:
                     async for kind, obj in kube.watch(path, version, params):
+                        health.recovered()
                         version = obj["metadata"]["resourceVersion"]
                         if kind == "DELETED":
                             if (gone := ctx.workers.get(obj["metadata"]["uid"])) is not None:
@@ -200,7 +209,7 @@ class Agent:
                 except WatchExpired:
                     break
                 except TRANSIENT as err:
-                    log.warning("watching pods failed", extra={"error": str(err)})
+                    health.failed(err)
                     await asyncio.sleep(1)
 
     def _observe(self, ctx: NodeContext, pod: JSON) -> None:
@@ -264,23 +273,11 @@ def _kill_recorded(record: ContainerRecord) -> None:
             kill_session(record.pid)
 
 
-def configure_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter(
-            "%(asctime)s %(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level"}
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m ladle.cluster.agent CONFIG.json", file=sys.stderr)
         return 2
-    configure_logging()
+    logs.configure("info")
     try:
         return asyncio.run(Agent(AgentConfig.load(Path(argv[1]))).run())
     except (AgentError, podnet.ShimError) as err:

@@ -1,0 +1,313 @@
+"""The canary analysis' I/O: pod metrics at both ends of each interval, the quality gate's
+online ``ladle eval``, and the rollout-action annotation. Decisions are ``rollout.decide``'s and
+the arithmetic ``analysis``'s; this module only measures and remembers.
+
+What lives here is in memory, per leadership term, and nothing depends on it surviving: a new
+leader finds no baseline for the interval under way and starts that interval again
+(``Observation.baseline_missing``), and finds no quality check running and starts one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from ladle.operator.analysis import (
+    PodMetrics,
+    QualityNumbers,
+    interval,
+    parse_metrics,
+    quality_outcome,
+    quality_thresholds,
+    slo_gates,
+    sum_pods,
+)
+from ladle.operator.api import (
+    API_VERSION,
+    CANARY,
+    ISVC_KIND,
+    ROLLOUT_ACTION_ANNOTATION,
+    STABLE,
+    InferenceService,
+)
+from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
+from ladle.operator.revisions import weights_of
+from ladle.operator.rollout import (
+    Decision,
+    GateOutcome,
+    QualityVerdict,
+    RolloutState,
+)
+from ladle.operator.store import PodInfo, Store
+
+log = logging.getLogger("ladle.operator.canary")
+
+SCRAPE_TIMEOUT_SECONDS = 3.0
+EVAL_TIMEOUT_SECONDS = 120.0
+# Teacher-forced over each position's top 20, and the first 16 greedy tokens compared.
+EVAL_TOP_K = 20
+EVAL_GREEDY_TOKENS = 16
+
+Spawn = Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]]
+IntervalKey = tuple[str | None, int, int | None]
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """Both variants' pods, scraped at one moment (pods that did not answer are missing)."""
+
+    at: float
+    stable: Mapping[str, PodMetrics]
+    canary: Mapping[str, PodMetrics]
+
+
+@dataclass(frozen=True)
+class Baseline:
+    key: IntervalKey
+    scrape: Scrape
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What this reconcile measured for ``rollout.decide``."""
+
+    action: str | None = None
+    slo: tuple[GateOutcome, ...] | None = None
+    baseline_missing: bool = False
+    quality: QualityVerdict | None = None
+
+
+def interval_key(state: RolloutState) -> IntervalKey:
+    """Which interval a baseline belongs to. Its start is compared in whole milliseconds, as
+    status keeps it: the state a decision made and the one read back from status must match."""
+    started = state.interval_started
+    return (state.canary_revision, state.step, None if started is None else round(started * 1000))
+
+
+def read_action(isvc: InferenceService) -> str | None:
+    value = isvc.meta.annotations.get(ROLLOUT_ACTION_ANNOTATION)
+    return value.strip().lower() if value is not None else None
+
+
+def _quality_numbers(result: Any) -> QualityNumbers:
+    return QualityNumbers(
+        top1=float(result.top1_agreement),
+        kld=float(result.kld_mean),
+        ppl_increase=float(result.ppl_delta),
+        greedy=float(result.greedy_agreement),
+        prompts=int(result.num_prompts),
+        tokens=int(result.num_tokens),
+    )
+
+
+def run_eval(
+    stable_url: str, canary_url: str, model: str, prompts_name: str | None, prompts: str | None
+) -> QualityNumbers:
+    """Online ``ladle eval`` (blocking: run it in a thread). Raises EvalError or
+    PromptFileError with a message that says what went wrong."""
+    from ladle.runtime.eval.online import Endpoint, evaluate_online
+    from ladle.runtime.eval.prompts import load_prompts, parse_prompts
+
+    if prompts is None:
+        loaded = load_prompts()
+    else:
+        # The key's suffix says the format (.json, .jsonl, or one prompt per line).
+        loaded = parse_prompts(prompts, Path(prompts_name or "prompts.txt"))
+    result = evaluate_online(
+        Endpoint(stable_url, model=model),
+        Endpoint(canary_url, model=model),
+        loaded,
+        top_k=EVAL_TOP_K,
+        greedy_tokens=EVAL_GREEDY_TOKENS,
+        timeout=EVAL_TIMEOUT_SECONDS,
+    )
+    return _quality_numbers(result)
+
+
+class CanaryAnalysis:
+    def __init__(self, store: Store, client: KubeClient) -> None:
+        self.store = store
+        self.client = client
+        self._spawn: Spawn | None = None
+        self._requeue: Callable[[tuple[str, str]], None] = lambda _key: None
+        self._baselines: dict[str, Baseline] = {}
+        # The scrape that ended an interval this reconcile: the next interval's baseline.
+        self._latest: dict[str, Scrape] = {}
+        self._running: dict[str, tuple[str, int]] = {}
+        self._verdicts: dict[str, QualityVerdict] = {}
+        # Stands in for the eval library in tests that have no runtime pods to compare.
+        self.evaluate: Callable[[str, str, str, str | None, str | None], QualityNumbers] = run_eval
+
+    def start(self, spawn: Spawn, requeue: Callable[[tuple[str, str]], None]) -> None:
+        self._spawn = spawn
+        self._requeue = requeue
+
+    def forget(self, uid: str) -> None:
+        for table in (self._baselines, self._latest, self._running, self._verdicts):
+            table.pop(uid, None)
+
+    # ---- measuring
+
+    def _pods(self, isvc: InferenceService, variant: str) -> list[PodInfo]:
+        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
+        return [p for p in pods if p.variant == variant and p.base_url]
+
+    async def _scrape_pods(
+        self, http: httpx.AsyncClient, pods: Sequence[PodInfo]
+    ) -> dict[str, PodMetrics]:
+        async def one(pod: PodInfo) -> tuple[str, PodMetrics | None]:
+            try:
+                response = await http.get(f"{pod.base_url}/metrics")
+                response.raise_for_status()
+                return pod.name, parse_metrics(response.text)
+            except (httpx.HTTPError, ValueError) as err:
+                log.info("could not scrape a pod", extra={"pod": pod.name, "error": str(err)})
+                return pod.name, None
+
+        results = await asyncio.gather(*(one(p) for p in pods))
+        return {name: metrics for name, metrics in results if metrics is not None}
+
+    async def scrape(self, isvc: InferenceService) -> Scrape:
+        async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS) as http:
+            stable, canary = await asyncio.gather(
+                self._scrape_pods(http, self._pods(isvc, STABLE)),
+                self._scrape_pods(http, self._pods(isvc, CANARY)),
+            )
+        return Scrape(time.time(), stable, canary)
+
+    async def measure(self, isvc: InferenceService, state: RolloutState, now: float) -> Measured:
+        """The SLO verdict of an interval that has ended, a finished quality check, and the
+        action annotation."""
+        uid = isvc.meta.uid
+        self._latest.pop(uid, None)
+        spec = isvc.spec.rollout
+        slo = None
+        missing = False
+        if spec is not None and state.stage == "Analysing" and state.interval_started is not None:
+            base = self._baselines.get(uid)
+            if base is None or base.key != interval_key(state):
+                missing = True
+            elif now >= state.interval_started + spec.interval_seconds:
+                end = await self.scrape(isvc)
+                self._latest[uid] = end
+                began = base.scrape.at
+                canary = interval(base.scrape.canary, end.canary, began)
+                if state.weight >= 100:
+                    # Stable takes no traffic at a 100% step: its pods' whole lifetime (the
+                    # earlier steps included) is the reference, which any leader can read.
+                    stable = sum_pods(list(end.stable.values()))
+                else:
+                    stable = interval(base.scrape.stable, end.stable, began)
+                slo = slo_gates(canary, stable, spec.slo, spec.min_requests)
+        return Measured(read_action(isvc), slo, missing, self._verdicts.pop(uid, None))
+
+    # ---- after a decision
+
+    async def follow(self, isvc: InferenceService, decision: Decision) -> None:
+        """Take the baseline of an interval that starts, and start a quality check wanted."""
+        uid, state = isvc.meta.uid, decision.state
+        if not state.active:
+            self.forget(uid)
+            return
+        if decision.new_interval:
+            scrape = self._latest.pop(uid, None) or await self.scrape(isvc)
+            self._baselines[uid] = Baseline(interval_key(state), scrape)
+        if decision.run_quality:
+            self._start_quality(isvc, state)
+
+    def _start_quality(self, isvc: InferenceService, state: RolloutState) -> None:
+        uid = isvc.meta.uid
+        assert state.canary_revision is not None
+        key = (state.canary_revision, state.step)
+        if self._running.get(uid) == key or self._spawn is None:
+            return
+        self._running[uid] = key
+        name = f"quality-{isvc.meta.namespace}/{isvc.meta.name}"
+        self._spawn(self._quality(isvc, state, key), name)
+
+    async def _quality(
+        self, isvc: InferenceService, state: RolloutState, key: tuple[str, int]
+    ) -> None:
+        uid = isvc.meta.uid
+        try:
+            verdict = await self._evaluate(isvc, state, key)
+        except Exception as err:  # never let a check end the controller's task group
+            log.exception("quality check crashed")
+            verdict = QualityVerdict(key[0], key[1], "Inconclusive", f"crashed: {err}", time.time())
+        finally:
+            if self._running.get(uid) == key:
+                del self._running[uid]
+        self._verdicts[uid] = verdict
+        self._requeue(isvc.key)
+
+    async def _evaluate(
+        self, isvc: InferenceService, state: RolloutState, key: tuple[str, int]
+    ) -> QualityVerdict:
+        revision, step = key
+        spec = isvc.spec.rollout
+        assert spec is not None
+        assert state.canary_template is not None
+
+        def inconclusive(why: str) -> QualityVerdict:
+            return QualityVerdict(revision, step, "Inconclusive", why, time.time())
+
+        stable, canary = self._pods(isvc, STABLE), self._pods(isvc, CANARY)
+        if not stable or not canary:
+            return inconclusive("no ready stable and canary pod to compare yet")
+        prompts_name = prompts = None
+        ref = spec.quality.prompts
+        if ref is not None:
+            path = resource_path("v1", "ConfigMap", isvc.meta.namespace, ref.name)
+            try:
+                found = await self.client.get(path)
+            except REQUEST_ERRORS as err:
+                return inconclusive(f"could not read ConfigMap {ref.name}: {err}")
+            data = (found or {}).get("data") or {}
+            if ref.key not in data:
+                return inconclusive(f"ConfigMap {ref.name} has no key {ref.key}")
+            prompts_name, prompts = ref.key, str(data[ref.key])
+        gate = quality_thresholds(spec.quality, weights_of(state.canary_template))
+        try:
+            numbers = await asyncio.to_thread(
+                self.evaluate,
+                f"{stable[0].base_url}/v1",
+                f"{canary[0].base_url}/v1",
+                isvc.spec.served_model_name,
+                prompts_name,
+                prompts,
+            )
+        except ImportError as err:
+            return inconclusive(f"the eval library is missing: {err}")
+        except (RuntimeError, ValueError, OSError) as err:  # EvalError, PromptFileError
+            return inconclusive(f"{stable[0].name} against {canary[0].name}: {err}")
+        outcome = quality_outcome(numbers, gate)
+        message = f"{outcome.message}, {stable[0].name} against {canary[0].name}"
+        return QualityVerdict(
+            revision, step, outcome.result, message, time.time(), numbers.as_status()
+        )
+
+    # ---- the action annotation
+
+    async def clear_action(self, isvc: InferenceService) -> None:
+        """Remove the action annotation once acted on (or found to have nothing to act on),
+        unless someone set it again meanwhile: the patch carries the resourceVersion the
+        action was read at, so a newer write makes it a 409 and the next reconcile reads it."""
+        path = resource_path(API_VERSION, ISVC_KIND, isvc.meta.namespace, isvc.meta.name)
+        body = {
+            "metadata": {
+                "resourceVersion": isvc.meta.resource_version,
+                "annotations": {ROLLOUT_ACTION_ANNOTATION: None},
+            }
+        }
+        try:
+            await self.client.merge_patch(path, body)
+        except ApiError as err:
+            if err.status not in (404, 409):
+                raise

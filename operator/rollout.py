@@ -1,0 +1,888 @@
+"""The canary rollout state machine: a pure function from what is persisted in
+``status.rollout`` and what was just observed to the next state, its Events and what to measure.
+
+A rollout starts when the spec's revision (``revisions.py``) differs from the stable one and
+``spec.rollout`` is set; without it a new revision simply becomes stable. Then, stage by stage:
+
+- **Scaling**: canary replicas follow the weight of the step being entered
+  (``canary_replicas``); the weight moves only once they are available. A pool without room
+  holds the rollout here, with the pool's reason.
+- **QualityCheck** (step 0): the quality gate (online ``ladle eval``, stable pod against
+  canary pod) runs before any user traffic moves.
+- **Analysing**: each analysis interval ends in a verdict over the SLO gates (and the quality
+  gate again at the step set by ``recheckAtWeight``). Pass moves to the next step; Fail counts
+  towards ``failureLimit`` consecutive failures, which roll back; Inconclusive (too little
+  data) holds the step. A step that cannot pass within ``progressDeadlineSeconds`` fails the
+  rollout.
+- **AwaitingPromotion** (``manualPromotion``): held until ``ladle.dev/rollout-action=promote``.
+- **Promoting**: the canary takes all traffic at full size, the stable Deployment moves to
+  the canary's revision (the canary *becomes* stable), and traffic returns to it.
+- **Finalizing**: weights are back on stable; after a short settle (so every gateway replica
+  has seen them) the canary is removed.
+
+The result is a phase, as the ``ladle_operator_rollout_phase`` metric and Argo CD read it:
+Progressing, Paused (``spec.rollout.paused`` or the manual gate), Promoted, RolledBack (a gate
+failed, or an abort), Failed (the progress deadline), or Idle. A revision that rolled back or
+failed is not tried again until the spec changes or ``ladle.dev/rollout-action=retry``.
+
+Everything here is a function of its inputs: time comes in as ``Observation.now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from ladle.operator.api import CANARY, JSON, STABLE, RolloutSpec
+
+Phase = Literal["Idle", "Progressing", "Paused", "Promoted", "RolledBack", "Failed"]
+PHASES: tuple[Phase, ...] = ("Progressing", "Paused", "Promoted", "RolledBack", "Failed", "Idle")
+Stage = Literal[
+    "Scaling", "QualityCheck", "Analysing", "AwaitingPromotion", "Promoting", "Finalizing"
+]
+Result = Literal["Pass", "Fail", "Inconclusive"]
+# After weights move back to stable, how long gateways get to see them before canary pods go.
+SETTLE_SECONDS = 3.0
+# A quality check that could not run (no ready pod, an unreachable server) is tried again after.
+QUALITY_RETRY_SECONDS = 5.0
+# Reason of a quality check that is still running when an interval ends.
+QUALITY = "quality"
+
+
+def rfc3339(epoch: float) -> str:
+    """Milliseconds are kept: a rollout's timing is finer than a condition's."""
+    seconds, millis = divmod(round(epoch * 1000), 1000)
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{millis:03d}Z"
+
+
+def from_rfc3339(text: str | None) -> float | None:
+    if not text:
+        return None
+    return round(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000) / 1000
+
+
+@dataclass(frozen=True)
+class GateOutcome:
+    """One gate's verdict over one analysis, with the numbers that decided it."""
+
+    gate: str  # quality, errorRate, ttftP95, tpotP95
+    result: Result
+    message: str
+
+
+@dataclass(frozen=True)
+class QualityVerdict:
+    """The quality gate's verdict for one (revision, step), and its numbers for status."""
+
+    revision: str
+    step: int
+    result: Result
+    message: str
+    at: float
+    numbers: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """The last analysis verdict: which step, when, and every gate's outcome."""
+
+    step: int
+    at: float
+    gates: tuple[GateOutcome, ...]
+
+    @property
+    def result(self) -> Result:
+        return verdict(self.gates)
+
+
+def verdict(gates: Sequence[GateOutcome]) -> Result:
+    results = {g.result for g in gates}
+    if "Fail" in results:
+        return "Fail"
+    if "Inconclusive" in results:
+        return "Inconclusive"
+    return "Pass"
+
+
+@dataclass(frozen=True)
+class RolloutState:
+    """``status.rollout``: everything a leader needs to carry a rollout on."""
+
+    phase: Phase = "Idle"
+    stage: Stage | None = None
+    message: str = ""
+    stable_revision: str | None = None
+    stable_template: JSON | None = None
+    canary_revision: str | None = None
+    canary_template: JSON | None = None
+    # The revision that rolled back or failed last: not retried until the spec changes again.
+    failed_revision: str | None = None
+    # Why the last rollout ended as it did (a gate's reason), and in words.
+    reason: str | None = None
+    step: int = 0
+    weight: int = 0  # the canary's share of traffic, percent
+    step_started: float | None = None
+    interval_started: float | None = None
+    paused_at: float | None = None
+    settle_until: float | None = None
+    # What Finalizing ends in.
+    outcome: Phase = "Idle"
+    failures: int = 0
+    approved: bool = False
+    analysis: Analysis | None = None
+    quality: QualityVerdict | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.canary_revision is not None
+
+    def weights(self) -> list[JSON]:
+        """``status.rollout.weights``, which the gateway splits by (absent: all to stable)."""
+        if not self.active:
+            return []
+        return [
+            {"variant": STABLE, "weight": 100 - self.weight},
+            {"variant": CANARY, "weight": self.weight},
+        ]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one reconcile sees; the I/O layer measures it, this module only decides."""
+
+    now: float
+    revision: str
+    template: JSON
+    rollout: RolloutSpec | None
+    # The replicas the service asks for in all (spec or autoscaler): stable runs this many.
+    total: int
+    # Canary pods of the canary's revision that are available, and how many the pool grants.
+    canary_ready: int = 0
+    canary_granted: int = 0
+    # The canary replicas the pool was asked for (the grant answers that question, not
+    # necessarily the one a new step asks).
+    canary_asked: int = 0
+    # The stable Deployment runs the template it was last given, with ``total`` available.
+    stable_complete: bool = False
+    action: str | None = None
+    # A quality check that finished since the last reconcile.
+    quality: QualityVerdict | None = None
+    # The SLO verdict of the interval that just ended (None: no interval ended).
+    slo: tuple[GateOutcome, ...] | None = None
+    # This leader holds no metrics baseline for the interval under way (a failover).
+    baseline_missing: bool = False
+    # Why the pool grants the canary fewer replicas than it wants, in the pool's words.
+    quota_note: str | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    state: RolloutState
+    events: tuple[Event, ...] = ()
+    # A quality check is wanted now (start one unless it runs already).
+    run_quality: bool = False
+    # An analysis interval starts now: take the metrics baseline.
+    new_interval: bool = False
+    # Reconcile again after this many seconds (None: only on events).
+    wake_in: float | None = None
+    # (gate, result) of every analysis counted, and the gate of a rollback, for metrics.
+    analysed: tuple[tuple[str, str], ...] = ()
+    rolled_back: str | None = None
+    # The observed action (an annotation) was acted on; otherwise it had nothing to act on.
+    action_used: bool = False
+
+
+def canary_replicas(total: int, weight: int) -> int:
+    """Canary replicas for a traffic weight: its share of the total, at least one (a canary
+    without a pod could not be measured), none when the service is scaled to zero."""
+    if total <= 0:
+        return 0
+    return max(1, math.ceil(total * weight / 100))
+
+
+def target_weight(state: RolloutState, steps: Sequence[int]) -> int:
+    """The weight the canary is sized for: the step in force, the one being entered while
+    scaling (``step`` is the step whose weight is in force), or all of it to promote."""
+    if state.stage == "Promoting" or state.outcome == "Promoted":
+        return 100
+    index = state.step if state.stage in ("Scaling", "QualityCheck") else state.step - 1
+    return steps[min(max(index, 0), len(steps) - 1)]
+
+
+def split(state: RolloutState, steps: Sequence[int], total: int) -> tuple[int, int]:
+    """(stable, canary) replicas: stable keeps the full count for the whole rollout (it takes
+    every request back on a rollback), and the canary follows its weight."""
+    if not state.active:
+        return total, 0
+    return total, canary_replicas(total, target_weight(state, steps))
+
+
+def quality_at(step: int, spec: RolloutSpec) -> bool:
+    """Whether the quality gate runs at this step: before traffic, and at the first step at or
+    above ``recheckAtWeight``."""
+    if not spec.quality.enabled:
+        return False
+    if step == 0:
+        return True
+    recheck = spec.quality.recheck_at_weight
+    if recheck <= 0:
+        return False
+    first = next((i for i, w in enumerate(spec.steps, 1) if w >= recheck), None)
+    return first == step
+
+
+def _percent(steps: Sequence[int]) -> str:
+    return ", ".join(f"{w}%" for w in steps)
+
+
+class _Machine:
+    """One decision's working state: the state so far, Events, measurements wanted."""
+
+    def __init__(self, state: RolloutState, obs: Observation) -> None:
+        self.state = state
+        self.obs = obs
+        self.events: list[Event] = []
+        self.run_quality = False
+        self.new_interval = False
+        self.wake: list[float] = []
+        self.analysed: list[tuple[str, str]] = []
+        self.rolled_back: str | None = None
+        self.action_used = False
+
+    def set(self, **changes: Any) -> None:
+        self.state = replace(self.state, **changes)
+
+    def emit(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
+        self.events.append(Event(type_, reason, message))
+
+    def wake_at(self, when: float) -> None:
+        self.wake.append(max(when - self.obs.now, 0.05))
+
+    def decision(self) -> Decision:
+        return Decision(
+            self.state,
+            tuple(self.events),
+            self.run_quality,
+            self.new_interval,
+            min(self.wake) if self.wake else None,
+            tuple(self.analysed),
+            self.rolled_back,
+            self.action_used,
+        )
+
+
+def decide(state: RolloutState, obs: Observation) -> Decision:
+    """The next rollout state, given the last one and what was just observed."""
+    m = _Machine(state, obs)
+    spec = obs.rollout
+    if m.state.stable_revision is None or m.state.stable_template is None:
+        # A new service (or one from before rollouts): what it runs now is stable.
+        m.set(stable_revision=obs.revision, stable_template=obs.template)
+        return m.decision()
+    if m.state.active and m.state.stage in ("Promoting", "Finalizing"):
+        _finish(m)
+        return m.decision()
+    if obs.action == "retry" and m.state.failed_revision is not None and not m.state.active:
+        m.emit("Normal", "RolloutRetried", f"Retrying revision {m.state.failed_revision}")
+        m.set(failed_revision=None)
+        m.action_used = True
+    if not m.state.active:
+        _idle(m, spec)
+    elif obs.revision != m.state.canary_revision:
+        _spec_moved(m, spec)
+    if not _running(m):
+        return m.decision()
+    if spec is None:
+        # spec.rollout removed mid-rollout: the new revision applies directly.
+        _rollback(m, "RolloutRemoved", "spec.rollout was removed", "Idle", gate=None)
+        m.set(stable_revision=obs.revision, stable_template=obs.template, failed_revision=None)
+        return m.decision()
+    if obs.action == "abort":
+        m.action_used = True
+        _rollback(m, "Aborted", "aborted by ladle.dev/rollout-action=abort", "RolledBack", "abort")
+        return m.decision()
+    if obs.action == "promote" and not m.state.approved:
+        m.action_used = True
+        m.set(approved=True)
+        m.emit("Normal", "PromotionApproved", "Promotion approved by ladle.dev/rollout-action")
+    if spec.paused:
+        _pause(m)
+        return m.decision()
+    if m.state.paused_at is not None:
+        _resume(m)
+    _progress(m, spec)
+    return m.decision()
+
+
+def _running(m: _Machine) -> bool:
+    return m.state.active
+
+
+def _idle(m: _Machine, spec: RolloutSpec | None) -> None:
+    """No canary runs: a new revision either applies directly or starts one."""
+    state, obs = m.state, m.obs
+    if obs.revision == state.stable_revision:
+        if state.phase in ("RolledBack", "Failed"):
+            # The spec went back to what serves: nothing is degraded any more.
+            m.set(phase="Idle", reason=None, failed_revision=None, message="")
+        return
+    if spec is None:
+        m.set(
+            stable_revision=obs.revision,
+            stable_template=obs.template,
+            phase="Idle",
+            reason=None,
+            failed_revision=None,
+            message="",
+        )
+        return
+    if obs.revision == state.failed_revision:
+        return  # held: the failure stands until the spec changes or a retry
+    _start(m, spec)
+
+
+def _start(m: _Machine, spec: RolloutSpec) -> None:
+    obs = m.obs
+    m.set(
+        phase="Progressing",
+        stage="Scaling",
+        canary_revision=obs.revision,
+        canary_template=obs.template,
+        failed_revision=None,
+        reason=None,
+        step=0,
+        weight=0,
+        step_started=obs.now,
+        interval_started=None,
+        paused_at=None,
+        settle_until=None,
+        outcome="Idle",
+        failures=0,
+        approved=False,
+        analysis=None,
+        message=f"starting canary revision {obs.revision}",
+    )
+    m.emit(
+        "Normal",
+        "RolloutStarted",
+        f"Canary rollout of revision {obs.revision} beside stable revision "
+        f"{m.state.stable_revision}; steps {_percent(spec.steps)}",
+    )
+
+
+def _spec_moved(m: _Machine, spec: RolloutSpec | None) -> None:
+    """The spec changed mid-rollout: back to stable, or a new canary from the start."""
+    obs = m.obs
+    if obs.revision == m.state.stable_revision:
+        _rollback(
+            m,
+            "RolloutCancelled",
+            f"the spec returned to stable revision {obs.revision}",
+            "Idle",
+            gate=None,
+        )
+        m.set(failed_revision=None)
+        return
+    old = m.state.canary_revision
+    if spec is None:
+        return  # decide() applies it directly
+    m.emit(
+        "Normal",
+        "RolloutRestarted",
+        f"The spec changed to revision {obs.revision} during the rollout of {old}: starting again",
+    )
+    _start(m, spec)
+
+
+def _pause(m: _Machine) -> None:
+    if m.state.paused_at is None:
+        m.set(paused_at=m.obs.now)
+        m.emit("Normal", "RolloutPaused", f"Paused at step {m.state.step} ({m.state.weight}%)")
+    m.set(
+        phase="Paused",
+        message=f"paused at step {m.state.step} with {m.state.weight}% to the canary "
+        "(spec.rollout.paused)",
+    )
+
+
+def _resume(m: _Machine) -> None:
+    """Paused time does not count against the progress deadline; an interval under way starts
+    again (the traffic it saw while paused is not the step's to judge)."""
+    state, now = m.state, m.obs.now
+    assert state.paused_at is not None
+    shift = now - state.paused_at
+    m.set(
+        paused_at=None,
+        phase="Progressing",
+        step_started=None if state.step_started is None else state.step_started + shift,
+        message=f"resumed at step {state.step} ({state.weight}% to the canary)",
+    )
+    if state.stage == "Analysing":
+        m.set(interval_started=now)
+        m.new_interval = True
+    m.emit("Normal", "RolloutResumed", f"Resumed at step {state.step} ({state.weight}%)")
+
+
+def _deadline_passed(m: _Machine, spec: RolloutSpec, what: str) -> bool:
+    started = m.state.step_started
+    if started is None:
+        m.set(step_started=m.obs.now)
+        return False
+    deadline = started + spec.progress_deadline_seconds
+    if m.obs.now < deadline:
+        m.wake_at(deadline)
+        return False
+    _rollback(
+        m,
+        "ProgressDeadlineExceeded",
+        f"step {m.state.step} made no progress in {spec.progress_deadline_seconds}s: {what}",
+        "Failed",
+        "deadline",
+    )
+    return True
+
+
+def _progress(m: _Machine, spec: RolloutSpec) -> None:
+    stage = m.state.stage
+    if stage == "Scaling":
+        _scaling(m, spec)
+    elif stage == "QualityCheck":
+        _quality_check(m, spec)
+    elif stage == "Analysing":
+        _analysing(m, spec)
+    elif stage == "AwaitingPromotion":
+        _awaiting(m)
+
+
+def _scaling(m: _Machine, spec: RolloutSpec) -> None:
+    state, obs = m.state, m.obs
+    want = canary_replicas(obs.total, target_weight(state, spec.steps))
+    entering = state.step + 1
+    if obs.total <= 0:
+        held = "the service is scaled to zero: there is nothing to compare"
+    elif obs.canary_asked < want:
+        # The pool has not been asked for this step's replicas yet: it will be at once.
+        m.set(message=f"step {entering}/{len(spec.steps)}: scaling the canary to {want}")
+        m.wake_at(obs.now)
+        return
+    elif obs.canary_granted < want:
+        held = obs.quota_note or (
+            f"the GPUPool has room for {obs.canary_granted} of {want} canary replicas"
+        )
+    elif obs.canary_ready < want:
+        held = f"waiting for canary replicas: {obs.canary_ready}/{want} available"
+    else:
+        if state.step == 0 and quality_at(0, spec):
+            m.set(stage="QualityCheck", message="quality gate: comparing canary with stable")
+            _quality_check(m, spec)
+        else:
+            _enter_step(m, spec, entering)
+        return
+    message = f"step {entering}/{len(spec.steps)}: {held}"
+    if obs.canary_granted < want and message != state.message:
+        m.emit("Warning", "RolloutHeld", held)
+    m.set(message=message, phase="Progressing")
+    _deadline_passed(m, spec, held)
+
+
+def _enter_step(m: _Machine, spec: RolloutSpec, step: int) -> None:
+    weight = spec.steps[step - 1]
+    m.set(
+        stage="Analysing",
+        step=step,
+        weight=weight,
+        interval_started=m.obs.now,
+        # Each step has its own deadline: scaling and the quality check had theirs.
+        step_started=m.obs.now,
+        phase="Progressing",
+        message=f"step {step}/{len(spec.steps)}: {weight}% to the canary; analysing",
+    )
+    m.new_interval = True
+    m.wake_at(m.obs.now + spec.interval_seconds)
+    m.emit(
+        "Normal",
+        "StepStarted",
+        f"Step {step}/{len(spec.steps)}: {weight}% of traffic to the canary "
+        f"({canary_replicas(m.obs.total, weight)} canary replicas)",
+    )
+    if quality_at(step, spec):
+        m.run_quality = True
+
+
+def _quality_pending(m: _Machine, spec: RolloutSpec) -> QualityVerdict | None:
+    """This step's quality verdict (recorded, or just arrived); asks for a run if none."""
+    state, obs = m.state, m.obs
+    if obs.quality is not None and (obs.quality.revision, obs.quality.step) == (
+        state.canary_revision,
+        state.step,
+    ):
+        verdict_ = obs.quality
+        m.set(quality=verdict_)
+        m.analysed.append((QUALITY, verdict_.result.lower()))
+        if verdict_.result == "Pass":
+            m.emit("Normal", "QualityGatePassed", verdict_.message)
+        elif verdict_.result == "Fail":
+            m.emit("Warning", "QualityGateFailed", verdict_.message)
+        else:
+            m.emit("Normal", "QualityGateInconclusive", verdict_.message)
+    recorded = m.state.quality
+    if recorded is not None and (recorded.revision, recorded.step) == (
+        state.canary_revision,
+        state.step,
+    ):
+        if recorded.result != "Inconclusive":
+            return recorded
+        retry = recorded.at + QUALITY_RETRY_SECONDS
+        if obs.now < retry:
+            m.wake_at(retry)
+            return None
+    m.run_quality = True
+    return None
+
+
+def _quality_check(m: _Machine, spec: RolloutSpec) -> None:
+    found = _quality_pending(m, spec)
+    if found is not None and found.result == "Fail":
+        _rollback(m, "QualityGateFailed", found.message, "RolledBack", QUALITY)
+        return
+    if found is not None and found.result == "Pass":
+        _enter_step(m, spec, 1)
+        return
+    detail = m.state.quality.message if m.state.quality else "running"
+    m.set(message=f"quality gate before traffic: {detail}")
+    _deadline_passed(m, spec, f"the quality gate did not conclude ({detail})")
+
+
+def _analysing(m: _Machine, spec: RolloutSpec) -> None:
+    state, obs = m.state, m.obs
+    quality: QualityVerdict | None = None
+    if quality_at(state.step, spec):
+        quality = _quality_pending(m, spec)
+        if quality is not None and quality.result == "Fail":
+            _rollback(m, "QualityGateFailed", quality.message, "RolledBack", QUALITY)
+            return
+    slo = obs.slo
+    last = state.analysis
+    if (
+        slo is None
+        and quality is not None
+        and last is not None
+        and last.step == state.step
+        and all(g.result == "Pass" for g in last.gates if g.gate != QUALITY)
+    ):
+        # The SLO gates passed at the end of the last interval, which only waited for this.
+        slo = tuple(g for g in last.gates if g.gate != QUALITY)
+    if obs.baseline_missing and slo is None:
+        # A new leader has no baseline for the interval under way: start it again.
+        m.set(interval_started=obs.now)
+        m.new_interval = True
+    started = m.state.interval_started or obs.now
+    if slo is None:
+        m.wake_at(started + spec.interval_seconds)  # the deadline is checked at its end
+        return
+    gates = list(slo)
+    if quality_at(state.step, spec) and quality is None:
+        gates.append(GateOutcome(QUALITY, "Inconclusive", "the quality check has not finished"))
+    elif quality is not None:
+        gates.append(GateOutcome(QUALITY, quality.result, quality.message))
+    analysis = Analysis(state.step, obs.now, tuple(gates))
+    m.analysed += [(g.gate, g.result.lower()) for g in obs.slo or ()]
+    m.set(analysis=analysis, interval_started=obs.now)
+    m.new_interval = True
+    summary = "; ".join(g.message for g in gates)
+    where = f"Step {state.step}/{len(spec.steps)} ({state.weight}%)"
+    result = analysis.result
+    if result == "Pass":
+        m.set(failures=0)
+        m.emit("Normal", "AnalysisPassed", f"{where}: {summary}")
+        if state.step < len(spec.steps):
+            m.set(
+                stage="Scaling",
+                step_started=obs.now,
+                message=f"step {state.step + 1}/{len(spec.steps)}: scaling the canary",
+            )
+            _scaling(m, spec)
+        elif spec.manual_promotion and not m.state.approved:
+            m.set(
+                stage="AwaitingPromotion",
+                phase="Paused",
+                message="every step passed; waiting for promotion "
+                "(kubectl annotate lisvc NAME ladle.dev/rollout-action=promote)",
+            )
+            m.emit(
+                "Normal",
+                "AwaitingPromotion",
+                "Every step passed; promote with "
+                "kubectl annotate lisvc NAME ladle.dev/rollout-action=promote",
+            )
+        else:
+            _start_promotion(m)
+        return
+    if result == "Fail":
+        failures = state.failures + 1
+        m.set(failures=failures)
+        failed = [g for g in gates if g.result == "Fail"]
+        m.emit(
+            "Warning",
+            "AnalysisFailed",
+            f"{where}: {summary} (failure {failures} of {spec.failure_limit})",
+        )
+        if failures >= spec.failure_limit:
+            gate = failed[0]
+            reason = "QualityGateFailed" if gate.gate == QUALITY else "SLOGateFailed"
+            _rollback(m, reason, "; ".join(g.message for g in failed), "RolledBack", gate.gate)
+            return
+        m.set(message=f"{where}: analysis failed ({failures}/{spec.failure_limit}); again")
+    else:
+        m.emit("Normal", "AnalysisInconclusive", f"{where}: {summary}")
+        m.set(message=f"{where}: inconclusive ({summary}); holding")
+    m.wake_at(obs.now + spec.interval_seconds)
+    _deadline_passed(m, spec, f"the last analysis was {result.lower()}: {summary}")
+
+
+def _awaiting(m: _Machine) -> None:
+    if m.state.approved:
+        _start_promotion(m)
+        return
+    m.set(phase="Paused")
+
+
+def _start_promotion(m: _Machine) -> None:
+    m.set(
+        stage="Promoting",
+        phase="Progressing",
+        step_started=m.obs.now,
+        message="promoting: the canary takes all traffic while stable moves to its revision",
+    )
+    m.emit(
+        "Normal",
+        "Promoting",
+        f"Every step passed: promoting revision {m.state.canary_revision}",
+    )
+    _finish(m)
+
+
+def _finish(m: _Machine) -> None:
+    """Promoting and Finalizing, which no spec change, pause or abort interrupts: stable is
+    already moving to the canary's revision, or traffic is already back on stable."""
+    state, obs = m.state, m.obs
+    if state.stage == "Finalizing":
+        assert state.settle_until is not None
+        if obs.now < state.settle_until:
+            m.wake_at(state.settle_until)
+            return
+        m.set(
+            phase=state.outcome,
+            stage=None,
+            canary_revision=None,
+            canary_template=None,
+            weight=0,
+            step_started=None,
+            interval_started=None,
+            paused_at=None,
+            settle_until=None,
+            approved=False,
+        )
+        return
+    if state.stable_revision != state.canary_revision:
+        if obs.canary_ready < obs.total:
+            held = obs.quota_note if obs.canary_granted < obs.total else None
+            m.set(
+                message=f"promoting: canary {obs.canary_ready}/{obs.total} replicas available"
+                + (f" ({held})" if held else "")
+            )
+            return
+        # The canary serves everything at full size: it becomes the stable revision.
+        m.set(
+            weight=100,
+            stable_revision=state.canary_revision,
+            stable_template=state.canary_template,
+            message="promoting: the canary takes all traffic; stable moves to its revision",
+        )
+        return
+    if not obs.stable_complete:
+        m.set(message="promoting: waiting for the stable replicas on the new revision")
+        return
+    m.set(
+        stage="Finalizing",
+        weight=0,
+        outcome="Promoted",
+        reason=None,
+        settle_until=obs.now + SETTLE_SECONDS,
+        message=f"promoted revision {state.canary_revision}",
+    )
+    m.wake_at(obs.now + SETTLE_SECONDS)
+    m.emit(
+        "Normal",
+        "Promoted",
+        f"Revision {state.canary_revision} is stable and serves all traffic; removing the canary",
+    )
+
+
+def _rollback(m: _Machine, reason: str, detail: str, outcome: Phase, gate: str | None) -> None:
+    """Traffic back to stable at once; the canary goes after the settle. Stable is untouched."""
+    state, now = m.state, m.obs.now
+    failed = outcome in ("RolledBack", "Failed")
+    message = f"{reason}: {detail}"
+    m.set(
+        stage="Finalizing",
+        weight=0,
+        outcome=outcome,
+        reason=reason if failed else None,
+        failed_revision=state.canary_revision if failed else None,
+        settle_until=now + SETTLE_SECONDS,
+        paused_at=None,
+        phase=outcome if failed else "Progressing",
+        message=message if failed else detail,
+    )
+    m.wake_at(now + SETTLE_SECONDS)
+    if failed:
+        m.rolled_back = gate
+        event = "RolloutFailed" if outcome == "Failed" else "RolledBack"
+        m.emit(
+            "Warning",
+            event,
+            f"{message}; traffic is back on stable revision {state.stable_revision}",
+        )
+    else:
+        m.emit("Normal", reason, f"{detail}; removing the canary")
+
+
+# ---- status.rollout <-> RolloutState
+
+
+def _gate_json(g: GateOutcome) -> JSON:
+    return {"gate": g.gate, "result": g.result, "message": g.message}
+
+
+def to_status(state: RolloutState) -> JSON:
+    """``status.rollout`` as written (empty fields left out, so that status stays readable)."""
+    out: JSON = {"phase": state.phase}
+    if state.stage is not None:
+        out["stage"] = state.stage
+    if state.message:
+        out["message"] = state.message
+    if state.active:
+        out["step"] = state.step
+        out["weights"] = state.weights()
+    revisions = {
+        k: v
+        for k, v in (
+            ("stable", state.stable_revision),
+            ("canary", state.canary_revision),
+            ("failed", state.failed_revision),
+        )
+        if v is not None
+    }
+    if revisions:
+        out["revisions"] = revisions
+    if state.stable_template is not None:
+        out["stableTemplate"] = state.stable_template
+    if state.canary_template is not None:
+        out["canaryTemplate"] = state.canary_template
+    if state.reason is not None:
+        out["reason"] = state.reason
+    for key, value in (
+        ("stepStartedAt", state.step_started),
+        ("intervalStartedAt", state.interval_started),
+        ("pausedAt", state.paused_at),
+        ("settleUntil", state.settle_until),
+    ):
+        if value is not None:
+            out[key] = rfc3339(value)
+    if state.stage == "Finalizing":
+        out["outcome"] = state.outcome
+    if state.failures:
+        out["consecutiveFailures"] = state.failures
+    if state.approved:
+        out["promotionApproved"] = True
+    if state.analysis is not None:
+        out["lastAnalysis"] = {
+            "step": state.analysis.step,
+            "time": rfc3339(state.analysis.at),
+            "result": state.analysis.result,
+            "gates": [_gate_json(g) for g in state.analysis.gates],
+        }
+    if state.quality is not None:
+        q = state.quality
+        out["quality"] = {
+            "revision": q.revision,
+            "step": q.step,
+            "result": q.result,
+            "message": q.message,
+            "time": rfc3339(q.at),
+            **{k: round(v, 6) for k, v in q.numbers.items()},
+        }
+    return out
+
+
+def _phase(value: Any) -> Phase:
+    return value if value in PHASES else "Idle"
+
+
+def from_status(raw: Mapping[str, Any] | None) -> RolloutState:
+    """The state a leader carries on from (a missing status.rollout: nothing known yet)."""
+    raw = raw or {}
+    revisions = raw.get("revisions") or {}
+    weights = {str(w.get("variant")): int(w.get("weight", 0)) for w in raw.get("weights") or ()}
+    analysis = raw.get("lastAnalysis")
+    quality = raw.get("quality")
+    stage = raw.get("stage")
+    return RolloutState(
+        phase=_phase(raw.get("phase")),
+        stage=stage
+        if stage
+        in ("Scaling", "QualityCheck", "Analysing", "AwaitingPromotion", "Promoting", "Finalizing")
+        else None,
+        message=str(raw.get("message") or ""),
+        stable_revision=revisions.get("stable"),
+        stable_template=raw.get("stableTemplate"),
+        canary_revision=revisions.get("canary"),
+        canary_template=raw.get("canaryTemplate"),
+        failed_revision=revisions.get("failed"),
+        reason=raw.get("reason"),
+        step=int(raw.get("step") or 0),
+        weight=weights.get(CANARY, 0),
+        step_started=from_rfc3339(raw.get("stepStartedAt")),
+        interval_started=from_rfc3339(raw.get("intervalStartedAt")),
+        paused_at=from_rfc3339(raw.get("pausedAt")),
+        settle_until=from_rfc3339(raw.get("settleUntil")),
+        outcome=_phase(raw.get("outcome")),
+        failures=int(raw.get("consecutiveFailures") or 0),
+        approved=bool(raw.get("promotionApproved")),
+        analysis=Analysis(
+            step=int(analysis.get("step") or 0),
+            at=from_rfc3339(analysis.get("time")) or 0.0,
+            gates=tuple(
+                GateOutcome(str(g["gate"]), g["result"], str(g.get("message") or ""))
+                for g in analysis.get("gates") or ()
+            ),
+        )
+        if analysis
+        else None,
+        quality=QualityVerdict(
+            revision=str(quality.get("revision")),
+            step=int(quality.get("step") or 0),
+            result=quality.get("result", "Inconclusive"),
+            message=str(quality.get("message") or ""),
+            at=from_rfc3339(quality.get("time")) or 0.0,
+            numbers={
+                k: float(v)
+                for k, v in quality.items()
+                if k not in ("revision", "step", "result", "message", "time")
+                and isinstance(v, int | float)
+            },
+        )
+        if quality
+        else None,
+    )

@@ -1,0 +1,133 @@
+"""Reading the load signals the autoscaler decides on, straight from the pods' /metrics.
+
+The autoscaler reads the runtime pods and the gateway replicas itself, every tick, as Knative's
+autoscaler reads its queue-proxies: a Prometheus server and an adapter in between would add
+their scrape interval and rate windows to every reaction. Parsing is pure (text in, numbers
+out); fetching is a thin aiohttp GET with a short timeout, and every way it can fail becomes an
+error string that the decision treats as unknown data, never as zero load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from ladle.operator.scaling import GatewayMetrics, PodMetrics
+
+RUNNING = "ladle:num_requests_running"
+WAITING = "ladle:num_requests_waiting"
+KV_USAGE = "ladle:kv_cache_usage_perc"
+GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
+GATEWAY_HELD = "ladle_gateway_held_requests"
+SCRAPE_TIMEOUT_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str  # the full /metrics URL
+
+
+def _samples(text: str, names: Iterable[str]) -> dict[str, list[tuple[Mapping[str, str], float]]]:
+    """The samples of the named metrics; an exposition that does not parse raises ValueError."""
+    wanted = set(names)
+    found: dict[str, list[tuple[Mapping[str, str], float]]] = {name: [] for name in wanted}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                found[sample.name].append((sample.labels, float(sample.value)))
+    return found
+
+
+def parse_pod(name: str, text: str) -> PodMetrics:
+    """One runtime pod's gauges; a missing gauge is an error, not a zero."""
+    try:
+        found = _samples(text, (RUNNING, WAITING, KV_USAGE))
+    except ValueError as err:
+        return PodMetrics(name, error=f"unreadable metrics: {err}")
+    missing = sorted(metric for metric, samples in found.items() if not samples)
+    if missing:
+        return PodMetrics(name, error=f"metrics lack {', '.join(missing)}")
+    running = sum(v for _, v in found[RUNNING])
+    waiting = sum(v for _, v in found[WAITING])
+    # One engine per pod; should a pod serve several models, the fullest cache speaks for it.
+    kv_usage = max(v for _, v in found[KV_USAGE])
+    return PodMetrics(name, running=running, waiting=waiting, kv_usage=kv_usage)
+
+
+def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float]:
+    """(in flight, held) for one service from one gateway replica's exposition."""
+    found = _samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD))
+
+    def total(metric: str) -> float:
+        return sum(
+            value
+            for labels, value in found[metric]
+            if labels.get("namespace") == namespace and labels.get("service") == service
+        )
+
+    return total(GATEWAY_IN_FLIGHT), total(GATEWAY_HELD)
+
+
+async def fetch(session: aiohttp.ClientSession, url: str) -> str:
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_SECONDS)
+    async with session.get(url, timeout=timeout) as rsp:
+        if rsp.status != 200:
+            raise ValueError(f"HTTP {rsp.status}")
+        return await rsp.text()
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, TimeoutError):
+        return f"no answer within {SCRAPE_TIMEOUT_SECONDS:g} s"
+    return str(err) or type(err).__name__
+
+
+async def scrape_pods(session: aiohttp.ClientSession, pods: Sequence[Target]) -> list[PodMetrics]:
+    """Every ready pod at once; a pod that fails is reported with why."""
+
+    async def one(pod: Target) -> PodMetrics:
+        try:
+            return parse_pod(pod.name, await fetch(session, pod.url))
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
+            return PodMetrics(pod.name, error=_why(err))
+
+    return list(await asyncio.gather(*(one(p) for p in pods)))
+
+
+async def scrape_gateways(
+    session: aiohttp.ClientSession, gateways: Sequence[Target]
+) -> dict[str, str | BaseException]:
+    """Each gateway replica's exposition (or why it could not be read), to parse per service."""
+
+    async def one(gateway: Target) -> str | BaseException:
+        try:
+            return await fetch(session, gateway.url)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
+            return err
+
+    texts = await asyncio.gather(*(one(g) for g in gateways))
+    return {g.name: text for g, text in zip(gateways, texts, strict=True)}
+
+
+def gateway_metrics(
+    expositions: Mapping[str, str | BaseException], namespace: str, service: str
+) -> GatewayMetrics | None:
+    """The gateways' counts for one service, summed over replicas; None without gateways."""
+    if not expositions:
+        return None
+    in_flight = held = 0.0
+    for name, text in sorted(expositions.items()):
+        if isinstance(text, BaseException):
+            return GatewayMetrics(error=f"gateway {name}: {_why(text)}")
+        try:
+            flight, waiting = parse_gateway(text, namespace, service)
+        except ValueError as err:
+            return GatewayMetrics(error=f"gateway {name}: unreadable metrics: {err}")
+        in_flight += flight
+        held += waiting
+    return GatewayMetrics(in_flight=in_flight, held=held)

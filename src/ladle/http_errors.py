@@ -1,0 +1,26 @@
+"""The words both HTTP servers (``ladle serve`` and ``ladle gateway``) answer with when a
+request names no endpoint they have, or the wrong method: a base URL without ``/v1`` and a
+misspelt path are a newcomer's first 404s, so the answer names the path that exists.
+
+Only the standard library: the gateway runs without FastAPI.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def unknown_endpoint(path: str, endpoints: Iterable[str]) -> str:
+    known = sorted(set(endpoints))
+    message = f"no such endpoint: {path}"
+    if "/v1" + path in known:
+        return f"{message}; did you mean /v1{path}? (the OpenAI base URL ends in /v1)"
+    close = difflib.get_close_matches(path, known, n=1, cutoff=0.8)
+    return f"{message}; did you mean {close[0]}?" if close else message
+
+
+def wrong_method(method: str, path: str, allowed: Iterable[str]) -> str:
+    methods = sorted(set(allowed) - {"HEAD"})
+    message = f"method {method} is not allowed on {path}"
+    return f"{message}; use {' or '.join(methods)}" if methods else message

@@ -1,0 +1,122 @@
+"""The autoscaler's edges without a cluster: reading /metrics, and the status it writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from ladle.operator.api import parse_isvc
+from ladle.operator.autoscaler import autoscaling_status, policy_for
+from ladle.operator.scaling import (
+    METRICS_UNAVAILABLE,
+    PANIC,
+    Decision,
+)
+from ladle.operator.scrape import gateway_metrics, parse_gateway, parse_pod
+
+
+def runtime_exposition(running: float, waiting: float, kv: float) -> str:
+    """What a runtime pod's /metrics holds, rendered by prometheus_client as the server does."""
+    registry = CollectorRegistry()
+    for name, value in (
+        ("ladle:num_requests_running", running),
+        ("ladle:num_requests_waiting", waiting),
+        ("ladle:kv_cache_usage_perc", kv),
+    ):
+        Gauge(name, name, ["model_name"], registry=registry).labels("m").set(value)
+    return generate_latest(registry).decode()
+
+
+def gateway_exposition(rows: list[tuple[str, str, str, float, float]]) -> str:
+    registry = CollectorRegistry()
+    flight = Gauge(
+        "ladle_gateway_in_flight_requests",
+        "x",
+        ["namespace", "service", "variant"],
+        registry=registry,
+    )
+    held = Gauge("ladle_gateway_held_requests", "x", ["namespace", "service"], registry=registry)
+    for namespace, service, variant, in_flight, waiting in rows:
+        flight.labels(namespace, service, variant).set(in_flight)
+        held.labels(namespace, service).set(waiting)
+    return generate_latest(registry).decode()
+
+
+def test_a_pods_gauges_are_read_and_a_missing_one_is_an_error_not_zero() -> None:
+    pod = parse_pod("p", runtime_exposition(3, 2, 0.25))
+    assert (pod.running, pod.waiting, pod.kv_usage, pod.error) == (3, 2, 0.25, None)
+    broken = parse_pod("p", "# nothing here\n")
+    assert broken.error is not None
+    assert "ladle:kv_cache_usage_perc" in broken.error
+    assert parse_pod("p", "garbage{").error is not None
+
+
+def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:
+    one = gateway_exposition([("ns", "chat", "stable", 3, 1), ("ns", "chat", "canary", 2, 1)])
+    other = gateway_exposition([("ns", "chat", "stable", 4, 0), ("ns", "other", "stable", 9, 9)])
+    assert parse_gateway(one, "ns", "chat") == (5, 1)
+    summed = gateway_metrics({"gw-a": one, "gw-b": other}, "ns", "chat")
+    assert summed is not None
+    assert (summed.in_flight, summed.held, summed.error) == (9, 1, None)
+
+
+def test_an_unreachable_gateway_is_unknown_data_and_none_configured_is_no_data() -> None:
+    failed = gateway_metrics({"gw-a": TimeoutError()}, "ns", "chat")
+    assert failed is not None
+    assert failed.error == "gateway gw-a: no answer within 1 s"
+    assert gateway_metrics({}, "ns", "chat") is None
+
+
+def isvc(**spec: Any) -> Any:
+    return parse_isvc(
+        {
+            "metadata": {"name": "chat", "namespace": "ns", "uid": "u", "generation": 3},
+            "spec": {"model": {"name": "m"}, "replicas": 2, "minReplicas": 1, **spec},
+        }
+    )
+
+
+def test_the_policy_comes_from_the_spec_with_defaults() -> None:
+    policy = policy_for(isvc(maxReplicas=5, autoscaling={"panicThresholdPercent": 300}))
+    assert (policy.min_replicas, policy.max_replicas) == (1, 5)
+    assert policy.target_concurrency == 16
+    assert policy.panic_threshold == 3.0
+    kv_only = policy_for(isvc(maxReplicas=5, autoscaling={"targetKVCacheUsage": 0.6}))
+    assert (kv_only.target_concurrency, kv_only.target_kv_usage) == (None, 0.6)
+
+
+def test_requested_replicas_follow_the_decision_in_status_within_the_bounds() -> None:
+    service = isvc(maxReplicas=4, autoscaling={})
+    assert service.requested_replicas == 2  # spec.replicas until a decision exists
+    decided = parse_isvc(
+        {
+            "metadata": {"name": "chat", "namespace": "ns"},
+            "spec": {"model": {"name": "m"}, "replicas": 2, "maxReplicas": 4, "autoscaling": {}},
+            "status": {"autoscaling": {"desiredReplicas": 9}},
+        }
+    )
+    assert decided.requested_replicas == 4
+    assert isvc(replicas=3).requested_replicas == 3  # no autoscaling: spec.replicas
+
+
+def test_status_carries_the_decision_and_hpa_style_conditions() -> None:
+    service = isvc(maxReplicas=3, autoscaling={})
+    panic = Decision(3, PANIC, "panic window demand 80.0", panicking=True, wanted=5)
+    status = autoscaling_status(service, panic, {}, "2026-11-30T10:00:00Z", "T")
+    assert status["autoscaling"]["desiredReplicas"] == 3
+    assert status["autoscaling"]["lastScaleTime"] == "2026-11-30T10:00:00Z"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["ScalingActive"]["status"] == "True"
+    assert conditions["ScalingActive"]["reason"] == PANIC
+    assert conditions["ScalingLimited"]["reason"] == "TooManyReplicas"
+    assert "asks for 5 replicas; maxReplicas is 3" in conditions["ScalingLimited"]["message"]
+    assert conditions["ScalingActive"]["observedGeneration"] == 3
+
+    frozen = Decision(3, METRICS_UNAVAILABLE, "pod p: connection refused", frozen=True, wanted=3)
+    later = autoscaling_status(service, frozen, status, None, "T2")
+    active = {c["type"]: c for c in later["conditions"]}["ScalingActive"]
+    assert (active["status"], active["reason"]) == ("False", METRICS_UNAVAILABLE)
+    assert active["message"] == "pod p: connection refused"
+    assert active["lastTransitionTime"] == "T2"
+    assert later["autoscaling"]["metricsFrozen"] is True
