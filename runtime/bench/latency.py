@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ladle.settings import Default, Invalid, Settings, integer
+
 PRECISIONS = ("fp32", "int8", "int4")
 # What each of our precisions is served with: `ladle serve --quantization`.
 _QUANTIZATION = {"fp32": None, "int8": "int8", "int4": "int4"}
@@ -41,65 +43,84 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+        values = []
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
+        raise Invalid("expected comma-separated positive integers, such as 1,4,8,32")
     return values
 
 
 def _precisions(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
-    unknown = [v for v in values if v not in PRECISIONS]
-    if not values or unknown:
-        raise argparse.ArgumentTypeError(f"precisions are {', '.join(PRECISIONS)}: {text!r}")
+    if not values or any(v not in PRECISIONS for v in values):
+        raise Invalid(f"expected comma-separated precisions from {', '.join(PRECISIONS)}")
     return values
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--baseline", choices=("llama.cpp",), help="also measure this server, at equal precision"
+        "--baseline",
+        choices=("llama.cpp",),
+        default=Default(None, "none: Ladle alone"),
+        help="also measure this server, at equal precision",
     )
     parser.add_argument(
         "--precisions",
         type=_precisions,
-        default=["fp32"],
+        default="fp32",
         help="comma-separated: fp32 (llama.cpp f32), int8 (Q8_0), int4 (Q4_1, or --llama-int4)",
     )
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 8, 32])
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    parser.add_argument("--input-len", type=int, default=64, help="prompt tokens")
-    parser.add_argument("--output-len", type=int, default=128, help="tokens per request")
     parser.add_argument(
-        "--num-prompts", type=int, help="requests per run (default: 4 per concurrent slot)"
+        "--concurrency", type=_int_list, default="1,4,8,32", help="requests in flight, per run"
+    )
+    parser.add_argument("--repeats", type=integer(1), default=3, help="interleaved rounds")
+    parser.add_argument("--input-len", type=integer(1), default=64, help="prompt tokens")
+    parser.add_argument(
+        "--output-len", type=integer(2), default=128, help="tokens per request (TPOT needs 2)"
+    )
+    parser.add_argument(
+        "--num-prompts",
+        type=integer(1),
+        default=Default(None, "4 per concurrent request"),
+        help="requests per run",
     )
     parser.add_argument(
         "--threads",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="CPU threads for each server (default: every core)",
+        type=integer(1),
+        default=Default(lambda: os.cpu_count() or 1, "every core"),
+        help="CPU threads for each server",
     )
     parser.add_argument("--kv-cache-memory", default="2GiB", help="for the Ladle servers")
-    parser.add_argument("--llama-int4", choices=("q4_1", "q4_0"), default="q4_1")
-    parser.add_argument("--llama-server", help="use this llama-server binary instead of building")
-    parser.add_argument("--url", help="measure this running Ladle server instead of starting one")
-    parser.add_argument("--baseline-url", help="and this running baseline server")
-    parser.add_argument("--json", help="also write every run's numbers here")
+    parser.add_argument(
+        "--llama-int4", choices=("q4_1", "q4_0"), default="q4_1", help="llama.cpp's int4 format"
+    )
+    parser.add_argument(
+        "--llama-server",
+        default=Default(None, "built and cached on first use"),
+        help="a llama-server binary (its folder must hold llama-quantize too)",
+    )
+    parser.add_argument(
+        "--url",
+        default=Default(None, "start one"),
+        help="measure this running Ladle server instead of starting one",
+    )
+    parser.add_argument(
+        "--baseline-url",
+        default=Default(None, "start one"),
+        help="and this running baseline server",
+    )
+    parser.add_argument(
+        "--json", default=Default(None, "none"), help="also write every run's numbers here"
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
         help="instead: profile a batch-1 decode step in this process, fused and op by op",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer(0), default=0, help="seed for the prompts")
 
 
 def check_args(args: argparse.Namespace) -> None:
     """One line naming what to fix, before anything starts."""
-    if args.repeats < 1:
-        raise SystemExit("ladle bench latency: --repeats must be at least 1")
-    if args.input_len < 1 or args.output_len < 2:
-        raise SystemExit("ladle bench latency: --input-len >= 1 and --output-len >= 2 (TPOT)")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise SystemExit("ladle bench latency: --num-prompts must be positive")
     if args.baseline_url and not args.baseline:
         raise SystemExit("ladle bench latency: --baseline-url needs --baseline")
     if (args.url or args.baseline_url) and len(args.precisions) > 1:
@@ -189,13 +210,15 @@ def _env(threads: int) -> dict[str, str]:
 def _bench_namespace(
     args: argparse.Namespace, url: str, concurrency: int, seed: int
 ) -> argparse.Namespace:
-    """The options ``ladle bench serve`` would parse for one run."""
+    """The options ``ladle bench serve`` would resolve for one run (its ``LADLE_BENCH_SERVE_*``
+    variables aside: this command sets every value it relies on)."""
     from ladle.runtime.bench.serve import add_cli_args as add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
+    settings = Settings(parser, "bench serve")
     num_prompts = args.num_prompts or 4 * concurrency
-    return parser.parse_args(
+    typed = parser.parse_args(
         [
             "--base-url",
             url,
@@ -213,6 +236,7 @@ def _bench_namespace(
             "50,99",
         ]
     )
+    return settings.resolve(typed, environ={})
 
 
 def measure(
@@ -262,7 +286,7 @@ def profile(args: argparse.Namespace) -> None:
     for precision in args.precisions:
         llm = LLM(kv_cache_memory=args.kv_cache_memory, quantization=_QUANTIZATION[precision])
         tokenizer = llm.get_tokenizer()
-        ns = _bench_namespace(args, "", 1, args.seed)
+        ns = _bench_namespace(args, "http://127.0.0.1", 1, args.seed)
         text = synthetic_requests(ns, tokenizer)[0].prompt
         print(f"== {precision}")
         print(latency_profile(llm, list(tokenizer.encode(text))), flush=True)

@@ -123,21 +123,31 @@ def test_ratio_is_taken_within_each_round() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--repeats", "0"], "--repeats must be at least 1"),
-        (["--output-len", "1"], "--output-len >= 2"),
         (["--baseline-url", "http://x"], "--baseline-url needs --baseline"),
         (["--url", "http://x", "--precisions", "fp32,int8"], "serve one precision"),
         (["--url", "http://x", "--baseline", "llama.cpp"], "give the baseline's --baseline-url"),
     ],
 )
-def test_bad_arguments_are_one_line(argv: list[str], message: str) -> None:
+def test_inconsistent_arguments_are_one_line(argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "latency", *argv])
     assert message in str(exc.value)
     assert "\n" not in str(exc.value)
 
 
-def test_unknown_precision_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["bench", "latency", "--precisions", "fp16"])
-    assert "precisions are fp32, int8, int4" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--precisions", "fp16"], "precisions from fp32, int8, int4"),
+        (["--concurrency", "0,4"], "positive integers"),
+        (["--repeats", "0"], "--repeats"),
+        (["--output-len", "1"], "--output-len"),
+    ],
+)
+def test_bad_values_are_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "latency", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1
