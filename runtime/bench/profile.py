@@ -161,7 +161,9 @@ def copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def latency_profile(llm: LLM, prompt: list[int], steps: int = 32, rounds: int = 5) -> str:
+def latency_profile(
+    llm: LLM, prompt: list[int], steps: int = 32, rounds: int = 5, copy_megabytes: int = 512
+) -> str:
     """A batch-1 decode step with the fused CPU step ("after") and op by op ("before"): step
     times interleaved in one process (median and spread over ``rounds`` blocks of ``steps``
     steps each), a profile of each, and the weight bytes read per step against the machine's
@@ -193,7 +195,7 @@ def latency_profile(llm: LLM, prompt: list[int], steps: int = 32, rounds: int = 
         runner.fused = fused
         engine.abort_request(ids)
     weights = engine.model.weight_bytes()
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(copy_megabytes)
     lines = [
         f"batch-1 decode step, {torch.get_num_threads()} threads, "
         f"{weights / 1e6:.0f} MB of weights read per step; copy bandwidth {bandwidth:.1f} GB/s",

@@ -18,6 +18,7 @@ import torch
 
 from ladle.runtime import LLM, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
+from ladle.runtime.bench.profile import latency_profile
 from ladle.runtime.kernels.decode_step import CpuDecodeStep
 
 PROMPTS = [[5], [17, 300, 42], [9, 8, 7, 6], list(range(100, 109)), list(range(200, 217))]
@@ -112,3 +113,19 @@ def test_fused_step_serves_small_decode_batches_only(
     assert not fused.can_run(meta(fused.max_batch + 1, 0))  # a GEMM: torch does it better
     assert not fused.can_run(meta(2, 1))  # a prefill chunk in the step
     assert _engine(tiny_model_factory("llama"), enforce_eager=True).engine.runner.fused is None
+
+
+def test_latency_profile_runs_both_paths_and_puts_the_engine_back(
+    tiny_model_factory: Callable[[str], Path],
+) -> None:
+    llm = _engine(tiny_model_factory("llama"))
+    fused = llm.engine.runner.fused
+    text = latency_profile(llm, [5, 6, 7], steps=2, rounds=2, copy_megabytes=8)
+    for heading in ("op by op (before):", "fused step (after):", "copy bandwidth"):
+        assert heading in text
+    after = text.split("fused step (after):")[1]
+    assert "fused decode step (one C call)" in after
+    share = after.split("one C call)")[1].split()[2]
+    assert share.endswith("%") and float(share[:-1]) > 0  # the fused step was timed
+    assert llm.engine.runner.fused is fused
+    assert not llm.engine.has_unfinished_requests()
