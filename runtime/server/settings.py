@@ -13,7 +13,16 @@ from pathlib import Path
 
 from ladle.audit import add_audit_args
 from ladle.runtime.config import ConfigError, parse_memory_size
-from ladle.settings import Default, add_log_level, existing_file, integer, memory, seconds
+from ladle.runtime.server.profiles import ENV_PROFILES
+from ladle.settings import (
+    Default,
+    add_env_profile,
+    add_log_level,
+    existing_file,
+    integer,
+    memory,
+    seconds,
+)
 
 
 @dataclass
@@ -85,6 +94,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML file of settings keyed by flag name (docs/server.md)",
     )
+    add_env_profile(group, ENV_PROFILES, "docs/server.md#environment-profiles")
     group.add_argument(
         "--api-key",
         action="append",
