@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import pytest
 import yaml
 
+from ladle import settings
+from ladle.cli import build_parser
 from ladle.operator.api import parse_isvc, parse_pool
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
@@ -181,11 +182,14 @@ def test_quantization_becomes_runtime_flags(
     args = render_flags(engine_config(isvc))
     assert args[args.index("--served-model-name") + 2 : args.index("--drain-timeout")] == flags
     assert isvc.spec.quantization.label() == label
-    # The runtime takes exactly these flags.
-    parser = argparse.ArgumentParser()
-    EngineArgs.add_cli_args(parser)
-    known, _ = parser.parse_known_args(flags)
-    EngineArgs.from_cli_args(known)
+    # `ladle serve` takes exactly these flags, resolved as it resolves them.
+    parser = build_parser()
+    resolved = settings.resolve(settings.parse(parser, ["serve", *flags]), {}, parser)
+    engine = EngineArgs.from_cli_args(resolved)
+    assert (engine.quantization or "none", engine.kv_cache_dtype) == (
+        isvc.spec.quantization.weights,
+        isvc.spec.quantization.kv_cache,
+    )
 
 
 def test_objects_stored_with_the_old_string_quantization_still_parse(make_isvc: Builder) -> None:

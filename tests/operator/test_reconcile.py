@@ -7,6 +7,7 @@ pods Running and Ready, so everything here is about objects, status, events and 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,12 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     assert status["url"] == f"http://chat.{k8s_namespace}.svc.cluster.local/v1"
     assert status["selector"] == "ladle.dev/inferenceservice=chat"
     assert (status["replicas"], status["readyReplicas"], status["availableReplicas"]) == (2, 2, 2)
+    # The revision is a digest of what the pods run (canary rollouts compare them).
+    assert re.fullmatch(r"[0-9a-f]{10}", status["variants"][0].pop("revision"))
     assert status["variants"] == [
         {
             "name": "stable",
+            "weight": 100,
             "quantization": "none",
             "image": IMAGE,
             "deployment": "chat-stable",
@@ -113,10 +117,20 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     table = kube.kubectl("get", "-n", k8s_namespace, "lisvc", "chat", "-o", "wide")
     header, row = table.stdout.splitlines()
     assert header.split() == [
-        "NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY", "DEGRADED", "REASON", "POOL",
-        "BREAKER", "URL", "AGE",
+        "NAME", "MODEL", "REPLICAS", "DESIRED", "AVAILABLE", "READY", "DEGRADED", "REASON",
+        "ROLLOUT", "CANARY", "POOL", "BREAKER", "URL", "AGE",
     ]  # fmt: skip
-    assert row.split()[:7] == ["chat", "smollm2", "2", "2", "True", "False", "Available"]
+    # kubectl aligns the columns and leaves an empty one blank: cut the row where the header's
+    # names start.
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    columns = {
+        name: row[a:b].strip()
+        for name, a, b in zip(header.split(), starts, [*starts[1:], None], strict=True)
+    }
+    assert {k: columns[k] for k in ("NAME", "MODEL", "REPLICAS", "AVAILABLE", "READY")} == {
+        "NAME": "chat", "MODEL": "smollm2", "REPLICAS": "2", "AVAILABLE": "2", "READY": "True"
+    }  # fmt: skip
+    assert (columns["DEGRADED"], columns["REASON"]) == ("False", "Available")
 
     assert ("Normal", "Ready") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "chat")]
     assert operator.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
