@@ -62,6 +62,7 @@ class ServerState:
         try:
             llm = await _in_daemon_thread(self._load_engine)
             await self._warm_up(llm)
+            metrics = ServerMetrics(self.registry, llm.engine)
         except ConfigError as exc:
             # A setting the engine cannot use: the message says which; no traceback.
             log.error("the engine failed to start", extra={"error": str(exc)})
@@ -74,7 +75,7 @@ class ServerState:
             self.request_exit()
             return
         self.llm = llm
-        self.metrics = ServerMetrics(self.registry, llm.engine)
+        self.metrics = metrics
         self.ready = True
         s = self.settings
         log.info(

@@ -194,11 +194,6 @@ class ServerMetrics:
         self.decode = histogram(
             "request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS
         )
-        self.tpot = histogram(
-            "request_time_per_output_token_seconds",
-            "Per request, (last token - first token) / (generated tokens - 1).",
-            TOKEN_LATENCY_BUCKETS,
-        )
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt length per request.", token_buckets
         )
