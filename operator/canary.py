@@ -297,17 +297,20 @@ class CanaryAnalysis:
 
     async def clear_action(self, isvc: InferenceService) -> None:
         """Remove the action annotation once acted on (or found to have nothing to act on),
-        unless someone set it again meanwhile: the patch carries the resourceVersion the
-        action was read at, so a newer write makes it a 409 and the next reconcile reads it."""
+        unless someone set another meanwhile. The patch tests the value that was read before
+        removing it: a resourceVersion precondition would also fail on the status this
+        reconcile just wrote, leaving the annotation to be refused again next time."""
+        value = isvc.meta.annotations.get(ROLLOUT_ACTION_ANNOTATION)
+        if value is None:
+            return
         path = resource_path(API_VERSION, ISVC_KIND, isvc.meta.namespace, isvc.meta.name)
-        body = {
-            "metadata": {
-                "resourceVersion": isvc.meta.resource_version,
-                "annotations": {ROLLOUT_ACTION_ANNOTATION: None},
-            }
-        }
+        key = "/metadata/annotations/" + ROLLOUT_ACTION_ANNOTATION.replace("~", "~0").replace(
+            "/", "~1"
+        )
+        ops = [{"op": "test", "path": key, "value": value}, {"op": "remove", "path": key}]
         try:
-            await self.client.merge_patch(path, body)
+            await self.client.json_patch(path, ops)
         except ApiError as err:
-            if err.status not in (404, 409):
+            # 422: the value changed or is gone (the next reconcile reads what is there now).
+            if err.status not in (404, 422):
                 raise
