@@ -7,6 +7,7 @@ The Secret holds one YAML document (``keys.yaml`` by default)::
         key: sk-team-a-...
         requestsPerMinute: 600  # optional
         tokensPerMinute: 200000 # optional
+        cacheScope: team-a      # optional: keys with one scope share cached responses
 
 A rotated Secret is picked up without a restart: the file is re-read when its modification
 time changes (checked at most once a second). Keys are looked up by their SHA-256, so the
@@ -44,6 +45,8 @@ class KeySpec:
     digest: bytes
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    # Keys with the same scope may be served each other's cached responses.
+    cache_scope: str = ""
 
 
 @dataclass
@@ -54,6 +57,10 @@ class ApiKey:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def cache_scope(self) -> str:
+        return self.spec.cache_scope or self.spec.name
 
 
 def digest(key: str) -> bytes:
@@ -84,7 +91,8 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, dict):
             raise KeyFileError(f"{where}: expected a mapping with name and key")
-        unknown = sorted(set(entry) - {"name", "key", "requestsPerMinute", "tokensPerMinute"})
+        fields = {"name", "key", "requestsPerMinute", "tokensPerMinute", "cacheScope"}
+        unknown = sorted(set(entry) - fields)
         if unknown:
             raise KeyFileError(f"{where}: unknown field {unknown[0]!r}")
         name, key = entry.get("name"), entry.get("key")
@@ -94,6 +102,9 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
             )
         if not isinstance(key, str) or len(key) < 8 or any(ch.isspace() for ch in key):
             raise KeyFileError(f"{where} ({name}): key must be at least 8 characters, no spaces")
+        scope = entry.get("cacheScope", name)
+        if not isinstance(scope, str) or not _NAME.fullmatch(scope):
+            raise KeyFileError(f"{where} ({name}): cacheScope must be a name like {name!r}")
         if name in names:
             raise KeyFileError(f"{where}: the name {name!r} is used twice")
         d = digest(key)
@@ -107,6 +118,7 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
                 d,
                 _limit(entry, "requestsPerMinute", where),
                 _limit(entry, "tokensPerMinute", where),
+                scope,
             )
         )
     if not specs:

@@ -2,7 +2,8 @@
 path is the product): the OpenAI endpoints it proxies, ``/v1/models``, probes and metrics.
 
 Each proxied request: request id, API key and its limits, body (size-capped), parse, then the
-router; the access log line and the metrics are written once it ends, however it ends.
+router; the access log line, the audit record and the metrics are written once it ends, however
+it ends.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ladle.audit import AuditLog
+from ladle.gateway import audit as auditing
 from ladle.gateway.apikeys import ApiKey, KeyStore
 from ladle.gateway.errors import GatewayError
 from ladle.gateway.inbound import Inbound
@@ -73,6 +76,7 @@ class GatewayApp:
         keys: KeyStore | None = None,
         max_request_size: int = 8 << 20,
         access_log: bool = True,
+        audit: AuditLog | None = None,
     ) -> None:
         self.router = router
         self.metrics = metrics
@@ -80,6 +84,7 @@ class GatewayApp:
         self.keys = keys
         self.max_request_size = max_request_size
         self.access_log = access_log
+        self.audit = audit or AuditLog(None, "gateway")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -115,7 +120,7 @@ class GatewayApp:
                 content_type = value.decode("latin-1")
         request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
-        out = Outcome()
+        out = Outcome(captured=[] if self.audit.text else None)
         key: ApiKey | None = None
         inbound: Inbound | None = None
         task = asyncio.current_task()
@@ -240,6 +245,9 @@ class GatewayApp:
                 m.overhead(ns, name).observe(out.overhead)
         if key is not None and out.tokens:
             key.limiter.charge_tokens(asyncio.get_running_loop().time(), out.tokens)
+        if self.audit.enabled:
+            record = auditing.fields(path.decode(), out, key, inbound, seconds, self.audit.text)
+            self.audit.write(request_id, record)
         if not self.access_log:
             return
         fields: dict[str, Any] = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import socket
 
+from ladle.audit import add_audit_args
 from ladle.settings import Default, add_log_level, existing_file, integer, memory, seconds
 
 
@@ -96,6 +97,21 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=Default(socket.gethostname, "the hostname"),
         help="this replica's name in status.gateway.breaker.reportedBy",
     )
+    parser.add_argument(
+        "--response-cache-size",
+        type=memory,
+        default="256Mi",
+        metavar="SIZE",
+        help="memory for cached responses of services with spec.responseCache.enabled (least "
+        "recently used out first; one answer takes at most an eighth)",
+    )
+    parser.add_argument(
+        "--response-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="answer repeated deterministic requests from memory, for services that opt in",
+    )
+    add_audit_args(parser)
     add_log_level(parser)
     parser.set_defaults(func=_run)
 

@@ -17,8 +17,10 @@ import prometheus_client
 import uvicorn
 
 from ladle import logs
+from ladle.audit import AuditLog
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
+from ladle.gateway.cache import ResponseCache
 from ladle.gateway.kube import KubeApi
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import Hooks, Router
@@ -57,6 +59,10 @@ class GatewaySettings:
     write_status: bool = True
     identity: str = "ladle-gateway"
     log_level: str = "info"
+    audit_log: str | None = None
+    audit_text: bool = False
+    response_cache: bool = True
+    response_cache_size: int = 256 << 20
     namespaces_all: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
@@ -81,6 +87,10 @@ class GatewaySettings:
             write_status=args.write_status,
             identity=args.identity,
             log_level=args.log_level,
+            audit_log=args.audit_log,
+            audit_text=args.audit_text,
+            response_cache=args.response_cache,
+            response_cache_size=args.response_cache_size,
         )
 
 
@@ -100,7 +110,10 @@ class Gateway:
             self.pool,
             max_held=settings.max_held_requests,
             loads=(lambda: scraper.loads) if scraper is not None else dict,
+            count_usage=settings.audit_log is not None,
+            cache=ResponseCache(settings.response_cache_size) if settings.response_cache else None,
         )
+        self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)
         self.keys: KeyStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._service_informers: list[Informer[Service]] = []
@@ -132,6 +145,7 @@ class Gateway:
             keys=self.keys,
             max_request_size=self.settings.max_request_size,
             access_log=self.settings.access_log,
+            audit=self.audit,
         )
 
     def not_ready(self) -> str | None:
@@ -229,6 +243,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.pool.close()
+        self.audit.close()
         if self.api is not None:
             await self.api.close()
 

@@ -140,7 +140,26 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.cache_metric = Counter(
+            "ladle_gateway_response_cache_requests",
+            "Cacheable requests to services with spec.responseCache, by result (hit, miss).",
+            [*svc, "result"],
+            registry=r,
+        )
+        self.cache_bytes = Gauge(
+            "ladle_gateway_response_cache_bytes", "Bytes the response cache holds.", registry=r
+        )
+        self.cache_entries = Gauge(
+            "ladle_gateway_response_cache_entries", "Responses the cache holds.", registry=r
+        )
+        self.cache_evictions = Counter(
+            "ladle_gateway_response_cache_evictions",
+            "Responses dropped to keep the cache within --response-cache-size.",
+            registry=r,
+        )
+
         # The per-request series, with their children kept.
+        self.cache = Series(self.cache_metric)
         self.requests = Series(self.requests_metric)
         self.upstream = Series(self.upstream_metric)
         self.in_flight = Series(self.in_flight_metric)
@@ -159,6 +178,7 @@ class GatewayMetrics:
         for gauge in (self.held, self.ejected):
             _remove(gauge, namespace, service)
         self.in_flight.forget(lambda labels: labels[:2] == (namespace, service))
+        self.cache.forget(lambda labels: labels[:2] == (namespace, service))
 
     def forget_pod(self, pod: str) -> None:
         """Drop the series of a pod that is gone; pods come and go with every rollout."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from ladle.gateway.apikeys import ApiKey
 from ladle.gateway.breaker import Admission, CircuitBreaker, Transition
+from ladle.gateway.cache import Entry, ResponseCache, cache_key, cacheable
 from ladle.gateway.errors import GatewayError, sse_error
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
@@ -89,6 +90,14 @@ class Outcome:
     fallback_from: str | None = None
     held_seconds: float = 0.0
     tokens: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # The response body as sent, when someone needs it afterwards (audit text, the cache).
+    captured: list[bytes] | None = None
+    # The response cache's verdict for this request: hit, miss, or None (not cacheable).
+    cache: str | None = None
+    # The headers sent with the response, when it came from a pod.
+    reply_headers: HeaderList | None = None
     error: str | None = None
     # The service failed this request (a stream cut short, a deadline of its own): a breaker
     # failure even though the status sent was 200.
@@ -158,6 +167,9 @@ class Router:
     max_held: int = 256
     hooks: Hooks = field(default_factory=Hooks)
     loads: Callable[[], dict[str, PodLoad]] = dict
+    # Read every response's usage (the audit trail's token counts), not only limited keys'.
+    count_usage: bool = False
+    cache: ResponseCache | None = None
     rng: random.Random = field(default_factory=random.Random)
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
@@ -239,6 +251,9 @@ class Router:
                 "model_not_found",
                 param="model",
             )
+        key = self._cache_key(owner, req)
+        if key is not None and await self._from_cache(key, owner, req, send, out):
+            return
         state = self.states[owner.key]
         visited: list[ServiceState] = []
         while True:
@@ -274,6 +289,8 @@ class Router:
         success: bool | None = None
         try:
             success = await self._serve(state, req, send, out, bool(visited))
+            if key is not None and success and not visited:
+                self._store(key, req, out)
         except GatewayError as exc:
             if exc.code in _BREAKER_FAILURES:
                 success = False
@@ -287,6 +304,52 @@ class Router:
                 if transition is not None:
                     self._transitioned(state, transition)
 
+    # -- the response cache --------------------------------------------------------------
+
+    def _cache_key(self, service: Service, req: ClientRequest) -> bytes | None:
+        """The request's key, if the service caches and the answer is deterministic."""
+        if self.cache is None or not service.response_cache or not cacheable(req.inbound.doc):
+            return None
+        live = [variant for variant, weight in service.weights if weight > 0]
+        if len(live) != 1:
+            return None  # a canary split: which variant will answer is not known yet
+        scope = req.key.cache_scope if req.key is not None else ""
+        return cache_key(service.key, service.revision, live[0], scope, req.path, req.inbound.doc)
+
+    async def _from_cache(
+        self, key: bytes, service: Service, req: ClientRequest, send: Send, out: Outcome
+    ) -> bool:
+        assert self.cache is not None
+        entry = self.cache.get(key)
+        out.cache = "miss" if entry is None else "hit"
+        self.metrics.cache(*service.key, out.cache).inc()
+        if entry is None:
+            if out.captured is None:
+                out.captured = []
+            return False
+        out.service, out.status, out.started = service, entry.status, True
+        out.ttfb = asyncio.get_running_loop().time() - req.arrival
+        headers = [*entry.headers, (b"x-request-id", req.request_id.encode())]
+        headers.append((b"x-ladle-cache", b"hit"))
+        await send({"type": "http.response.start", "status": entry.status, "headers": headers})
+        await send({"type": "http.response.body", "body": entry.body})
+        return True
+
+    def _store(self, key: bytes, req: ClientRequest, out: Outcome) -> None:
+        """Keep a complete 200 answer; a failed, cut or fallback answer is never kept."""
+        assert self.cache is not None
+        if out.status != 200 or out.failed or out.error or out.reply_headers is None:
+            return
+        kept = tuple(
+            (k, v) for k, v in out.reply_headers if k not in (b"x-request-id", b"x-ladle-cache")
+        )
+        body = b"".join(out.captured or [])
+        evictions = self.cache.evictions
+        self.cache.put(key, Entry(out.status, kept, body, req.inbound.stream))
+        self.metrics.cache_bytes.set(self.cache.bytes)
+        self.metrics.cache_entries.set(len(self.cache))
+        self.metrics.cache_evictions.inc(self.cache.evictions - evictions)
+
     async def _serve(
         self, state: ServiceState, req: ClientRequest, send: Send, out: Outcome, fallback: bool
     ) -> bool:
@@ -295,7 +358,8 @@ class Router:
         service = state.service
         deadline = min(req.deadline, req.arrival + service.timeouts.request_seconds)
         limited = req.key is not None and req.key.limiter.tokens is not None
-        add_usage = limited and req.inbound.stream and not req.inbound.wants_usage
+        counted = limited or self.count_usage
+        add_usage = counted and req.inbound.stream and not req.inbound.wants_usage
         body = req.inbound.rewritten(
             model=service.model if fallback else None, include_usage=add_usage
         )
@@ -341,6 +405,7 @@ class Router:
                 out,
                 last_attempt,
                 add_usage,
+                counted,
             )
             if result is None:
                 rate_limited = out.status == 429 and service.count_rate_limited
@@ -445,6 +510,7 @@ class Router:
         out: Outcome,
         last: bool,
         add_usage: bool,
+        count_usage: bool,
     ) -> str | None:
         """One try at one pod. Returns None once an answer went to the client, or why the
         pod failed while nothing had been sent (the caller may retry elsewhere)."""
@@ -493,7 +559,6 @@ class Router:
             stream = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
             reply = [(k, v) for k, v in response.headers if k not in _NOT_RETURNED]
             reply += _gateway_headers(req, variant, out)
-            count_usage = req.key is not None and req.key.limiter.tokens is not None
             if not stream:
                 try:
                     rest = await response.read_all(deadline)
@@ -508,10 +573,13 @@ class Router:
                     return f"{pod.name}: {exc}"
                 payload = (first or b"") + rest
                 if count_usage:
-                    out.tokens = _usage_tokens(payload)
+                    _usage_tokens(payload, out)
+                if out.captured is not None:
+                    out.captured.append(payload)
                 reply.append((b"content-length", str(len(payload)).encode()))
             out.status = response.status
             out.started = True
+            out.reply_headers = reply
             first_sent = loop.time()
             out.ttfb = first_sent - req.arrival
             out.overhead = (sent_at - req.arrival - out.held_seconds) + (first_sent - got_first)
@@ -570,6 +638,8 @@ def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderLi
     headers = [(b"x-request-id", req.request_id.encode()), (b"x-ladle-variant", variant.encode())]
     if out.fallback_from is not None and out.service is not None:
         headers.append((b"x-ladle-fallback", out.service.name.encode()))
+    if out.cache is not None:
+        headers.append((b"x-ladle-cache", out.cache.encode()))
     return headers
 
 
@@ -599,6 +669,8 @@ async def _relay_events(
             if count_usage and _USAGE.search(ready):
                 ready = _take_usage(ready, out, strip_usage)
             if ready:
+                if out.captured is not None:
+                    out.captured.append(ready)
                 await send({"type": "http.response.body", "body": ready, "more_body": True})
         try:
             piece = await response.read(deadline)
@@ -636,25 +708,27 @@ def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:
             except ValueError:
                 doc = None
             if isinstance(doc, dict):
-                out.tokens = _total_tokens(doc)
+                _read_usage(doc, out)
                 if strip and not doc.get("choices"):
                     continue
         kept.append(event + b"\n\n")
     return b"".join(kept)
 
 
-def _usage_tokens(payload: bytes) -> int:
+def _usage_tokens(payload: bytes, out: Outcome) -> None:
     try:
         doc = json.loads(payload)
     except ValueError:
-        return 0
-    return _total_tokens(doc) if isinstance(doc, dict) else 0
+        return
+    if isinstance(doc, dict):
+        _read_usage(doc, out)
 
 
-def _total_tokens(doc: dict[str, Any]) -> int:
+def _read_usage(doc: dict[str, Any], out: Outcome) -> None:
     usage = doc.get("usage")
-    if isinstance(usage, dict):
-        total = usage.get("total_tokens")
-        if isinstance(total, int):
-            return total
-    return 0
+    if not isinstance(usage, dict):
+        return
+    counts = [usage.get(k) for k in ("total_tokens", "prompt_tokens", "completion_tokens")]
+    total, prompt, completion = (c if isinstance(c, int) else None for c in counts)
+    out.tokens = total or 0
+    out.prompt_tokens, out.completion_tokens = prompt, completion

@@ -11,6 +11,8 @@ namespaces one gateway routes.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +57,10 @@ class Service:
     timeouts: Timeouts = field(default_factory=Timeouts)
     # The breaker state a gateway last wrote into status.gateway (None: never written).
     reported_breaker: str | None = None
+    # spec.responseCache.enabled, and what a cached answer is valid for: a digest of the
+    # model, quantization and engine settings.
+    response_cache: bool = False
+    revision: str = ""
 
     @property
     def key(self) -> ServiceKey:
@@ -169,7 +175,16 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
             scale_from_zero_seconds=_int(timeouts, "scaleFromZeroSeconds", 120),
         ),
         reported_breaker=((status.get("gateway") or {}).get("breaker") or {}).get("state"),
+        response_cache=bool((spec.get("responseCache") or {}).get("enabled", False)),
+        revision=_revision(spec),
     )
+
+
+def _revision(spec: Mapping[str, Any]) -> str:
+    """What the answers depend on besides the request: a changed model, quantization or engine
+    setting is a new revision, and the response cache never serves across revisions."""
+    material = [spec.get(k) for k in ("model", "quantization", "engine")]
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_routable(obj: Mapping[str, Any]) -> Service | None:

@@ -6,7 +6,8 @@ processes anywhere (and what the benchmark runs). Each entry reads like an Infer
         model: smollm2
         endpoints: [http://127.0.0.1:8001, http://127.0.0.1:8002]   # the stable variant
         fallback: backup                  # optional, another entry's name
-        routing: {prefixChars: 200}       # optional: spec.routing, circuitBreaker, timeouts
+        routing: {prefixChars: 200}       # optional: spec.routing, circuitBreaker, timeouts,
+        responseCache: {enabled: true}    #   responseCache
       - name: backup
         model: smollm2-int8
         variants:                         # instead of endpoints: a canary split
@@ -29,7 +30,7 @@ from ladle.gateway.routes import Pod, Service, parse_service
 from ladle.operator.api import STABLE
 from ladle.settings import yaml_problem
 
-_SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts")
+_SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts", "responseCache")
 _ENTRY_KEYS = ("name", "model", "namespace", "endpoints", "variants", *_SPEC_KEYS)
 
 

@@ -54,6 +54,17 @@ def _bench_throughput(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_latency(args: argparse.Namespace) -> int:
+    from ladle.runtime.bench.latency import bench, check_args, profile
+
+    if args.profile:
+        check_args(args)
+        profile(args)
+        return 0
+    runs = bench(args)
+    return 0 if runs and not any(r.failed for r in runs) else 1
+
+
 def _eval(args: argparse.Namespace) -> int:
     from ladle.runtime.eval.command import main
 
@@ -173,6 +184,15 @@ def add_parsers(sub: SubParsers) -> None:
     )
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+
+    from ladle.runtime.bench.latency import add_cli_args as add_bench_latency_args
+
+    latency = bench.add_parser(
+        "latency",
+        help="TPOT and TTFT at low concurrency, against llama.cpp at equal precision",
+    )
+    add_bench_latency_args(latency)
+    latency.set_defaults(func=_bench_latency)
 
     from ladle.runtime.eval.command import add_cli_args as add_eval_args
 

@@ -221,7 +221,9 @@ class EngineArgs:
             help="attention kernels",
         )
         group.add_argument(
-            "--enforce-eager", action="store_true", help="no CUDA graphs for decode steps"
+            "--enforce-eager",
+            action="store_true",
+            help="run decode steps op by op: no CUDA graphs, no fused CPU decode step",
         )
         group.add_argument(
             "--kv-cache-dtype",

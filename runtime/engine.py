@@ -25,6 +25,7 @@ from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.errors import RequestError
 from ladle.runtime.input_processor import InputProcessor, PromptInput, Request
+from ladle.runtime.kernels import decode_step
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.limits import RequestLimits
 from ladle.runtime.model_runner import ModelRunner, ModelRunnerOutput
@@ -150,6 +151,8 @@ class LLMEngine:
                 use_graphs=True,
             )
             self.runner.graphs.capture()
+        if self.attention.name == "cpu" and not args.enforce_eager:
+            self.runner.fused = decode_step.for_model(self.model, caches)
         self.input_processor = InputProcessor(
             self.tokenizer,
             cfg.vocab_size,

@@ -8,6 +8,7 @@ import torch
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
+from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
@@ -43,6 +44,8 @@ class ModelRunner:
         self.sampler = Sampler(device)
         # Set by the engine on CUDA: replays decode-only steps from captured graphs.
         self.graphs: DecodeGraphRunner | None = None
+        # Set by the engine on CPUs: small decode-only steps in one C call.
+        self.fused: CpuDecodeStep | None = None
 
     def _prepare(
         self, batch: list[ScheduledSequence]
@@ -96,16 +99,24 @@ class ModelRunner:
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(batch)
+        # A fused CPU step computes every row's logits with the rest (each row of a
+        # decode-only step is its sequence's last token).
+        all_logits: torch.Tensor | None = None
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.fused is not None and self.fused.can_run(meta):
+            hidden, all_logits = self.fused.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.caches, meta)
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         sample_rows = [i for i, item in enumerate(batch) if item.completes_prompt]
         if not sample_rows:
             return result
-        last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sample_rows])
-        logits = self.model.compute_logits(hidden[last.to(self.device)])
+        if all_logits is not None and len(sample_rows) == len(batch):
+            logits = all_logits
+        else:
+            last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sample_rows])
+            logits = self.model.compute_logits(hidden[last.to(self.device)])
         seqs: list[Sequence] = [batch[i].seq for i in sample_rows]
         samples = self.sampler(logits, seqs)
         result.sampled = {seq.seq_id: s for seq, s in zip(seqs, samples, strict=True)}

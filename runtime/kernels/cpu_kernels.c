@@ -8,55 +8,61 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, as transformers computes it.
  * With a residual, the row is first added into it (in place) and the sum is normalized: one
  * pass instead of torch's six small ops. */
+void ladle_rms_norm_row(const float *x, float *residual, const float *weight, float *out,
+                        int32_t cols, float eps) {
+    const float *src = x;
+    if (residual != NULL) {
+#pragma omp simd
+        for (int d = 0; d < cols; d++) residual[d] += x[d];
+        src = residual;
+    }
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int d = 0; d < cols; d++) squares += src[d] * src[d];
+    const float inv = 1.0f / sqrtf(squares / (float)cols + eps);
+#pragma omp simd
+    for (int d = 0; d < cols; d++) out[d] = weight[d] * (src[d] * inv);
+}
+
 void ladle_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                         int64_t rows, int32_t cols, float eps, int32_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * cols >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *src = x + r * cols;
-        if (residual != NULL) {
-            float *res = residual + r * cols;
-#pragma omp simd
-            for (int d = 0; d < cols; d++) res[d] += src[d];
-            src = res;
-        }
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int d = 0; d < cols; d++) squares += src[d] * src[d];
-        const float inv = 1.0f / sqrtf(squares / (float)cols + eps);
-        float *o = out + r * cols;
-#pragma omp simd
-        for (int d = 0; d < cols; d++) o[d] = weight[d] * (src[d] * inv);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        ladle_rms_norm_row(x + r * cols, residual ? residual + r * cols : NULL, weight,
+                           out + r * cols, cols, eps);
 }
 
 /* RoPE in rotate-half form, in place: each head's (x1, x2) halves become
  * (x1 cos - x2 sin, x2 cos + x1 sin), with the token's cos/sin rows [head_dim / 2]. q and k may
  * be rows of the QKV projection's output: their tokens are q_stride and k_stride floats apart. */
+void ladle_rope_heads(float *x, int32_t heads, const float *c, const float *s,
+                      int32_t head_dim) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; h++) {
+        float *x1 = x + (int64_t)h * head_dim;
+        float *x2 = x1 + half;
+#pragma omp simd
+        for (int d = 0; d < half; d++) {
+            const float a = x1[d], b = x2[d];
+            x1[d] = a * c[d] - b * s[d];
+            x2[d] = b * c[d] + a * s[d];
+        }
+    }
+}
+
 void ladle_rope_f32(float *q, int32_t q_heads, int64_t q_stride, float *k, int32_t k_heads,
                     int64_t k_stride, const float *cos, const float *sin, int64_t tokens,
                     int32_t head_dim, int32_t num_threads) {
     const int half = head_dim / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= 64)
     for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos + t * half;
-        const float *s = sin + t * half;
-        for (int part = 0; part < 2; part++) {
-            float *x = part == 0 ? q + t * q_stride : k + t * k_stride;
-            const int heads = part == 0 ? q_heads : k_heads;
-            for (int h = 0; h < heads; h++) {
-                float *x1 = x + (int64_t)h * head_dim;
-                float *x2 = x1 + half;
-#pragma omp simd
-                for (int d = 0; d < half; d++) {
-                    const float a = x1[d], b = x2[d];
-                    x1[d] = a * c[d] - b * s[d];
-                    x2[d] = b * c[d] + a * s[d];
-                }
-            }
-        }
+        ladle_rope_heads(q + t * q_stride, q_heads, cos + t * half, sin + t * half, head_dim);
+        ladle_rope_heads(k + t * k_stride, k_heads, cos + t * half, sin + t * half, head_dim);
     }
 }
 
@@ -84,25 +90,25 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+void ladle_silu_and_mul_row(const float *gate, const float *up, float *o, int32_t n) {
+    int d = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; d + 8 <= n; d += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + d);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(silu, _mm256_loadu_ps(up + d)));
+    }
+#endif
+    for (; d < n; d++) o[d] = gate[d] / (1.0f + expf(-gate[d])) * up[d];
+}
+
 void ladle_silu_and_mul_f32(const float *x, float *out, int64_t rows, int32_t n,
                             int32_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * 2 * n;
-        const float *up = gate + n;
-        float *o = out + r * n;
-        int d = 0;
-#ifdef __AVX2__
-        const __m256 one = _mm256_set1_ps(1.0f);
-        for (; d + 8 <= n; d += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + d);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));
-            _mm256_storeu_ps(o + d, _mm256_mul_ps(silu, _mm256_loadu_ps(up + d)));
-        }
-#endif
-        for (; d < n; d++) o[d] = gate[d] / (1.0f + expf(-gate[d])) * up[d];
-    }
+    for (int64_t r = 0; r < rows; r++)
+        ladle_silu_and_mul_row(x + r * 2 * n, x + r * 2 * n + n, out + r * n, n);
 }
 
 /* Write each token's keys and values (rows of num_kv_heads * head_dim floats, k_stride and
@@ -128,69 +134,75 @@ void ladle_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_
  * block_tables [num_seqs, table_stride].
  */
 
+int ladle_decode_attention_f32_heads(const float *qs, float *os, const float *key_cache,
+                                     const float *value_cache, const int32_t *table, int32_t len,
+                                     int32_t h0, int32_t h1, int32_t group, int32_t num_kv_heads,
+                                     int32_t head_dim, int32_t block_size, float scale) {
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t block_stride = token_stride * block_size;
+    const int heads = h1 - h0;
+    /* scores[(head - h0) * len + t], then one normalizer per query head */
+    float *scores = malloc(sizeof(float) * (size_t)heads * ((size_t)len + 1));
+    if (scores == NULL) return 1;
+    float *inv_sum = scores + (size_t)heads * len;
+
+    for (int t = 0; t < len; t++) {
+        const float *k = key_cache + (int64_t)table[t / block_size] * block_stride +
+                         (int64_t)(t % block_size) * token_stride;
+        for (int head = h0; head < h1; head++) {
+            const float *qh = qs + (int64_t)head * head_dim;
+            const float *kh = k + (int64_t)(head / group) * head_dim;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int d = 0; d < head_dim; d++) acc += qh[d] * kh[d];
+            scores[(head - h0) * len + t] = acc * scale;
+        }
+    }
+    for (int i = 0; i < heads; i++) {
+        float *row = scores + (size_t)i * len;
+        float max = -INFINITY;
+        for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
+        float sum = 0.0f;
+        for (int t = 0; t < len; t++) {
+            row[t] = expf(row[t] - max);
+            sum += row[t];
+        }
+        inv_sum[i] = 1.0f / sum;
+    }
+    for (int64_t i = (int64_t)h0 * head_dim; i < (int64_t)h1 * head_dim; i++) os[i] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const float *v = value_cache + (int64_t)table[t / block_size] * block_stride +
+                         (int64_t)(t % block_size) * token_stride;
+        for (int head = h0; head < h1; head++) {
+            const float p = scores[(head - h0) * len + t] * inv_sum[head - h0];
+            const float *vh = v + (int64_t)(head / group) * head_dim;
+            float *oh = os + (int64_t)head * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) oh[d] += p * vh[d];
+        }
+    }
+    free(scores);
+    return 0;
+}
+
 int ladle_paged_decode_attention_f32(
     const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
     int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
     int32_t block_size, float scale, int32_t num_threads) {
-    const int group = num_heads / num_kv_heads;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
-    const int64_t block_stride = token_stride * block_size;
     int failed = 0;
-
     /* One sequence per task: its blocks are read front to back, every head of a token at once,
-     * which keeps the reads sequential within each block. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+     * which keeps the reads sequential within each block. A single sequence stays on this
+     * thread: waking the team costs more than its share of the work. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_seqs > 1)
     for (int s = 0; s < num_seqs; s++) {
-        const int len = seq_lens[s];
-        const int32_t *table = block_tables + s * table_stride;
-        const float *qs = q + (int64_t)s * q_stride;
-        float *os = out + (int64_t)s * num_heads * head_dim;
-        /* scores[head * len + t], then one normalizer per query head */
-        float *scores = malloc(sizeof(float) * (size_t)num_heads * ((size_t)len + 1));
-        if (scores == NULL) {
+        if (ladle_decode_attention_f32_heads(
+                q + (int64_t)s * q_stride, out + (int64_t)s * num_heads * head_dim, key_cache,
+                value_cache, block_tables + s * table_stride, seq_lens[s], 0, num_heads,
+                num_heads / num_kv_heads, num_kv_heads, head_dim, block_size, scale)) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-        float *inv_sum = scores + (size_t)num_heads * len;
-
-        for (int t = 0; t < len; t++) {
-            const float *k = key_cache + (int64_t)table[t / block_size] * block_stride +
-                             (int64_t)(t % block_size) * token_stride;
-            for (int head = 0; head < num_heads; head++) {
-                const float *qh = qs + (int64_t)head * head_dim;
-                const float *kh = k + (int64_t)(head / group) * head_dim;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int d = 0; d < head_dim; d++) acc += qh[d] * kh[d];
-                scores[head * len + t] = acc * scale;
-            }
-        }
-        for (int head = 0; head < num_heads; head++) {
-            float *row = scores + (size_t)head * len;
-            float max = -INFINITY;
-            for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
-            float sum = 0.0f;
-            for (int t = 0; t < len; t++) {
-                row[t] = expf(row[t] - max);
-                sum += row[t];
-            }
-            inv_sum[head] = 1.0f / sum;
-        }
-        for (int i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
-        for (int t = 0; t < len; t++) {
-            const float *v = value_cache + (int64_t)table[t / block_size] * block_stride +
-                             (int64_t)(t % block_size) * token_stride;
-            for (int head = 0; head < num_heads; head++) {
-                const float p = scores[head * len + t] * inv_sum[head];
-                const float *vh = v + (int64_t)(head / group) * head_dim;
-                float *oh = os + (int64_t)head * head_dim;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) oh[d] += p * vh[d];
-            }
-        }
-        free(scores);
     }
     return failed;
 }

@@ -1,5 +1,6 @@
-"""Our CPU kernels: paged decode attention, KV store and small ops (``cpu_kernels.c``), and
-int8/int4 weight products and the int8 KV cache (``quant_kernels.c``).
+"""Our CPU kernels: paged decode attention, KV store and small ops (``cpu_kernels.c``),
+int8/int4 weight products and the int8 KV cache (``quant_kernels.c``), and a whole decode step
+in one call (``decode_step.c``, driven by ``decode_step.py``).
 
 The system C compiler builds them once per source, compiler and CPU (``-O3 -march=native
 -fopenmp``) into the cache folder, where later processes find them; ctypes calls them and
@@ -29,7 +30,10 @@ from ladle.runtime.quantization.formats import PANEL, Int4Weight, Int8Weight, ch
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("quant_kernels.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "quant_kernels.c", "decode_step.c")
+)
+HEADER = Path(__file__).with_name("kernels.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -57,6 +61,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int,
         [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32],
     ),
+    "ladle_decode_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I32, _I32]),
     "ladle_store_kv_i8": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32]),
     "ladle_paged_decode_attention_i8": (
         ctypes.c_int,
@@ -81,7 +86,7 @@ def _build(compiler: str, extra_flags: tuple[str, ...]) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    sources = [s.read_text() for s in SOURCES]
+    sources = [s.read_text() for s in (*SOURCES, HEADER)]
     key = hashlib.sha256(
         "\0".join([*sources, version, _cpu_flags(), *FLAGS, *extra_flags]).encode()
     ).hexdigest()[:16]

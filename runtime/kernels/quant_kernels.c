@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /* The 16-float vectors below never cross a non-inlined call, so their ABI does not matter. */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -129,11 +131,7 @@ static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
 }
 #endif
 
-typedef struct {
-    const void *w;                  /* int8 [P, K, 16] or int4 [P, ceil(K / 2), 16] */
-    const float *scale, *offset;    /* int8: scale [P * 16]; int4: [P, groups, 16] each */
-    int32_t groups, group_size, int4;
-} qweight;
+typedef ladle_qweight qweight;
 
 static inline const int8_t *panel_i8(const qweight *q, int64_t p, int32_t K) {
     return (const int8_t *)q->w + p * K * PANEL;
@@ -219,22 +217,39 @@ static inline __attribute__((always_inline)) void gemv_panel(const float *x, int
             out[r][h] = acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h];
 }
 
-static void gemv(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
-                 int64_t ldy, int R, int32_t P, int32_t K, int32_t num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)P * K >= 4096)
-    for (int32_t p = 0; p < P; p++) {
+/* One panel of outputs for every row, GEMV_MAX_ROWS rows at a time: the panel's weights come
+ * from memory once and from cache for the later rows. */
+static inline void gemv_panel_rows(const float *x, int64_t ldx, const qweight *q,
+                                   const float *bias, float *y, int64_t ldy, int64_t R, int32_t p,
+                                   int32_t K) {
+    for (int64_t r0 = 0; r0 < R; r0 += GEMV_MAX_ROWS) {
+        const float *xr = x + r0 * ldx;
+        float *yr = y + r0 * ldy;
+        const int64_t rows = R - r0 < GEMV_MAX_ROWS ? R - r0 : GEMV_MAX_ROWS;
         vf out[GEMV_MAX_ROWS][VPP];
-        switch (R) { /* constant row counts, so the accumulators stay in registers */
-        case 1: gemv_panel(x, ldx, q, p, K, 1, out); break;
-        case 2: gemv_panel(x, ldx, q, p, K, 2, out); break;
-        case 3: gemv_panel(x, ldx, q, p, K, 3, out); break;
-        default: gemv_panel(x, ldx, q, p, K, 4, out); break;
+        switch (rows) { /* constant row counts, so the accumulators stay in registers */
+        case 1: gemv_panel(xr, ldx, q, p, K, 1, out); break;
+        case 2: gemv_panel(xr, ldx, q, p, K, 2, out); break;
+        case 3: gemv_panel(xr, ldx, q, p, K, 3, out); break;
+        default: gemv_panel(xr, ldx, q, p, K, 4, out); break;
         }
         for (int h = 0; h < VPP; h++) {
             const vf b = bias ? vload(bias + p * PANEL + h * VW) : (vf){0};
-            for (int r = 0; r < R; r++) vstore(y + r * ldy + p * PANEL + h * VW, out[r][h] + b);
+            for (int r = 0; r < rows; r++)
+                vstore(yr + r * ldy + p * PANEL + h * VW, out[r][h] + b);
         }
     }
+}
+
+void ladle_gemv_q_panels(const float *x, int64_t ldx, const qweight *q, const float *bias,
+                         float *y, int64_t ldy, int64_t R, int32_t p0, int32_t p1, int32_t K) {
+    for (int32_t p = p0; p < p1; p++) gemv_panel_rows(x, ldx, q, bias, y, ldy, R, p, K);
+}
+
+static void gemv(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
+                 int64_t ldy, int R, int32_t P, int32_t K, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)P * K >= 4096)
+    for (int32_t p = 0; p < P; p++) gemv_panel_rows(x, ldx, q, bias, y, ldy, R, p, K);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -400,6 +415,17 @@ int ladle_linear_i4(const float *x, int64_t ldx, const uint8_t *w, const float *
 /* int8 KV cache: per (token, KV head) symmetric scales, absmax / 127, rounded half up as the
  * Triton store does (floor(x / scale + 0.5)), so both backends write the same bytes.         */
 
+void ladle_quantize_kv_row(const float *row, int8_t *dst, float *scale_out, int32_t head_dim) {
+    float amax = 0.0f;
+    for (int d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(row[d]));
+    const float scale = fmaxf(amax / 127.0f, 1e-8f);
+    for (int d = 0; d < head_dim; d++) {
+        const float qv = floorf(row[d] / scale + 0.5f);
+        dst[d] = (int8_t)fminf(fmaxf(qv, -127.0f), 127.0f);
+    }
+    *scale_out = scale;
+}
+
 void ladle_store_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
                        int8_t *key_cache, int8_t *value_cache, float *key_scale,
                        float *value_scale, const int64_t *slots, int64_t tokens,
@@ -411,18 +437,10 @@ void ladle_store_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t
             const float *src = part == 0 ? k + t * k_stride : v + t * v_stride;
             int8_t *cache = part == 0 ? key_cache : value_cache;
             float *scales = part == 0 ? key_scale : value_scale;
-            for (int h = 0; h < num_kv_heads; h++) {
-                const float *row = src + (int64_t)h * head_dim;
-                int8_t *dst = cache + (slot * num_kv_heads + h) * head_dim;
-                float amax = 0.0f;
-                for (int d = 0; d < head_dim; d++) amax = fmaxf(amax, fabsf(row[d]));
-                const float scale = fmaxf(amax / 127.0f, 1e-8f);
-                for (int d = 0; d < head_dim; d++) {
-                    const float qv = floorf(row[d] / scale + 0.5f);
-                    dst[d] = (int8_t)fminf(fmaxf(qv, -127.0f), 127.0f);
-                }
-                scales[slot * num_kv_heads + h] = scale;
-            }
+            for (int h = 0; h < num_kv_heads; h++)
+                ladle_quantize_kv_row(src + (int64_t)h * head_dim,
+                                      cache + (slot * num_kv_heads + h) * head_dim,
+                                      scales + slot * num_kv_heads + h, head_dim);
         }
     }
 }
@@ -431,69 +449,76 @@ void ladle_store_kv_i8(const float *k, int64_t k_stride, const float *v, int64_t
  * sequence per task, blocks read front to back), with each key's scale applied to its score
  * and each value's scale folded into its probability, so int8 values are read once and never
  * expanded into a copy. Scales are [num_blocks, block_size, num_kv_heads]. */
+int ladle_decode_attention_i8_heads(const float *qs, float *os, const int8_t *key_cache,
+                                    const int8_t *value_cache, const float *key_scale,
+                                    const float *value_scale, const int32_t *table, int32_t len,
+                                    int32_t h0, int32_t h1, int32_t group, int32_t num_kv_heads,
+                                    int32_t head_dim, int32_t block_size, float scale) {
+    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
+    const int heads = h1 - h0;
+    float *scores = malloc(sizeof(float) * (size_t)heads * ((size_t)len + 1));
+    if (scores == NULL) return 1;
+    float *inv_sum = scores + (size_t)heads * len;
+    for (int t = 0; t < len; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int8_t *k = key_cache + slot * token_stride;
+        const float *ks = key_scale + slot * num_kv_heads;
+        for (int head = h0; head < h1; head++) {
+            const float *qh = qs + (int64_t)head * head_dim;
+            const int kvh = head / group;
+            const int8_t *kh = k + (int64_t)kvh * head_dim;
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int d = 0; d < head_dim; d++) acc += qh[d] * (float)kh[d];
+            scores[(head - h0) * len + t] = acc * ks[kvh] * scale;
+        }
+    }
+    for (int i = 0; i < heads; i++) {
+        float *row = scores + (size_t)i * len;
+        float max = -INFINITY;
+        for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
+        float sum = 0.0f;
+        for (int t = 0; t < len; t++) {
+            row[t] = expf(row[t] - max);
+            sum += row[t];
+        }
+        inv_sum[i] = 1.0f / sum;
+    }
+    for (int64_t i = (int64_t)h0 * head_dim; i < (int64_t)h1 * head_dim; i++) os[i] = 0.0f;
+    for (int t = 0; t < len; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int8_t *v = value_cache + slot * token_stride;
+        const float *vs = value_scale + slot * num_kv_heads;
+        for (int head = h0; head < h1; head++) {
+            const int kvh = head / group;
+            const float p = scores[(head - h0) * len + t] * inv_sum[head - h0] * vs[kvh];
+            const int8_t *vh = v + (int64_t)kvh * head_dim;
+            float *oh = os + (int64_t)head * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; d++) oh[d] += p * (float)vh[d];
+        }
+    }
+    free(scores);
+    return 0;
+}
+
 int ladle_paged_decode_attention_i8(
     const float *q, int64_t q_stride, const int8_t *key_cache, const int8_t *value_cache,
     const float *key_scale, const float *value_scale, const int32_t *block_tables,
     int64_t table_stride, const int32_t *seq_lens, float *out, int32_t num_seqs,
     int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
     int32_t num_threads) {
-    const int group = num_heads / num_kv_heads;
-    const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     int failed = 0;
-
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_seqs > 1)
     for (int s = 0; s < num_seqs; s++) {
-        const int len = seq_lens[s];
-        const int32_t *table = block_tables + s * table_stride;
-        const float *qs = q + (int64_t)s * q_stride;
-        float *os = out + (int64_t)s * num_heads * head_dim;
-        float *scores = malloc(sizeof(float) * (size_t)num_heads * ((size_t)len + 1));
-        if (scores == NULL) {
+        if (ladle_decode_attention_i8_heads(
+                q + (int64_t)s * q_stride, out + (int64_t)s * num_heads * head_dim, key_cache,
+                value_cache, key_scale, value_scale, block_tables + s * table_stride, seq_lens[s],
+                0, num_heads, num_heads / num_kv_heads, num_kv_heads, head_dim, block_size,
+                scale)) {
 #pragma omp atomic write
             failed = 1;
-            continue;
         }
-        float *inv_sum = scores + (size_t)num_heads * len;
-        for (int t = 0; t < len; t++) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const int8_t *k = key_cache + slot * token_stride;
-            const float *ks = key_scale + slot * num_kv_heads;
-            for (int head = 0; head < num_heads; head++) {
-                const float *qh = qs + (int64_t)head * head_dim;
-                const int kvh = head / group;
-                const int8_t *kh = k + (int64_t)kvh * head_dim;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int d = 0; d < head_dim; d++) acc += qh[d] * (float)kh[d];
-                scores[head * len + t] = acc * ks[kvh] * scale;
-            }
-        }
-        for (int head = 0; head < num_heads; head++) {
-            float *row = scores + (size_t)head * len;
-            float max = -INFINITY;
-            for (int t = 0; t < len; t++) max = row[t] > max ? row[t] : max;
-            float sum = 0.0f;
-            for (int t = 0; t < len; t++) {
-                row[t] = expf(row[t] - max);
-                sum += row[t];
-            }
-            inv_sum[head] = 1.0f / sum;
-        }
-        for (int i = 0; i < num_heads * head_dim; i++) os[i] = 0.0f;
-        for (int t = 0; t < len; t++) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const int8_t *v = value_cache + slot * token_stride;
-            const float *vs = value_scale + slot * num_kv_heads;
-            for (int head = 0; head < num_heads; head++) {
-                const int kvh = head / group;
-                const float p = scores[head * len + t] * inv_sum[head] * vs[kvh];
-                const int8_t *vh = v + (int64_t)kvh * head_dim;
-                float *oh = os + (int64_t)head * head_dim;
-#pragma omp simd
-                for (int d = 0; d < head_dim; d++) oh[d] += p * (float)vh[d];
-            }
-        }
-        free(scores);
     }
     return failed;
 }

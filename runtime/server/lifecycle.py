@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
+from ladle.audit import AuditLog
 from ladle.runtime.config import ConfigError
+from ladle.runtime.filters.loader import load_input, load_output
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
@@ -37,6 +39,9 @@ class ServerState:
     def __init__(self, settings: ServerSettings, load_engine: Callable[[], AsyncLLM]) -> None:
         self.settings = settings
         self.api_keys = ApiKeys(settings.api_keys, settings.api_key_file)
+        self.audit = AuditLog(settings.audit_log, "runtime", text=settings.audit_text)
+        self.input_filters = load_input(settings.input_filters)
+        self.output_filters = load_output(settings.output_filters)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self._load_engine = load_engine
@@ -96,6 +101,7 @@ class ServerState:
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
+        self.audit.close()
 
     # -- probes -------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The outermost layer of every request: id, API key, body size, in-flight count, last-resort 500.
+"""The outermost layer of every request: id, API key, body size, in-flight count, last-resort
+500, and its audit record once the response has gone.
 
 It is plain ASGI rather than ``BaseHTTPMiddleware`` so that streamed responses pass through
 untouched and a client disconnect still reaches the handler.
@@ -6,8 +7,10 @@ untouched and a client disconnect still reaches the handler.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import time
 import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
@@ -15,7 +18,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ladle.audit import fingerprint
 from ladle.logs import request_id_var
+from ladle.runtime.server.audit import AuditEntry
 from ladle.runtime.server.errors import error_response
 from ladle.runtime.server.lifecycle import OPEN_PATHS, ServerState
 
@@ -45,15 +50,25 @@ class ServerMiddleware:
         scope.setdefault("state", {})["request_id"] = request_id
         token = request_id_var.set(request_id)
         started = False
+        status = 0
+        open_path = scope["path"] in OPEN_PATHS
+        audit = self.state.audit
+        entry = None
+        if audit.enabled and not open_path:
+            entry = AuditEntry(key=_key_name(headers), text=audit.text)
+            scope["state"]["audit"] = entry
+        arrival = time.monotonic()
 
         async def send_with_id(message: Message) -> None:
-            nonlocal started
+            nonlocal started, status
             if message["type"] == "http.response.start":
                 started = True
+                status = message["status"]
                 MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            elif entry is not None and status >= 400 and entry.error is None:
+                entry.error = _error_message(message.get("body", b""))
             await send(message)
 
-        open_path = scope["path"] in OPEN_PATHS
         if not open_path:
             self.state.http_started()
         try:
@@ -72,6 +87,9 @@ class ServerMiddleware:
         finally:
             if not open_path:
                 self.state.http_finished()
+            if entry is not None:
+                fields = entry.fields(scope["path"], status or 500, time.monotonic() - arrival)
+                audit.write(request_id, fields)
             request_id_var.reset(token)
 
     def _reject_early(self, headers: Headers) -> JSONResponse | None:
@@ -108,3 +126,21 @@ class ServerMiddleware:
             return message
 
         return receive_limited
+
+
+def _key_name(headers: Headers) -> str | None:
+    """The presented key's fingerprint (the server's keys have no names), never the key."""
+    scheme, _, presented = headers.get("authorization", "").partition(" ")
+    presented = presented.strip()
+    return fingerprint(presented) if scheme.lower() == "bearer" and presented else None
+
+
+def _error_message(body: bytes) -> str | None:
+    """The message of an OpenAI error body, for the audit record."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return message if isinstance(message, str) else None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ladle.runtime.filters.stream import FilteredText, Piece
 from ladle.runtime.outputs import CompletionOutput, Logprob, PromptLogprobs
 from ladle.runtime.server.protocol import (
     ChatLogprobs,
@@ -50,6 +51,8 @@ class Shown:
     stop_reason: int | str | None
     # vLLM's prompt_logprobs extension: with a choice's first chunk.
     prompt_logprobs: PromptLogprobs | None = None
+    # Per token, the text an output filter shows in place of the token's own (None: its own).
+    token_texts: list[str | None] | None = None
 
 
 @dataclass
@@ -61,9 +64,12 @@ class ChoiceState:
     echo: Echo | None = None
     # echo with max_tokens 0: the one token generated to run the prompt is not shown.
     drop_generated: bool = False
+    # Output filters between the engine's deltas and what is shown.
+    filtered: FilteredText | None = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: TokenLogprobList = field(default_factory=list)
+    token_texts: list[str | None] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Generated tokens, shown or not (usage counts them).
@@ -74,14 +80,29 @@ class ChoiceState:
 
     def add(self, completion: CompletionOutput) -> None:
         self.num_tokens += len(completion.token_ids)
+        if self.stopped_by_filter:
+            return  # the engine's last words (an abort) change nothing now
         if completion.finish_reason is not None:
             self.finish_reason = completion.finish_reason
             self.stop_reason = completion.stop_reason
         if self.drop_generated:
             return
-        self.text.append(completion.text)
-        self.token_ids += completion.token_ids
-        self.logprobs += completion.logprobs or []
+        piece = Piece(completion.text, list(completion.token_ids), list(completion.logprobs or []))
+        if self.filtered is None:
+            shown = [piece]
+        else:
+            shown = self.filtered.push(piece, final=completion.finish_reason is not None)
+            if self.filtered.stopped_by is not None:
+                self.finish_reason, self.stop_reason = "content_filter", self.filtered.stopped_by
+        for part in shown:
+            self.text.append(part.text)
+            self.token_ids += part.token_ids
+            self.logprobs += part.logprobs
+            self.token_texts += part.token_texts or [None] * len(part.token_ids)
+
+    @property
+    def stopped_by_filter(self) -> bool:
+        return self.filtered is not None and self.filtered.stopped
 
     @property
     def ready(self) -> bool:
@@ -95,7 +116,7 @@ class ChoiceState:
     def take(self, prompt_logprobs: PromptLogprobs | None) -> Shown:
         """Everything collected since the last take; the first take carries the echo."""
         text = "".join(self.text)
-        token_ids, logprobs = self.token_ids, self.logprobs
+        token_ids, logprobs, token_texts = self.token_ids, self.logprobs, self.token_texts
         first = not self.started
         if first and self.echo is not None:
             # A request aborted before its prompt ran has no prompt logprobs: nulls.
@@ -103,6 +124,8 @@ class ChoiceState:
             text = self.echo.text + text
             token_ids = self.echo.token_ids + token_ids
             logprobs = list(echoed) + logprobs
+            unfiltered: list[str | None] = [None] * len(self.echo.token_ids)
+            token_texts = unfiltered + token_texts
         shown = Shown(
             self.index,
             text,
@@ -111,9 +134,10 @@ class ChoiceState:
             self.finish_reason,
             self.stop_reason,
             prompt_logprobs if first else None,
+            token_texts if any(t is not None for t in token_texts) else None,
         )
         self.started = True
-        self.text, self.token_ids, self.logprobs = [], [], []
+        self.text, self.token_ids, self.logprobs, self.token_texts = [], [], [], []
         return shown
 
 
@@ -128,8 +152,16 @@ def completion_logprobs(
     token and the top N, as vLLM) and its offset into the text. A token without a logprob
     (the first prompt token, when echoed) has nulls, as in OpenAI's API."""
     result = CompletionLogprobs()
-    for token_id, entries in zip(shown.token_ids, shown.logprobs or [], strict=True):
-        if entries is None:
+    overrides = shown.token_texts or [None] * len(shown.token_ids)
+    for token_id, entries, override in zip(
+        shown.token_ids, shown.logprobs or [], overrides, strict=True
+    ):
+        if override is not None and entries is not None:
+            # Filtered: the token's own text, and its alternatives', are not shown.
+            text = override
+            result.token_logprobs.append(clamp(entries[token_id].logprob))
+            result.top_logprobs.append({})
+        elif entries is None:
             text = decode(token_id)
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
@@ -150,8 +182,20 @@ def chat_logprobs(shown: Shown, top: int, decode: Callable[[int], str]) -> ChatL
     """OpenAI's chat shape: per token its text, bytes and logprob, and the ``top`` most likely
     alternatives in rank order."""
     content = []
-    for token_id, entries in zip(shown.token_ids, shown.logprobs or [], strict=True):
+    overrides = shown.token_texts or [None] * len(shown.token_ids)
+    for token_id, entries, override in zip(
+        shown.token_ids, shown.logprobs or [], overrides, strict=True
+    ):
         assert entries is not None, "generated tokens always have logprobs"
+        if override is not None:
+            # Filtered: the token's own text, and its alternatives', are not shown.
+            logprob = clamp(entries[token_id].logprob)
+            content.append(
+                ChatTokenLogprob(
+                    token=override, logprob=logprob, bytes=list(override.encode()), top_logprobs=[]
+                )
+            )
+            continue
         ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank))
         alternatives = []
         for alt_id, alt in ranked[:top]:

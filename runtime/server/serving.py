@@ -25,9 +25,12 @@ from starlette.responses import JSONResponse, Response
 from ladle.logs import request_id_var
 from ladle.runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedError
 from ladle.runtime.errors import RequestError, require_text
+from ladle.runtime.filters import FilterRequest, Rejected
+from ladle.runtime.filters.stream import FilteredText
 from ladle.runtime.outputs import PromptLogprobs, RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from ladle.runtime.server import rendering
+from ladle.runtime.server.audit import AuditEntry
 from ladle.runtime.server.errors import APIError, error_body, from_validation_errors
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.metrics import RequestRecord
@@ -259,6 +262,7 @@ class OpenAIServing:
         params: SamplingParams | BeamSearchParams,
         priority: int,
         deadline: float | None,
+        audit: AuditEntry | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine request; however it ends, its record is finished, counted and logged."""
         metrics = self.state.metrics
@@ -279,6 +283,8 @@ class OpenAIServing:
             record.finished = time.monotonic()
             self.state.engine_request_finished(record.engine_request_id)
             self._finished(record)
+            if audit is not None:
+                audit.engine_request(record)
 
     def _finished(self, record: RequestRecord) -> None:
         if self.state.metrics is not None:
@@ -319,6 +325,10 @@ class OpenAIServing:
         if deadline is not None:
             public["timeout"] = round(deadline - arrival, 3)
         width = _width(params)
+        audit = _audit(raw)
+        if audit is not None:
+            model = llm.engine.served_model_name
+            audit.begin(model, public, request.stream, [p.text for p in prompts])
         streams = []
         for i, prompt in enumerate(prompts):
             record = RequestRecord(
@@ -332,7 +342,9 @@ class OpenAIServing:
                 arrival=arrival,
                 num_seqs=width,
             )
-            streams.append(self._run(llm, record, prompt, params, request.priority, deadline))
+            streams.append(
+                self._run(llm, record, prompt, params, request.priority, deadline, audit)
+            )
         return streams
 
     @staticmethod
@@ -367,9 +379,30 @@ class OpenAIServing:
         choices: dict[_Key, ChoiceState],
         new_choice: Callable[[_Key], ChoiceState],
         stream: bool,
+        audit: AuditEntry | None,
+        on_filter_stop: Callable[[int], None],
     ) -> AsyncIterator[list[tuple[_Key, Shown]]]:
         """The one path from engine deltas to what a response shows: streamed, whatever each
         output makes showable; otherwise, everything at once when all streams are done."""
+        parts = self._shown_parts(streams, choices, new_choice, stream, on_filter_stop)
+        async with contextlib.aclosing(parts):
+            async for batch in parts:
+                if audit is not None:
+                    for _, part in batch:
+                        audit.shown(part.index, part.text)
+                yield batch
+        if audit is not None:
+            filtered = (c.filtered for c in choices.values() if c.filtered is not None)
+            audit.filtered = sorted({name for f in filtered for name in f.changed_by})
+
+    async def _shown_parts(
+        self,
+        streams: list[AsyncGenerator[RequestOutput, None]],
+        choices: dict[_Key, ChoiceState],
+        new_choice: Callable[[_Key], ChoiceState],
+        stream: bool,
+        on_filter_stop: Callable[[int], None],
+    ) -> AsyncGenerator[list[tuple[_Key, Shown]], None]:
         prompt_logprobs: dict[int, PromptLogprobs] = {}
         async for i, output in merge(streams):
             if output.prompt_logprobs is not None:
@@ -380,13 +413,66 @@ class OpenAIServing:
                 choice = choices.get(key)
                 if choice is None:
                     choice = choices[key] = new_choice(key)
+                stopped = choice.stopped_by_filter
                 choice.add(completion)
+                if choice.stopped_by_filter and not stopped:
+                    on_filter_stop(i)
                 if stream and choice.ready:
                     ready.append((key, choice.take(prompt_logprobs.get(i))))
             if ready:
                 yield ready
         if not stream:
             yield [(k, c.take(prompt_logprobs.get(k[0]))) for k, c in sorted(choices.items())]
+
+    def _filtered(self) -> FilteredText | None:
+        """A choice's own chain of output filters (they hold its text back), if any."""
+        filters = self.state.output_filters
+        return FilteredText(filters) if filters else None
+
+    @staticmethod
+    def _stopper(
+        llm: AsyncLLM, response_id: str, choices: dict[_Key, ChoiceState], width: int
+    ) -> Callable[[int], None]:
+        """Once output filters have stopped every choice of a prompt, its engine request
+        stops too: nothing more of it would be shown."""
+
+        def stopped(prompt: int) -> None:
+            mine = [c for k, c in choices.items() if k[0] == prompt]
+            if len(mine) == width and all(c.stopped_by_filter for c in mine):
+                llm.abort(f"{response_id}-{prompt}")
+
+        return stopped
+
+    def _check_input(
+        self,
+        raw: Request,
+        llm: AsyncLLM,
+        endpoint: str,
+        prompts: list[str],
+        messages: list[dict[str, Any]] | None,
+        params: SamplingParams | BeamSearchParams,
+    ) -> None:
+        """Input filters judge the prompts as the model will read them, before admission."""
+        if not self.state.input_filters:
+            return
+        request = FilterRequest(
+            endpoint=endpoint,
+            model=llm.engine.served_model_name,
+            prompts=prompts,
+            messages=messages,
+            params=_public_params(params),
+            request_id=raw.state.request_id,
+        )
+        for f in self.state.input_filters:
+            try:
+                f.check(request)
+            except Rejected as exc:
+                raise APIError(
+                    400,
+                    f"the request was refused by the input filter {f.name!r}: {exc.reason}",
+                    code="content_filter",
+                    param=exc.param,
+                ) from None
 
     def _decoder(self, llm: AsyncLLM) -> Callable[[int], str]:
         tokenizer = llm.engine.tokenizer
@@ -422,6 +508,11 @@ class OpenAIServing:
             self._prepare(llm, f"{response_id}-{i}", p, params, request.priority)
             for i, p in enumerate(texts_or_ids)
         ]
+        texts = [
+            p.text if p.text is not None else decode(llm.engine.tokenizer, p.token_ids)
+            for p in prompts
+        ]
+        self._check_input(raw, llm, "/v1/completions", texts, None, params)
         self.state.admit(llm, len(prompts) * _width(params))
         streams = self._streams(
             llm, raw, "/v1/completions", response_id, prompts, params, request, arrival
@@ -439,11 +530,16 @@ class OpenAIServing:
                     text = decode(tokenizer, prompt.token_ids, skip_special_tokens=False)
                 echo = Echo(text, prompt.token_ids)
             return ChoiceState(
-                key[0] * request.n + key[1], want_logprobs, echo, drop_generated=echo_only
+                key[0] * request.n + key[1],
+                want_logprobs,
+                echo,
+                drop_generated=echo_only,
+                filtered=self._filtered(),
             )
 
         choices: dict[_Key, ChoiceState] = {}
-        shown = self._shown(streams, choices, new_choice, request.stream)
+        stop = self._stopper(llm, response_id, choices, _width(params))
+        shown = self._shown(streams, choices, new_choice, request.stream, _audit(raw), stop)
         if request.stream:
             return SSEResponse(
                 self._completion_events(llm, request, response_id, model, prompts, shown, choices)
@@ -562,6 +658,8 @@ class OpenAIServing:
         prompt = _Prompt(
             text, self._prepare(llm, response_id, ids, params, request.priority).token_ids
         )
+        messages = [m.for_template() for m in request.messages]
+        self._check_input(raw, llm, "/v1/chat/completions", [text], messages, params)
         self.state.admit(llm, _width(params))
         streams = self._streams(
             llm, raw, "/v1/chat/completions", response_id, [prompt], params, request, arrival
@@ -570,10 +668,11 @@ class OpenAIServing:
         want_logprobs = request.logprobs and isinstance(params, SamplingParams)
 
         def new_choice(key: _Key) -> ChoiceState:
-            return ChoiceState(key[1], bool(want_logprobs))
+            return ChoiceState(key[1], bool(want_logprobs), filtered=self._filtered())
 
         choices: dict[_Key, ChoiceState] = {}
-        shown = self._shown(streams, choices, new_choice, request.stream)
+        stop = self._stopper(llm, response_id, choices, _width(params))
+        shown = self._shown(streams, choices, new_choice, request.stream, _audit(raw), stop)
         if request.stream:
             return SSEResponse(
                 self._chat_events(llm, request, response_id, model, prompt, shown, choices, top)
@@ -662,6 +761,12 @@ class OpenAIServing:
             usage=self._usage([prompt], choices),
             prompt_logprobs=rendering.prompt_logprobs(prompt_logprobs),
         )
+
+
+def _audit(raw: Request) -> AuditEntry | None:
+    """The request's audit entry, when the audit trail is on."""
+    entry = getattr(raw.state, "audit", None)
+    return entry if isinstance(entry, AuditEntry) else None
 
 
 def _beam_search(request: _GenerationRequest) -> bool:

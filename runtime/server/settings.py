@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ladle.audit import add_audit_args
 from ladle.runtime.config import ConfigError, parse_memory_size
 from ladle.settings import Default, add_log_level, existing_file, integer, memory, seconds
 
@@ -30,6 +31,10 @@ class ServerSettings:
     max_request_size: int = 8 << 20
     liveness_timeout: float = 60.0
     request_timeout: float | None = None
+    audit_log: str | None = None
+    audit_text: bool = False
+    input_filters: list[str] = field(default_factory=list)
+    output_filters: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -56,6 +61,10 @@ class ServerSettings:
             max_request_size=args.max_request_size,
             liveness_timeout=args.liveness_timeout,
             request_timeout=args.request_timeout,
+            audit_log=args.audit_log,
+            audit_text=args.audit_text,
+            input_filters=list(args.input_filter or []),
+            output_filters=list(args.output_filter or []),
         )
 
 
@@ -127,4 +136,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="abort a request this many seconds after it arrived, freeing its KV blocks; a "
         "request's own 'timeout' field overrides it",
+    )
+    add_audit_args(group)
+    group.add_argument(
+        "--input-filter",
+        action="append",
+        default=Default([], "none"),
+        metavar="NAME",
+        help="refuse requests this filter rejects, before admission: a ladle.filters entry "
+        "point (pii is built in) or package.module:Name (repeatable; docs/pipeline.md)",
+    )
+    group.add_argument(
+        "--output-filter",
+        action="append",
+        default=Default([], "none"),
+        metavar="NAME",
+        help="pass generated text through this filter as it streams, which may redact or stop "
+        "it: an entry point (pii is built in) or package.module:Name (repeatable)",
     )

@@ -59,7 +59,8 @@ class _Fields(logging.Filter):
         return True
 
 
-def _formatter() -> logging.Formatter:
+def formatter() -> logging.Formatter:
+    """The JSON-lines formatter every Ladle log (and the audit file) writes with."""
     from pythonjsonlogger.core import RESERVED_ATTRS
     from pythonjsonlogger.json import JsonFormatter
 
@@ -83,7 +84,7 @@ def configure(level: str) -> None:
     """JSON lines on stderr from every logger, at ``level`` and above."""
     threshold = logging.getLevelName(level.upper())
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_formatter())
+    handler.setFormatter(formatter())
     handler.addFilter(_Fields(threshold))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -110,6 +110,46 @@ def start_server(
         time.sleep(0.2)
 
 
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+def start_gateway(folder: Path, routes: str, *flags: str) -> Gateway:
+    """``ladle gateway --static`` with ``routes`` (the static file's YAML), ready to serve."""
+    path = folder / "routes.yaml"
+    path.write_text(routes)
+    port = free_port()
+    log = folder / f"gateway-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ladle.cli", "gateway", "--static", str(path),
+             "--port", str(port), "--scrape-interval", "0", *flags],
+            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
+        )  # fmt: skip
+    gateway = Gateway(proc, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"ladle gateway exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{gateway.url}/health/ready", timeout=5).status_code == 200:
+                return gateway
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            gateway.stop()
+            raise AssertionError(f"ladle gateway not ready in time:\n{log.read_text()}")
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One plain server for the session: starting the model costs seconds on these CPUs."""

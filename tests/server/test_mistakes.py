@@ -7,11 +7,6 @@ The table is the point: a later mistake of the same class belongs in it."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import Server, free_port
+from .conftest import Gateway, Server, start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 HI = [{"role": "user", "content": "Hi"}]
@@ -101,43 +96,30 @@ MISTAKES: dict[str, Mistake] = {
 
 
 @dataclass
-class Gateway:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
+class Front:
+    gateway: Gateway
     server_lines: int  # the shared server's log before this module's requests
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    @property
+    def log(self) -> Path:
+        return self.gateway.log
 
 
 @pytest.fixture(scope="module")
-def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def gateway(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     """``ladle gateway --static`` in front of the session's server."""
     folder = tmp_path_factory.mktemp("gateway")
-    routes = folder / "routes.yaml"
-    routes.write_text(f"services:\n- name: chat\n  model: {MODEL}\n  endpoints: [{server.url}]\n")
-    port = free_port()
-    log = folder / "gateway.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ladle.cli", "gateway", "--static", str(routes),
-             "--port", str(port), "--scrape-interval", "0"],
-            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ),
-        )  # fmt: skip
-    gw = Gateway(proc, f"http://127.0.0.1:{port}", log, len(server.log_lines()))
-    deadline = time.monotonic() + 60
+    routes = f"services:\n- name: chat\n  model: {MODEL}\n  endpoints: [{server.url}]\n"
+    lines = len(server.log_lines())
+    gw = start_gateway(folder, routes)
     try:
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{gw.url}/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        yield gw
+        yield Front(gw, lines)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        gw.stop()
 
 
 def send(base: str, mistake: Mistake) -> httpx.Response:
@@ -152,7 +134,7 @@ def send(base: str, mistake: Mistake) -> httpx.Response:
 
 @pytest.mark.parametrize("name", list(MISTAKES))
 def test_a_mistake_is_one_openai_error_naming_what_to_fix(
-    name: str, server: Server, gateway: Gateway
+    name: str, server: Server, gateway: Front
 ) -> None:
     mistake = MISTAKES[name]
     answers = {}
@@ -171,7 +153,7 @@ def test_a_mistake_is_one_openai_error_naming_what_to_fix(
     assert answers["serve"] == answers["gateway"]
 
 
-def test_the_openai_client_gets_the_same_errors(server: Server, gateway: Gateway) -> None:
+def test_the_openai_client_gets_the_same_errors(server: Server, gateway: Front) -> None:
     for base in (server.url, gateway.url):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError) as bad:
@@ -184,7 +166,7 @@ def test_the_openai_client_gets_the_same_errors(server: Server, gateway: Gateway
 
 
 def test_the_logs_share_one_schema_and_no_mistake_left_a_traceback(
-    server: Server, gateway: Gateway
+    server: Server, gateway: Front
 ) -> None:
     """Runs last in this module: the mistakes above are in both logs, one JSON object a line
     with the same keys, and a request the gateway forwarded carries its id into the server's."""

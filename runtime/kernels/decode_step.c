@@ -1,0 +1,347 @@
+/* A whole decode step of a Llama-family model in one call, for small batches on a CPU.
+ *
+ * At batch 1 a 135M-parameter model's step is a few milliseconds of weight reads; driving it op
+ * by op from Python costs about a dozen torch ops and ctypes calls per layer, each waking the
+ * thread team and joining it again. Here the team is woken once per step: one OpenMP parallel
+ * region runs the step as a list of ops (seven a layer), each cut into chunks (a few output
+ * panels of a GEMV, one (sequence, KV head) of attention, one row of a norm).
+ *
+ * Threads claim chunks with an atomic counter and then wait for the op's chunks to be *done*,
+ * not for the other threads to *arrive*: a thread that the OS has descheduled (a shared
+ * machine, a pod at its CPU limit) holds up nobody unless it holds a chunk, and catches up when
+ * it runs again, finding the finished ops' chunks all claimed. On a quiet machine the threads
+ * share every op; on a loaded one the step degrades towards one thread instead of stalling at
+ * every barrier. A waiting thread spins briefly, then sleeps on a futex, so that it gives its
+ * core back instead of spinning through the other's time slice.
+ *
+ * The pieces are the per-op kernels' own (kernels.h), so the numerics are theirs; only the
+ * fp32 GEMV is new here (torch's GEMM serves the per-op path), and it sums in another order, so
+ * outputs agree to rounding. The step ends with the LM head's logits; the embedding lookup
+ * before it stays with the caller.
+ */
+#include <limits.h>
+#include <math.h>
+#include <omp.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+#include "kernels.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#if defined(__AVX512F__)
+#define VW 16
+#define ROWS 4
+#elif defined(__AVX2__)
+#define VW 8
+#define ROWS 2
+#else
+#define VW 4
+#define ROWS 2
+#endif
+/* Outputs per tile of the fp32 GEMV: each x vector loaded is used OUTS times. */
+#define OUTS 4
+/* GEMV outputs are cut into chunks of whole panels. */
+#define PANEL 16
+/* Pause instructions before a waiting thread sleeps: some tens of microseconds. */
+#define SPIN 2048
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vf vload(const float *p) { return *(const vf_unaligned *)p; }
+
+enum { DENSE = 0, INT8 = 1, INT4 = 2 };
+
+typedef struct {
+    int32_t kind, n, k, group_size;
+    const void *w;                /* fp32 [n, k] row-major, or the panel codes */
+    const float *scale, *offset;  /* quantized formats only */
+    const float *bias;            /* NULL, or [n] (padded to whole panels when quantized) */
+} ladle_linear;
+
+typedef struct {
+    ladle_linear qkv, o_proj, gate_up, down;
+    const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL unless qk-norm */
+    void *key_cache, *value_cache;
+    float *key_scale, *value_scale; /* NULL for an fp32 cache */
+} ladle_decode_layer;
+
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const ladle_decode_layer *layers;
+    const float *final_norm;
+    const float *cos, *sin; /* [max_position, head_dim / 2] */
+    ladle_linear lm_head;
+} ladle_decode_model;
+
+/* One op's chunk counters: claimed by threads, then done; sleepers wait on done. A cache
+ * line each (OP_COUNTER_INTS ints), so that neighbouring ops do not share one. */
+#define OP_COUNTER_INTS 16
+typedef struct {
+    atomic_int claimed, done, sleepers;
+    int pad[OP_COUNTER_INTS - 3];
+} op_counter;
+
+/* Per-step buffers, [max_batch, width] each, widths padded to whole panels where a quantized
+ * GEMV writes them; and room for the step's op counters. */
+typedef struct {
+    float *residual, *x, *qkv, *attn, *out, *gate_up, *act, *logits;
+    int64_t ld_qkv, ld_out, ld_gate_up, ld_logits, max_batch;
+    op_counter *counters;
+} ladle_decode_buffers;
+
+/* The next unclaimed chunk of the op, or -1 when all are claimed. */
+static inline int claim(op_counter *c, int chunks) {
+    if (atomic_load_explicit(&c->claimed, memory_order_relaxed) >= chunks) return -1;
+    const int chunk = atomic_fetch_add(&c->claimed, 1);
+    return chunk < chunks ? chunk : -1;
+}
+
+static inline void finish(op_counter *c, int chunks) {
+    if (atomic_fetch_add(&c->done, 1) == chunks - 1 && atomic_load(&c->sleepers)) {
+#ifdef __linux__
+        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
+    }
+}
+
+/* Until every chunk of the op is done. */
+static void wait_done(op_counter *c, int chunks) {
+    for (int i = 0; i < SPIN; i++) {
+        if (atomic_load_explicit(&c->done, memory_order_acquire) >= chunks) return;
+        cpu_relax();
+    }
+    atomic_fetch_add(&c->sleepers, 1);
+    int seen;
+    while ((seen = atomic_load(&c->done)) < chunks) {
+#ifdef __linux__
+        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&c->sleepers, 1);
+}
+
+/* R (<= ROWS) rows against OUTS consecutive outputs of a row-major fp32 weight. */
+static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t ldx,
+                                                             const float *w, int32_t K, int R,
+                                                             float out[ROWS][OUTS]) {
+    vf acc[ROWS][OUTS];
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < OUTS; o++) acc[r][o] = (vf){0};
+    int k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf wv[OUTS];
+        for (int o = 0; o < OUTS; o++) wv[o] = vload(w + (int64_t)o * K + k);
+        for (int r = 0; r < R; r++) {
+            const vf xv = vload(x + r * ldx + k);
+            for (int o = 0; o < OUTS; o++) acc[r][o] += xv * wv[o];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < OUTS; o++) {
+            float sum = 0.0f;
+            for (int l = 0; l < VW; l++) sum += acc[r][o][l];
+            for (int kk = k; kk < K; kk++) sum += x[r * ldx + kk] * w[(int64_t)o * K + kk];
+            out[r][o] = sum;
+        }
+}
+
+/* Outputs [n0, n1) of a row-major fp32 weight, for R rows. */
+static void dense_gemv(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
+                       int64_t ldy, int32_t R, int32_t n0, int32_t n1) {
+    const float *w = lin->w;
+    const int32_t K = lin->k;
+    for (int32_t n = n0; n < n1; n += OUTS) {
+        if (n + OUTS > n1) { /* a partial last tile, output by output */
+            for (int32_t m = n; m < n1; m++)
+                for (int32_t r = 0; r < R; r++) {
+                    float sum = 0.0f;
+                    for (int32_t k = 0; k < K; k++) sum += x[r * ldx + k] * w[(int64_t)m * K + k];
+                    y[r * ldy + m] = sum + (lin->bias ? lin->bias[m] : 0.0f);
+                }
+            break;
+        }
+        for (int32_t r0 = 0; r0 < R; r0 += ROWS) {
+            float out[ROWS][OUTS];
+            const float *xr = x + (int64_t)r0 * ldx, *wt = w + (int64_t)n * K;
+            switch (R - r0 < ROWS ? R - r0 : ROWS) { /* constant row counts for the registers */
+            case 1: dense_tile(xr, ldx, wt, K, 1, out); break;
+            case 2: dense_tile(xr, ldx, wt, K, 2, out); break;
+#if ROWS == 4
+            case 3: dense_tile(xr, ldx, wt, K, 3, out); break;
+            case 4: dense_tile(xr, ldx, wt, K, 4, out); break;
+#endif
+            default: break;
+            }
+            for (int r = 0; r < ROWS && r0 + r < R; r++)
+                for (int o = 0; o < OUTS; o++)
+                    y[(int64_t)(r0 + r) * ldy + n + o] =
+                        out[r][o] + (lin->bias ? lin->bias[n + o] : 0.0f);
+        }
+    }
+}
+
+/* Outputs of panels [p0, p1) (16 outputs each; the last may be partial for a dense weight). */
+static void linear_panels(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
+                          int64_t ldy, int32_t R, int64_t p0, int64_t p1) {
+    if (lin->kind == DENSE) {
+        const int64_t n1 = p1 * PANEL < lin->n ? p1 * PANEL : lin->n;
+        if (p0 * PANEL < n1) dense_gemv(x, ldx, lin, y, ldy, R, (int32_t)(p0 * PANEL), (int32_t)n1);
+        return;
+    }
+    const int32_t groups = lin->kind == INT4 ? (lin->k + lin->group_size - 1) / lin->group_size : 0;
+    const ladle_qweight q = {lin->w, lin->scale, lin->offset, groups, lin->group_size,
+                             lin->kind == INT4};
+    ladle_gemv_q_panels(x, ldx, &q, lin->bias, y, ldy, R, (int32_t)p0, (int32_t)p1, lin->k);
+}
+
+static inline int64_t panels(int32_t n) { return (n + PANEL - 1) / PANEL; }
+
+/* Output panels per GEMV chunk: about CHUNKS_PER_THREAD chunks for each thread, so that a
+ * descheduled thread holds up little, and the claims cost nothing against the weights read. */
+#define CHUNKS_PER_THREAD 8
+
+static inline int64_t panels_per_chunk(int64_t num_panels, int nt) {
+    const int64_t split = (int64_t)CHUNKS_PER_THREAD * nt;
+    const int64_t per = (num_panels + split - 1) / split;
+    return per > 0 ? per : 1;
+}
+
+/* A GEMV as claimed chunks of output panels; returns once all of them are done. */
+static void linear_op(op_counter *c, const float *x, int64_t ldx, const ladle_linear *lin,
+                      float *y, int64_t ldy, int32_t R, int nt) {
+    const int64_t P = panels(lin->n), per = panels_per_chunk(P, nt);
+    const int chunks = (int)((P + per - 1) / per);
+    for (int chunk; (chunk = claim(c, chunks)) >= 0; finish(c, chunks)) {
+        const int64_t p0 = chunk * per;
+        linear_panels(x, ldx, lin, y, ldy, R, p0, p0 + per < P ? p0 + per : P);
+    }
+    wait_done(c, chunks);
+}
+
+/* x = norm(residual += out), or norm(residual) without out: one row per chunk. */
+static void norm_op(op_counter *c, float *residual, const float *out, int64_t ld_out,
+                    const float *weight, float *x, int32_t batch, int32_t H, float eps) {
+    for (int r; (r = claim(c, batch)) >= 0; finish(c, batch)) {
+        float *res = residual + (int64_t)r * H;
+        if (out != NULL)
+            ladle_rms_norm_row(out + r * ld_out, res, weight, x + (int64_t)r * H, H, eps);
+        else
+            ladle_rms_norm_row(res, NULL, weight, x + (int64_t)r * H, H, eps);
+    }
+    wait_done(c, batch);
+}
+
+/* gate_up as chunks of gate panels with the matching up panels, then their SiLU-and-mul. */
+static void gate_up_op(op_counter *c, const float *x, const ladle_linear *lin,
+                       const ladle_decode_buffers *b, int32_t batch, int32_t H, int32_t I,
+                       int nt) {
+    const int64_t P = I / PANEL, per = panels_per_chunk(P, nt);
+    const int chunks = (int)((P + per - 1) / per);
+    for (int chunk; (chunk = claim(c, chunks)) >= 0; finish(c, chunks)) {
+        const int64_t p0 = chunk * per, p1 = p0 + per < P ? p0 + per : P;
+        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0, p1);
+        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0 + P, p1 + P);
+        for (int32_t r = 0; r < batch; r++) {
+            const float *g = b->gate_up + r * b->ld_gate_up + p0 * PANEL;
+            ladle_silu_and_mul_row(g, g + I, b->act + (int64_t)r * I + p0 * PANEL,
+                                   (int32_t)((p1 - p0) * PANEL));
+        }
+    }
+    wait_done(c, chunks);
+}
+
+/* Q/K norm, RoPE and the KV store for one (token, KV head), then its query heads' attention. */
+static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, float *q_row,
+                  float *o_row, int64_t position, int64_t slot, const int32_t *table,
+                  int32_t len, int32_t kvh) {
+    const int32_t D = m->head_dim, half = D / 2, group = m->num_heads / m->num_kv_heads;
+    const int32_t h0 = kvh * group, h1 = h0 + group;
+    float *q = q_row + (int64_t)h0 * D;
+    float *k = q_row + (int64_t)(m->num_heads + kvh) * D;
+    const float *v = q_row + (int64_t)(m->num_heads + m->num_kv_heads + kvh) * D;
+    if (L->q_norm != NULL) {
+        for (int32_t h = 0; h < group; h++)
+            ladle_rms_norm_row(q + h * D, NULL, L->q_norm, q + h * D, D, m->eps);
+        ladle_rms_norm_row(k, NULL, L->k_norm, k, D, m->eps);
+    }
+    const float *c = m->cos + position * half, *s = m->sin + position * half;
+    ladle_rope_heads(q, group, c, s, D);
+    ladle_rope_heads(k, 1, c, s, D);
+    const int64_t row = slot * m->num_kv_heads + kvh;
+    if (L->key_scale == NULL) {
+        memcpy((float *)L->key_cache + row * D, k, sizeof(float) * (size_t)D);
+        memcpy((float *)L->value_cache + row * D, v, sizeof(float) * (size_t)D);
+        return ladle_decode_attention_f32_heads(q_row, o_row, L->key_cache, L->value_cache, table,
+                                                len, h0, h1, group, m->num_kv_heads, D,
+                                                m->block_size, m->scale);
+    }
+    ladle_quantize_kv_row(k, (int8_t *)L->key_cache + row * D, L->key_scale + row, D);
+    ladle_quantize_kv_row(v, (int8_t *)L->value_cache + row * D, L->value_scale + row, D);
+    return ladle_decode_attention_i8_heads(q_row, o_row, L->key_cache, L->value_cache,
+                                           L->key_scale, L->value_scale, table, len, h0, h1,
+                                           group, m->num_kv_heads, D, m->block_size, m->scale);
+}
+
+/* Ops per layer; a step has 2 + OPS_PER_LAYER * num_layers (the first input norm, the LM
+ * head). */
+#define OPS_PER_LAYER 7
+
+/* b->residual [batch, hidden] holds the embeddings on entry and the residual stream on return,
+ * b->x the final-normed hidden states, b->logits the LM head's output. Positions and slots are int64, one per token; block
+ * tables int32 rows table_stride apart. Nonzero: more rows than the buffers hold (2), or an
+ * attention buffer could not be allocated (1). */
+int ladle_decode_step(const ladle_decode_model *m, const ladle_decode_buffers *b,
+                      const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
+                      int64_t table_stride, const int32_t *seq_lens, int32_t batch,
+                      int32_t num_threads) {
+    const int32_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
+    if (batch > b->max_batch) return 2;
+    memset(b->counters, 0, sizeof(op_counter) * (2 + (size_t)OPS_PER_LAYER * m->num_layers));
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int nt = omp_get_num_threads();
+        op_counter *op = b->counters;
+        norm_op(op++, b->residual, NULL, 0, m->layers[0].input_norm, b->x, batch, H, m->eps);
+        for (int32_t l = 0; l < m->num_layers; l++) {
+            const ladle_decode_layer *L = &m->layers[l];
+            linear_op(op++, b->x, H, &L->qkv, b->qkv, b->ld_qkv, batch, nt);
+            const int tasks = batch * m->num_kv_heads;
+            for (int task; (task = claim(op, tasks)) >= 0; finish(op, tasks)) {
+                const int32_t s = task / m->num_kv_heads;
+                if (attend(m, L, b->qkv + s * b->ld_qkv, b->attn + (int64_t)s * q_size,
+                           positions[s], slots[s], block_tables + s * table_stride, seq_lens[s],
+                           task % m->num_kv_heads)) {
+#pragma omp atomic write
+                    failed = 1;
+                }
+            }
+            wait_done(op++, tasks);
+            linear_op(op++, b->attn, q_size, &L->o_proj, b->out, b->ld_out, batch, nt);
+            norm_op(op++, b->residual, b->out, b->ld_out, L->post_norm, b->x, batch, H, m->eps);
+            gate_up_op(op++, b->x, &L->gate_up, b, batch, H, I, nt);
+            linear_op(op++, b->act, I, &L->down, b->out, b->ld_out, batch, nt);
+            const float *next = l + 1 < m->num_layers ? m->layers[l + 1].input_norm : m->final_norm;
+            norm_op(op++, b->residual, b->out, b->ld_out, next, b->x, batch, H, m->eps);
+        }
+        linear_op(op, b->x, H, &m->lm_head, b->logits, b->ld_logits, batch, nt);
+    }
+    return failed;
+}

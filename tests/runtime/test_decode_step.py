@@ -1,0 +1,132 @@
+"""The fused CPU decode step (one C call per step) against the per-op forward pass.
+
+Each decode step of a mixed batch (contexts of different lengths, some crossing a block
+boundary, block size 4) runs both ways on the same inputs: hidden states must agree to
+rounding, for every architecture feature the fused step handles (tied embeddings, QKV bias,
+per-head q/k norm with head_dim != hidden / heads), both cache dtypes, int8 and int4 weights,
+and 1, 2 and 3 threads (more threads than this machine's cores: the barrier's sleeping path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ladle.runtime import LLM, SamplingParams
+from ladle.runtime.attention.backend import AttentionMetadata
+from ladle.runtime.bench.profile import latency_profile
+from ladle.runtime.kernels.decode_step import CpuDecodeStep
+
+PROMPTS = [[5], [17, 300, 42], [9, 8, 7, 6], list(range(100, 109)), list(range(200, 217))]
+STEPS = 6
+
+
+def _engine(path: Path, **flags: Any) -> LLM:
+    return LLM(
+        str(path),
+        attention_backend="cpu",
+        dtype="float32",
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        kv_cache_memory="1MiB",
+        **flags,
+    )
+
+
+def _compare_decode_steps(llm: LLM, threads: list[int]) -> int:
+    """Run the prompts to their decode phase, then compare every decode step both ways;
+    returns how many steps were compared."""
+    engine = llm.engine
+    fused = engine.runner.fused
+    assert isinstance(fused, CpuDecodeStep)
+    params = SamplingParams(max_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", ids, params)
+    forward = engine.model.forward
+    compared = 0
+
+    def both(
+        ids: torch.Tensor, positions: torch.Tensor, caches: Any, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        nonlocal compared
+        reference = forward(ids, positions, caches, meta)
+        if fused.can_run(meta):
+            saved = torch.get_num_threads()
+            torch.set_num_threads(threads[compared % len(threads)])
+            try:
+                hidden, logits = fused.run(ids, positions, meta)
+            finally:
+                torch.set_num_threads(saved)
+            torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+            expected = engine.model.compute_logits(reference)
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
+            compared += 1
+        return reference
+
+    engine.runner.fused = None  # every step through `both`, which calls the fused step itself
+    engine.model.forward = both  # type: ignore[method-assign]
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.model.forward = forward  # type: ignore[method-assign]
+        engine.runner.fused = fused
+    return compared
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_fused_step_equals_per_op_forward(
+    arch: str, kv_cache_dtype: str, tiny_model_factory: Callable[[str], Path]
+) -> None:
+    llm = _engine(tiny_model_factory(arch), kv_cache_dtype=kv_cache_dtype)
+    assert _compare_decode_steps(llm, threads=[1, 2, 3]) >= STEPS
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_fused_step_with_quantized_weights(
+    quantization: str, tiny_model_factory: Callable[[str], Path]
+) -> None:
+    llm = _engine(tiny_model_factory("qwen2"), quantization=quantization, quantization_method="rtn")
+    assert _compare_decode_steps(llm, threads=[2]) >= STEPS
+
+
+def test_fused_step_serves_small_decode_batches_only(
+    tiny_model_factory: Callable[[str], Path],
+) -> None:
+    llm = _engine(tiny_model_factory("llama"))
+    fused = llm.engine.runner.fused
+    assert fused is not None
+
+    def meta(decodes: int, prefills: int) -> AttentionMetadata:
+        lengths = [1] * decodes + [3] * prefills
+        m = AttentionMetadata.for_prefills(lengths, 4, torch.device("cpu"))
+        m.num_decodes = decodes
+        return m
+
+    assert fused.can_run(meta(fused.max_batch, 0))
+    assert not fused.can_run(meta(fused.max_batch + 1, 0))  # a GEMM: torch does it better
+    assert not fused.can_run(meta(2, 1))  # a prefill chunk in the step
+    assert _engine(tiny_model_factory("llama"), enforce_eager=True).engine.runner.fused is None
+
+
+def test_latency_profile_runs_both_paths_and_puts_the_engine_back(
+    tiny_model_factory: Callable[[str], Path],
+) -> None:
+    llm = _engine(tiny_model_factory("llama"))
+    fused = llm.engine.runner.fused
+    text = latency_profile(llm, [5, 6, 7], steps=2, rounds=2, copy_megabytes=8)
+    for heading in ("op by op (before):", "fused step (after):", "copy bandwidth"):
+        assert heading in text
+    after = text.split("fused step (after):")[1]
+    assert "fused decode step (one C call)" in after
+    share = after.split("one C call)")[1].split()[2]
+    assert share.endswith("%")
+    assert float(share[:-1]) > 0  # the fused step was timed
+    assert llm.engine.runner.fused is fused
+    assert not llm.engine.has_unfinished_requests()
