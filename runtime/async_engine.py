@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine, PromptInput, Request
@@ -21,6 +22,8 @@ from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -153,6 +156,31 @@ class AsyncLLM:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def call(self, function: Callable[[], T]) -> T:
+        """Run ``function`` on the engine's thread between steps (for what must happen there,
+        such as starting the profiler) and return its result or raise its exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        def run() -> None:
+            try:
+                result = function()
+            except Exception as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        self._submit(run)
+        return await future
 
     def abort(self, request_id: str) -> None:
         """Stop a request; a consumer still reading gets a final output (finish_reason abort)."""

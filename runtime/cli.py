@@ -108,7 +108,8 @@ def add_parsers(sub: SubParsers) -> None:
         help="the OpenAI-compatible server",
         description="Serve a model over the OpenAI API. Every flag can also be set as a "
         "LADLE_SERVE_<FLAG> environment variable (upper case, dashes as underscores) or a key "
-        "of the --config YAML file; the command line wins, then the environment, then the file.",
+        "of the --config YAML file; the command line wins, then the environment, then the file, "
+        "then the --env-profile.",
     )
     add_server_args(serve)
     EngineArgs.add_cli_args(serve)

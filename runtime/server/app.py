@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -13,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ladle import __version__
 from ladle.runtime.async_engine import AsyncLLM
 from ladle.runtime.errors import RequestError, require_text
+from ladle.runtime.profiler import EngineProfiler, ProfilerStateError, export
 from ladle.runtime.server.errors import APIError, install_handlers
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.middleware import ServerMiddleware
@@ -24,12 +27,16 @@ from ladle.runtime.server.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
+    ProfileResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
 )
 from ladle.runtime.server.serving import OpenAIServing, decode
+
+log = logging.getLogger("ladle.server")
+T = TypeVar("T")
 
 
 def _health(reason: str | None) -> JSONResponse:
@@ -106,6 +113,40 @@ def create_app(state: ServerState) -> FastAPI:
         if any(not 0 <= t < vocab for t in request.tokens):
             raise RequestError(f"tokens: ids must be in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=decode(llm.engine.tokenizer, request.tokens))
+
+    @app.post("/start_profile")
+    async def start_profile() -> ProfileResponse:
+        """vLLM's endpoint: profile the engine's steps until /stop_profile."""
+        profiler = enabled_profiler()
+        await engine_call(loaded(), profiler.start)
+        log.info("profiler started", extra={"trace_dir": str(profiler.trace_dir)})
+        return ProfileResponse(status="started")
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> ProfileResponse:
+        profiler = enabled_profiler()
+        prof, path = await engine_call(loaded(), profiler.stop)
+        trace = await asyncio.to_thread(export, prof, path)
+        log.info("profiler trace written", extra={"trace": str(trace)})
+        return ProfileResponse(status="stopped", trace=str(trace))
+
+    def enabled_profiler() -> EngineProfiler:
+        if state.profiler is None:
+            raise APIError(
+                404,
+                "profiling is off; start the server with --profile-dir DIR to turn it on",
+                code="profiling_disabled",
+            )
+        return state.profiler
+
+    async def engine_call(llm: AsyncLLM, function: Callable[[], T]) -> T:
+        """A profiler state mistake is the client's (409); a hung engine is bounded."""
+        try:
+            return await asyncio.wait_for(llm.call(function), state.settings.liveness_timeout)
+        except ProfilerStateError as exc:
+            raise APIError(409, str(exc), code="profiler_state") from None
+        except TimeoutError:
+            raise APIError(503, "the engine did not answer in time", code="engine_busy") from None
 
     @app.get("/version")
     async def version() -> VersionResponse:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from ladle.audit import AuditLog
 from ladle.runtime.config import ConfigError
 from ladle.runtime.filters.loader import load_input, load_output
+from ladle.runtime.profiler import EngineProfiler
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
@@ -42,6 +43,8 @@ class ServerState:
         self.audit = AuditLog(settings.audit_log, "runtime", text=settings.audit_text)
         self.input_filters = load_input(settings.input_filters)
         self.output_filters = load_output(settings.output_filters)
+        trace_dir = settings.profile_dir
+        self.profiler = None if trace_dir is None else EngineProfiler(trace_dir)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self._load_engine = load_engine

@@ -262,3 +262,8 @@ class VersionResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: str
+
+
+class ProfileResponse(BaseModel):
+    status: Literal["started", "stopped"]
+    trace: str | None = None  # the trace file written, on stop

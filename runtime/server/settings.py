@@ -13,7 +13,16 @@ from pathlib import Path
 
 from ladle.audit import add_audit_args
 from ladle.runtime.config import ConfigError, parse_memory_size
-from ladle.settings import Default, add_log_level, existing_file, integer, memory, seconds
+from ladle.runtime.server.profiles import ENV_PROFILES
+from ladle.settings import (
+    Default,
+    add_env_profile,
+    add_log_level,
+    existing_file,
+    integer,
+    memory,
+    seconds,
+)
 
 
 @dataclass
@@ -35,6 +44,7 @@ class ServerSettings:
     audit_text: bool = False
     input_filters: list[str] = field(default_factory=list)
     output_filters: list[str] = field(default_factory=list)
+    profile_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -46,6 +56,11 @@ class ServerSettings:
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ConfigError(f"request-timeout must be > 0; got {self.request_timeout}")
         self.max_request_size = parse_memory_size(self.max_request_size)
+        if self.profile_dir is not None and not (self.api_keys or self.api_key_file):
+            raise ConfigError(
+                "profile-dir needs --api-key or --api-key-file: the profiler endpoints must "
+                "not be open to anyone who can reach the port"
+            )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServerSettings:
@@ -65,6 +80,7 @@ class ServerSettings:
             audit_text=args.audit_text,
             input_filters=list(args.input_filter or []),
             output_filters=list(args.output_filter or []),
+            profile_dir=None if args.profile_dir is None else Path(args.profile_dir),
         )
 
 
@@ -78,6 +94,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML file of settings keyed by flag name (docs/server.md)",
     )
+    add_env_profile(group, ENV_PROFILES, "docs/server.md#environment-profiles")
     group.add_argument(
         "--api-key",
         action="append",
@@ -153,4 +170,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="pass generated text through this filter as it streams, which may redact or stop "
         "it: an entry point (pii is built in) or package.module:Name (repeatable)",
+    )
+    group.add_argument(
+        "--profile-dir",
+        default=Default(None, "off"),
+        metavar="DIR",
+        help="turn on POST /start_profile and /stop_profile (torch.profiler), writing traces "
+        "here; needs --api-key or --api-key-file (docs/pipeline.md)",
     )

@@ -5,7 +5,8 @@ One rule names the variables: ``LADLE_``, then the subcommand's words, then the 
 case with dashes as underscores. ``ladle serve --max-num-seqs`` reads
 ``LADLE_SERVE_MAX_NUM_SEQS``, ``ladle cluster up --nodes`` reads ``LADLE_CLUSTER_UP_NODES``,
 ``ladle operator --lease-namespace`` reads ``LADLE_OPERATOR_LEASE_NAMESPACE``. The command line
-wins, then the environment, then the file, then the default.
+wins, then the environment, then the file, then a named environment profile (``ladle serve
+--env-profile prod``: defaults for a kind of deployment), then the default.
 
 Flags are plain ``argparse`` arguments; ``attach`` takes over their values. argparse keeps the
 syntax, and the value types below (``integer``, ``number``, ``boolean``, ``memory`` ...) are
@@ -247,6 +248,28 @@ def add_log_level(parser: argparse.ArgumentParser | Any, default: str = "info") 
     )
 
 
+class _EnvProfileAction(argparse._StoreAction):
+    """``--env-profile``: carries its profiles, each a mapping of flag name to value."""
+
+    profiles: Mapping[str, Mapping[str, Any]] = {}
+
+
+def add_env_profile(
+    parser: argparse.ArgumentParser | Any, profiles: Mapping[str, Mapping[str, Any]], doc: str
+) -> None:
+    """``--env-profile NAME``: a layer of defaults under the config file, chosen by the command
+    line, the environment or the file itself (in that order)."""
+    action = parser.add_argument(
+        "--env-profile",
+        action=_EnvProfileAction,
+        choices=tuple(profiles),
+        default=Default(None, "none"),
+        help=f"defaults for a kind of deployment, under every other source ({doc})",
+    )
+    assert isinstance(action, _EnvProfileAction)
+    action.profiles = profiles
+
+
 # -- one command's settings -----------------------------------------------------------------
 
 
@@ -302,6 +325,7 @@ class Settings:
         self.command = command
         self.prefix = env_name(command, "")
         self.config: _Setting | None = None
+        self.env_profile: _Setting | None = None
         self._settings: dict[str, _Setting] = {}
         for action in parser._actions:
             if not action.option_strings or isinstance(
@@ -328,13 +352,15 @@ class Settings:
             action.default = argparse.SUPPRESS
             if action.dest == "config":
                 self.config = setting
+            elif isinstance(action, _EnvProfileAction):
+                self.env_profile = setting
             else:
                 self._settings[action.dest] = setting
 
     @property
     def variables(self) -> set[str]:
         names = {s.variable for s in self._settings.values()}
-        return names | ({self.config.variable} if self.config else set())
+        return names | {s.variable for s in (self.config, self.env_profile) if s is not None}
 
     def _describe(self, setting: _Setting) -> None:
         action = setting.action
@@ -360,10 +386,11 @@ class Settings:
         that another command's variable is not taken for a misspelt one of this command."""
         env = os.environ if environ is None else environ
         self._check_variables(env, set(known))
-        values: dict[str, Any] = {}
         config_file = self._config_file(typed, env)
-        if config_file is not None:
-            values.update(self._from_file(config_file))
+        from_file = self._from_file(config_file) if config_file is not None else {}
+        profile = self._env_profile(typed, env, from_file)
+        values = self.profile_values(profile)
+        values.update(from_file)
         for setting in self._settings.values():
             raw = env.get(setting.variable)
             if raw is not None:
@@ -373,14 +400,46 @@ class Settings:
             if given is not None:
                 shown = " ".join(raw) if isinstance(raw, list) else raw
                 values[dest] = self._convert(given, raw, f"--{given.flag} {shown!r}")
-            elif dest != "config":
+            elif dest != "config" and (self.env_profile is None or dest != self.env_profile.dest):
                 values[dest] = raw
         for dest, setting in self._settings.items():
             if dest not in values:
                 values[dest] = self._default(setting)
         if self.config is not None:
             values["config"] = config_file
+        if self.env_profile is not None:
+            values[self.env_profile.dest] = profile
         return argparse.Namespace(**values)
+
+    def _env_profile(
+        self, typed: argparse.Namespace, env: Mapping[str, str], from_file: dict[str, Any]
+    ) -> str | None:
+        """The profile's name: the command line's, else the environment's, else the file's
+        (which ``_from_file`` took out of the file's values)."""
+        setting = self.env_profile
+        if setting is None:
+            return None
+        raw = getattr(typed, setting.dest, None)
+        if raw is not None:
+            return str(self._convert(setting, raw, f"--{setting.flag} {raw!r}"))
+        raw = env.get(setting.variable)
+        if raw is not None:
+            return str(self._convert(setting, raw, f"{setting.variable}={raw!r}"))
+        named = from_file.pop(setting.dest, None)
+        return None if named is None else str(named)
+
+    def profile_values(self, profile: str | None) -> dict[str, Any]:
+        """What the named profile sets, converted as any other source's values are."""
+        if profile is None or self.env_profile is None:
+            return {}
+        action = self.env_profile.action
+        assert isinstance(action, _EnvProfileAction)
+        by_flag = {s.flag: s for s in self._settings.values()}
+        values = {}
+        for flag, value in action.profiles[profile].items():
+            setting = by_flag[flag]  # a profile naming no flag is a bug, caught by its test
+            values[setting.dest] = self._convert(setting, value, f"env profile {profile}: {flag}")
+        return values
 
     def _default(self, setting: _Setting) -> Any:
         value = setting.default
@@ -437,7 +496,8 @@ class Settings:
             raise SettingError(
                 f"{path}: expected a mapping of flag names to values, such as 'max-num-seqs: 64'"
             )
-        by_flag = {s.flag: s for s in self._settings.values()}
+        settings = [*self._settings.values(), *([self.env_profile] if self.env_profile else [])]
+        by_flag = {s.flag: s for s in settings}
         values = {}
         for key, value in data.items():
             name = str(key).replace("_", "-").removeprefix("--")

@@ -138,11 +138,13 @@ def test_install_upgrade_and_uninstall(
         ("watch", "nodes", True),
         ("watch", "namespaces", True),  # GPUPool namespaceSelectors
         ("patch", "gpupools.ladle.dev", True),  # its finalizer, by server-side apply
+        # Removes the ladle.dev/rollout-action annotation once done; deletes a canary's
+        # Deployment when its rollout ends.
+        ("patch", "inferenceservices.ladle.dev", True),
+        ("delete", "deployments.apps", True),
         # What it must not do:
         ("update", "inferenceservices.ladle.dev", False),
-        ("patch", "inferenceservices.ladle.dev", False),
         ("delete", "inferenceservices.ladle.dev", False),
-        ("delete", "deployments.apps", False),
         ("update", "deployments.apps", False),
         ("create", "pods", False),
         ("delete", "pods", False),
