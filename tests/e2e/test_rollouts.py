@@ -19,8 +19,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +32,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ladle.cluster.pytest_plugin import wait_until
 
-from .conftest import System
+from .conftest import Load, System
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -134,30 +132,6 @@ def rollouts(ladle_system: System, gateway_url: str) -> Iterator[System]:
     wait_until(routed, "the gateway to route the model", 120)
     yield ladle_system
     ladle_system.kubectl("delete", "lisvc", NAME, "-n", ladle_system.namespace, "--wait=false")
-
-
-class Load:
-    """`ladle bench serve` through the gateway, in the background."""
-
-    def __init__(self, gateway_url: str, concurrency: int = 4) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "ladle.cli", "bench", "serve",
-                "--base-url", gateway_url, "--model", MODEL,
-                "--num-prompts", "100000", "--max-concurrency", str(concurrency),
-                "--input-len", "16", "--output-len", "4", "--ignore-eos",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 class Prober:
@@ -304,7 +278,7 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
     )
     assert first["quality"]["result"] == "Pass"
     assert first["quality"]["top1Agreement"] >= 0.85
-    load = Load(gateway_url)
+    load = Load(gateway_url, MODEL, concurrency=4, output_len=4)
     try:
         seen_steps = []
         for step, weight in enumerate(STEPS, 1):
@@ -431,7 +405,7 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     )
     # The load starts with step 1: the canary's pod starts faster without it.
     wait_rollout(rollouts, lambda b: b.get("step") == 1, "step 1", 240)
-    load = Load(gateway_url)
+    load = Load(gateway_url, MODEL, concurrency=4, output_len=4)
     try:
         done = wait_rollout(rollouts, rolled_back, "the rollback on the SLO gate", 180)
     finally:
@@ -514,7 +488,7 @@ def test_pause_resume_a_leader_failover_and_manual_promotion(
     held = rollout(rollouts)
     assert (held["phase"], held["step"], canary_weight(held)) == ("Paused", 1, 50), held
     assert [r for r in reasons(rollouts, since) if r.startswith("Analysis")] == verdicts
-    load = Load(gateway_url)
+    load = Load(gateway_url, MODEL, concurrency=4, output_len=4)
     try:
         pause(rollouts, False)
         wait_rollout(rollouts, lambda b: b.get("phase") == "Progressing", "the resume", 30)
