@@ -198,7 +198,6 @@ class ObjectMeta:
     deleting: bool
     finalizers: tuple[str, ...] = ()
     annotations: Mapping[str, str] = field(default_factory=dict)
-    resource_version: str = ""
 
 
 @dataclass(frozen=True)
@@ -305,7 +304,6 @@ def _meta(obj: Mapping[str, Any]) -> ObjectMeta:
         deleting=bool(meta.get("deletionTimestamp")),
         finalizers=tuple(str(f) for f in meta.get("finalizers") or ()),
         annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
-        resource_version=str(meta.get("resourceVersion") or ""),
     )
 
 

@@ -142,6 +142,9 @@ class CanaryAnalysis:
         self._latest: dict[str, Scrape] = {}
         self._running: dict[str, tuple[str, int]] = {}
         self._verdicts: dict[str, QualityVerdict] = {}
+        # The action annotation this leader acted on and removed, until the store shows it gone:
+        # a reconcile that runs on the status write's event still sees it.
+        self._cleared: dict[str, str] = {}
         # Stands in for the eval library in tests that have no runtime pods to compare.
         self.evaluate: Callable[[str, str, str, str | None, str | None], QualityNumbers] = run_eval
 
@@ -150,7 +153,7 @@ class CanaryAnalysis:
         self._requeue = requeue
 
     def forget(self, uid: str) -> None:
-        for table in (self._baselines, self._latest, self._running, self._verdicts):
+        for table in (self._baselines, self._latest, self._running, self._verdicts, self._cleared):
             table.pop(uid, None)
 
     # ---- measuring
@@ -206,7 +209,18 @@ class CanaryAnalysis:
                 else:
                     stable = interval(base.scrape.stable, end.stable, began)
                 slo = slo_gates(canary, stable, spec.slo, spec.min_requests)
-        return Measured(read_action(isvc), slo, missing, self._verdicts.pop(uid, None))
+        return Measured(self._action(isvc), slo, missing, self._verdicts.pop(uid, None))
+
+    def _action(self, isvc: InferenceService) -> str | None:
+        """The action annotation, unless it is the one this leader already removed."""
+        uid = isvc.meta.uid
+        value = isvc.meta.annotations.get(ROLLOUT_ACTION_ANNOTATION)
+        if value is None:
+            self._cleared.pop(uid, None)
+            return None
+        if self._cleared.get(uid) == value:
+            return None
+        return read_action(isvc)
 
     # ---- after a decision
 
@@ -297,17 +311,22 @@ class CanaryAnalysis:
 
     async def clear_action(self, isvc: InferenceService) -> None:
         """Remove the action annotation once acted on (or found to have nothing to act on),
-        unless someone set it again meanwhile: the patch carries the resourceVersion the
-        action was read at, so a newer write makes it a 409 and the next reconcile reads it."""
+        unless someone set another meanwhile. The patch tests the value that was read before
+        removing it: a resourceVersion precondition would also fail on the status this
+        reconcile just wrote, leaving the annotation to be refused again next time."""
+        value = isvc.meta.annotations.get(ROLLOUT_ACTION_ANNOTATION)
+        if value is None:
+            return
         path = resource_path(API_VERSION, ISVC_KIND, isvc.meta.namespace, isvc.meta.name)
-        body = {
-            "metadata": {
-                "resourceVersion": isvc.meta.resource_version,
-                "annotations": {ROLLOUT_ACTION_ANNOTATION: None},
-            }
-        }
+        key = "/metadata/annotations/" + ROLLOUT_ACTION_ANNOTATION.replace("~", "~0").replace(
+            "/", "~1"
+        )
+        ops = [{"op": "test", "path": key, "value": value}, {"op": "remove", "path": key}]
         try:
-            await self.client.merge_patch(path, body)
+            await self.client.json_patch(path, ops)
         except ApiError as err:
-            if err.status not in (404, 409):
+            # 422: the value changed or is gone (the next reconcile reads what is there now).
+            if err.status not in (404, 422):
                 raise
+            return
+        self._cleared[isvc.meta.uid] = value

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +238,17 @@ class KubeClient:
             params={"fieldManager": self.field_manager},
             body=patch,
             content_type="application/merge-patch+json",
+        )
+
+    async def json_patch(self, path: str, ops: Sequence[Mapping[str, Any]]) -> JSON:
+        """An RFC 6902 patch: its ``test`` operations make a write conditional on values,
+        where a resourceVersion would also refuse writes to unrelated fields."""
+        return await self.request(
+            "PATCH",
+            path,
+            params={"fieldManager": self.field_manager},
+            body=list(ops),
+            content_type="application/json-patch+json",
         )
 
     async def get(self, path: str) -> JSON | None:

@@ -430,6 +430,9 @@ def _resume(m: _Machine) -> None:
     if state.stage == "Analysing":
         m.set(interval_started=now)
         m.new_interval = True
+        # An interval that ended while paused may have been measured just now: it spans the
+        # pause, so its verdict is dropped with it.
+        m.obs = replace(m.obs, slo=None)
     m.emit("Normal", "RolloutResumed", f"Resumed at step {state.step} ({state.weight}%)")
 
 

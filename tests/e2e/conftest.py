@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Generator, Iterator
@@ -210,3 +211,26 @@ def gateway_url(ladle_system: System) -> str:
 
     url: str = wait_until(find, "a Ready gateway pod", 180)
     return url
+
+
+class Load:
+    """`ladle bench serve` through the gateway, in the background, until stopped."""
+
+    def __init__(self, gateway_url: str, model: str, concurrency: int, output_len: int) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "ladle.cli", "bench", "serve",
+                "--base-url", gateway_url, "--model", model,
+                "--num-prompts", "100000", "--max-concurrency", str(concurrency),
+                "--input-len", "16", "--output-len", str(output_len), "--ignore-eos",
+            ],
+            stdout=subprocess.DEVNULL,  # its errors go to stderr, which pytest shows on a failure
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

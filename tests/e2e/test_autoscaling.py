@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +19,7 @@ import pytest
 
 from ladle.cluster.pytest_plugin import wait_until
 
-from .conftest import SELECTOR, System
+from .conftest import SELECTOR, Load, System
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -73,29 +71,6 @@ def scaler(ladle_system: System, gateway_url: str) -> Iterator[System]:
     ladle_system.kubectl("delete", "lisvc", NAME, "-n", ladle_system.namespace, "--wait=false")
 
 
-class Load:
-    """`ladle bench serve` through the gateway, in the background."""
-
-    def __init__(self, gateway_url: str, concurrency: int) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "ladle.cli", "bench", "serve",
-                "--base-url", gateway_url, "--model", MODEL,
-                "--num-prompts", "100000", "--max-concurrency", str(concurrency),
-                "--input-len", "16", "--output-len", "64", "--ignore-eos",
-            ],
-            stdout=subprocess.DEVNULL,  # its errors go to stderr, which pytest shows on a failure
-        )  # fmt: skip
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def autoscaling(system: System) -> dict[str, Any]:
     status: dict[str, Any] = system.isvc(NAME).get("status") or {}
     block: dict[str, Any] = status.get("autoscaling") or {}
@@ -138,7 +113,7 @@ def test_sustained_load_scales_up_within_the_panic_window_and_a_pod_start(
     scaler: System, gateway_url: str
 ) -> None:
     assert autoscaling(scaler).get("desiredReplicas") == 1
-    load = Load(gateway_url, concurrency=8)
+    load = Load(gateway_url, MODEL, concurrency=8, output_len=64)
     try:
         # The clock starts when the load is there (the benchmark takes a while to start).
         wait_until(lambda: in_flight(gateway_url) >= 8, "8 requests in flight", 180)
@@ -181,7 +156,7 @@ def test_unknown_metrics_freeze_the_count_instead_of_scaling_down(
     scaler: System, gateway_url: str
 ) -> None:
     """A hung runtime process answers no scrape: its load is unknown, not zero."""
-    load = Load(gateway_url, concurrency=8)
+    load = Load(gateway_url, MODEL, concurrency=8, output_len=64)
     try:
         wait_until(lambda: len(ready_pods(scaler)) == 2, "2 Ready pods under load", 150)
     finally:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from ladle.operator.canary import interval_key
+from typing import Any
+
+from ladle.operator.api import ROLLOUT_ACTION_ANNOTATION, InferenceService, parse_isvc
+from ladle.operator.canary import CanaryAnalysis, interval_key
+from ladle.operator.kube import ApiError
 from ladle.operator.rollout import RolloutState, from_status, to_status
+from ladle.operator.store import Store
+
+from .conftest import isvc_object
 
 
 def test_a_baseline_is_found_again_after_status_round_trips_the_interval_start() -> None:
@@ -22,3 +29,54 @@ def test_a_baseline_is_found_again_after_status_round_trips_the_interval_start()
         assert interval_key(from_status(to_status(state))) == interval_key(state)
     moved = RolloutState(canary_revision="b", step=1, interval_started=1_764_547_546.0)
     assert interval_key(moved) != interval_key(RolloutState(canary_revision="b", step=1))
+
+
+class PatchRecorder:
+    """Stands in for the API client: records JSON patches, and answers 422 once told to (the
+    value a patch tests has changed)."""
+
+    def __init__(self) -> None:
+        self.patches: list[list[dict[str, Any]]] = []
+        self.conflict = False
+
+    async def json_patch(self, path: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        self.patches.append(ops)
+        if self.conflict:
+            raise ApiError(422, "the test operation failed", "Invalid")
+        return {}
+
+
+def with_action(value: str | None) -> InferenceService:
+    obj = isvc_object()
+    if value is not None:
+        obj["metadata"]["annotations"] = {ROLLOUT_ACTION_ANNOTATION: value}
+    return parse_isvc(obj)
+
+
+async def test_an_action_acted_on_is_removed_once_and_never_read_again_from_a_stale_copy() -> None:
+    """The reconcile that runs on its own status write may still see the annotation it is
+    removing: that copy must not be refused again (a RolloutActionIgnored Warning)."""
+    client = PatchRecorder()
+    analysis = CanaryAnalysis(Store(), client)  # type: ignore[arg-type]
+    state = RolloutState()
+    promote = with_action("promote")
+    assert (await analysis.measure(promote, state, 0.0)).action == "promote"
+    await analysis.clear_action(promote)
+    path = "/metadata/annotations/ladle.dev~1rollout-action"
+    assert client.patches == [
+        [{"op": "test", "path": path, "value": "promote"}, {"op": "remove", "path": path}]
+    ]
+    assert (await analysis.measure(promote, state, 0.0)).action is None  # the stale copy
+    # Another action set meanwhile is read; once gone, the same one counts again.
+    assert (await analysis.measure(with_action("abort"), state, 0.0)).action == "abort"
+    assert (await analysis.measure(with_action(None), state, 0.0)).action is None
+    assert (await analysis.measure(promote, state, 0.0)).action == "promote"
+
+
+async def test_an_action_changed_before_its_removal_is_kept_for_the_next_reconcile() -> None:
+    client = PatchRecorder()
+    client.conflict = True
+    analysis = CanaryAnalysis(Store(), client)  # type: ignore[arg-type]
+    promote = with_action("promote")
+    await analysis.clear_action(promote)  # the annotation now says abort: 422, not removed
+    assert (await analysis.measure(promote, RolloutState(), 0.0)).action == "promote"

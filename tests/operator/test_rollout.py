@@ -321,8 +321,12 @@ def test_pause_holds_everything_and_resume_restarts_the_interval_and_the_deadlin
     world.tick()
     assert world.state.phase == "Paused"
     world.spec = SPEC
-    decision = world.tick()
+    # The interval under way ended during the pause, so the resuming reconcile measured it: that
+    # verdict spans the pause and must not move the step.
+    decision = world.tick(slo=PASS)
     assert world.state.phase == "Progressing"
+    assert (world.state.step, world.state.stage) == (1, "Analysing")
+    assert "AnalysisPassed" not in world.events
     assert decision.new_interval
     assert world.state.step_started == started_at + 1000  # paused from 1010 to 2010
     assert "paused" not in world.state.message
