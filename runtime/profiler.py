@@ -26,7 +26,7 @@ class ProfilerStateError(RuntimeError):
 class EngineProfiler:
     """One profile at a time, written to ``trace_dir`` as a gzipped Chrome/Perfetto trace."""
 
-    def __init__(self, trace_dir: Path) -> None:
+    def __init__(self, trace_dir: Path, max_seconds: float = 60.0) -> None:
         try:
             trace_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -35,16 +35,26 @@ class EngineProfiler:
         if not os.access(trace_dir, os.W_OK | os.X_OK):
             raise ConfigError(f"profile-dir {trace_dir}: not writable")
         self.trace_dir = trace_dir
+        # A profile still running this long after its start stops itself (the events of a
+        # long one would fill the memory, and its trace the disk).
+        self.max_seconds = max_seconds
         self._running: profile | None = None
         self._started = 0.0
         self._count = 0
+        # The trace of the last profile the cap stopped, for the next /stop_profile to name.
+        self.capped: Path | None = None
 
     @property
     def running(self) -> bool:
         return self._running is not None
 
-    def start(self) -> None:
-        """On the engine thread."""
+    @property
+    def session(self) -> int:
+        """Which profile is running, or ran last: the capped stop compares it with its own."""
+        return self._count + (self._running is not None)
+
+    def start(self) -> int:
+        """On the engine thread; the new profile's session."""
         import torch
         from torch.profiler import ProfilerActivity, profile
 
@@ -55,13 +65,20 @@ class EngineProfiler:
             activities.append(ProfilerActivity.CUDA)
         prof = profile(activities=activities, record_shapes=True)
         prof.start()
+        self.capped = None
         self._running = prof
         self._started = time.time()
+        return self.session
 
     def stop(self) -> tuple[profile, Path]:
         """On the engine thread: the stopped profile and the file to export it to."""
         prof = self._running
         if prof is None:
+            if self.capped is not None:
+                raise ProfilerStateError(
+                    f"the profiler is not running: the last profile stopped itself after "
+                    f"{self.max_seconds:g} s (--profile-max-seconds) and wrote {self.capped}"
+                )
             raise ProfilerStateError("the profiler is not running; POST /start_profile first")
         self._running = None
         prof.stop()
@@ -70,6 +87,13 @@ class EngineProfiler:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._started))
         name = f"ladle-{socket.gethostname()}-{stamp}-{self._count}.pt.trace.json.gz"
         return prof, self.trace_dir / name
+
+    def stop_session(self, session: int) -> tuple[profile, Path] | None:
+        """On the engine thread: stop ``session`` if it is still the one running (the cap's
+        stop; None when /stop_profile came first)."""
+        if self._running is None or self.session != session:
+            return None
+        return self.stop()
 
 
 def export(prof: profile, path: Path) -> Path:

@@ -118,9 +118,31 @@ def create_app(state: ServerState) -> FastAPI:
     async def start_profile() -> ProfileResponse:
         """vLLM's endpoint: profile the engine's steps until /stop_profile."""
         profiler = enabled_profiler()
-        await engine_call(loaded(), profiler.start)
-        log.info("profiler started", extra={"trace_dir": str(profiler.trace_dir)})
+        llm = loaded()
+        session = await engine_call(llm, profiler.start)
+        state.keep(asyncio.create_task(stop_at_cap(llm, profiler, session)))
+        log.info(
+            "profiler started",
+            extra={"trace_dir": str(profiler.trace_dir), "max_seconds": profiler.max_seconds},
+        )
         return ProfileResponse(status="started")
+
+    async def stop_at_cap(llm: AsyncLLM, profiler: EngineProfiler, session: int) -> None:
+        """--profile-max-seconds: the profile stops itself and writes its trace."""
+        await asyncio.sleep(profiler.max_seconds)
+        try:
+            stopped = await engine_call(llm, lambda: profiler.stop_session(session))
+        except APIError as exc:
+            log.warning("the capped profile could not be stopped", extra={"error": exc.message})
+            return
+        if stopped is None:
+            return  # /stop_profile came first
+        trace = await asyncio.to_thread(export, *stopped)
+        profiler.capped = trace
+        log.warning(
+            "profiler stopped at --profile-max-seconds; trace written",
+            extra={"trace": str(trace), "max_seconds": profiler.max_seconds},
+        )
 
     @app.post("/stop_profile")
     async def stop_profile() -> ProfileResponse:

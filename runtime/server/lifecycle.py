@@ -44,7 +44,13 @@ class ServerState:
         self.input_filters = load_input(settings.input_filters)
         self.output_filters = load_output(settings.output_filters)
         trace_dir = settings.profile_dir
-        self.profiler = None if trace_dir is None else EngineProfiler(trace_dir)
+        self.profiler = (
+            None
+            if trace_dir is None
+            else EngineProfiler(trace_dir, settings.profile_max_seconds)
+        )
+        # Background tasks (a profile's cap): the loop holds only weak references to them.
+        self._tasks: set[asyncio.Task[None]] = set()
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self._load_engine = load_engine
@@ -101,7 +107,14 @@ class ServerState:
             pass
         log.info("warm-up step done", extra={"seconds": round(time.monotonic() - started, 3)})
 
+    def keep(self, task: asyncio.Task[None]) -> None:
+        """Hold ``task`` until it ends."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         if self.llm is not None:
             self.llm.shutdown()
         self.audit.close()

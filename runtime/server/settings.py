@@ -45,6 +45,7 @@ class ServerSettings:
     input_filters: list[str] = field(default_factory=list)
     output_filters: list[str] = field(default_factory=list)
     profile_dir: Path | None = None
+    profile_max_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -53,6 +54,8 @@ class ServerSettings:
             raise ConfigError(f"drain-timeout must be >= 0; got {self.drain_timeout}")
         if self.liveness_timeout <= 0:
             raise ConfigError(f"liveness-timeout must be > 0; got {self.liveness_timeout}")
+        if not 0 < self.profile_max_seconds < float("inf"):
+            raise ConfigError(f"profile-max-seconds must be > 0; got {self.profile_max_seconds}")
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ConfigError(f"request-timeout must be > 0; got {self.request_timeout}")
         self.max_request_size = parse_memory_size(self.max_request_size)
@@ -81,6 +84,7 @@ class ServerSettings:
             input_filters=list(args.input_filter or []),
             output_filters=list(args.output_filter or []),
             profile_dir=None if args.profile_dir is None else Path(args.profile_dir),
+            profile_max_seconds=args.profile_max_seconds,
         )
 
 
@@ -177,4 +181,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="turn on POST /start_profile and /stop_profile (torch.profiler), writing traces "
         "here; needs --api-key or --api-key-file (docs/pipeline.md)",
+    )
+    group.add_argument(
+        "--profile-max-seconds",
+        type=seconds(above=0),
+        default=60.0,
+        metavar="SECONDS",
+        help="a profile still running this long after /start_profile stops itself and writes "
+        "its trace",
     )

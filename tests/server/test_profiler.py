@@ -7,6 +7,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from ladle.runtime.profiler import EngineProfiler
 
 from .conftest import Server, start_server
 
@@ -79,6 +82,42 @@ def test_a_trace_of_live_traffic_and_the_key_is_required(profiled: tuple[Server,
     assert httpx.post(f"{server.url}/start_profile", headers=AUTH, timeout=30).status_code == 200
     assert httpx.post(f"{server.url}/stop_profile", headers=AUTH, timeout=120).status_code == 200
     assert len(list(traces.iterdir())) == 2
+
+
+def test_a_profile_stops_itself_at_the_cap(tiny_model_path: Path, tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    server = start_server(
+        tmp_path,
+        *("--model", str(tiny_model_path), "--api-key", KEY),
+        *("--profile-dir", str(traces), "--profile-max-seconds", "0.5"),
+    )
+    try:
+        started = httpx.post(f"{server.url}/start_profile", headers=AUTH, timeout=30)
+        assert started.status_code == 200, started.text
+        deadline = time.monotonic() + 60
+        while not list(traces.glob("*.pt.trace.json.gz")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (trace,) = traces.iterdir()  # written whole, with no stop asked for
+        json.loads(gzip.decompress(trace.read_bytes()))
+        late = httpx.post(f"{server.url}/stop_profile", headers=AUTH, timeout=30)
+        assert _error(late) == (409, "profiler_state")
+        message = late.json()["error"]["message"]
+        assert "stopped itself after 0.5 s (--profile-max-seconds)" in message
+        assert str(trace) in message
+    finally:
+        server.stop()
+
+
+def test_the_cap_of_a_profile_stopped_by_hand_leaves_the_next_one_alone(tmp_path: Path) -> None:
+    profiler = EngineProfiler(tmp_path, max_seconds=5)
+    first = profiler.start()
+    profiler.stop()
+    second = profiler.start()
+    assert profiler.stop_session(first) is None  # the first one's cap fires: nothing to do
+    assert profiler.running
+    stopped = profiler.stop_session(second)
+    assert stopped is not None and not profiler.running
+    assert profiler.stop_session(second) is None
 
 
 def test_off_by_default(tiny_model_path: Path, tmp_path: Path) -> None:
