@@ -41,6 +41,8 @@ CANARY = "canary"
 # One-shot rollout commands (promote, abort, retry): the operator acts, then removes it.
 ROLLOUT_ACTION_ANNOTATION = "ladle.dev/rollout-action"
 ROLLOUT_ACTIONS = ("promote", "abort", "retry")
+# "enabled": the runtime pods run with --profile-dir on a bounded emptyDir (docs/pipeline.md).
+PROFILING_ANNOTATION = "ladle.dev/profiling"
 
 JSON = dict[str, Any]
 SourceKind = Literal["builtin", "pvc", "image"]

@@ -27,6 +27,8 @@ from ladle.settings import (
 )
 
 SYSTEM_NAMESPACE = "ladle-system"
+# `ladle serve --env-profile`'s names (ladle.runtime.server.profiles, which desired.py checks).
+RUNTIME_ENV_PROFILES = ("dev", "staging", "prod")
 # Where a pod finds its own namespace (client-go's in-cluster convention).
 POD_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -146,6 +148,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="engine flags longer than this move from the pod's args into a ConfigMap",
     )
     parser.add_argument(
+        "--runtime-env-profile",
+        choices=RUNTIME_ENV_PROFILES,
+        default=Default(None, "none"),
+        help="run every runtime pod with `ladle serve --env-profile` this, and that profile's "
+        "probe timings (docs/operator.md#environment-profiles); the spec's fields still win",
+    )
+    parser.add_argument(
         "--workers",
         type=integer(1),
         default=32,
@@ -193,6 +202,7 @@ def _run(args: argparse.Namespace) -> int:
                 gateway_selector=args.gateway_selector,
                 default_gpu_resource=args.default_gpu_resource,
                 config_map_threshold_bytes=args.config_map_threshold_bytes,
+                runtime_env_profile=args.runtime_env_profile,
             ),
             metrics_host=host,
             metrics_port=port,

@@ -24,6 +24,7 @@ from ladle.operator.api import (
     LABEL_POOL,
     LABEL_VARIANT,
     MANAGED_BY,
+    PROFILING_ANNOTATION,
     STABLE,
     GPUPoolSpec,
     InferenceService,
@@ -51,6 +52,38 @@ CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
 # On the Deployment (not its pods): a digest of the pod template it was last given, so that
 # any leader can tell from the live object whether a rollout of the current spec is due.
 TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
+# ladle.dev/profiling: "enabled": traces go to an emptyDir here, bounded so that a forgotten
+# profile cannot fill the node's disk (past the limit the kubelet evicts the pod).
+PROFILE_MOUNT = "/var/lib/ladle/profiles"
+PROFILE_SIZE_LIMIT = "1Gi"
+
+
+@dataclass(frozen=True)
+class Probe:
+    period: int
+    timeout: int
+    failures: int
+
+
+@dataclass(frozen=True)
+class RuntimeProbes:
+    """The kubelet's side of the runtime's liveness and readiness probes (the startup probe
+    follows spec.runtime.startupTimeoutSeconds)."""
+
+    liveness: Probe
+    readiness: Probe
+
+
+PRODUCTION_PROBES = RuntimeProbes(liveness=Probe(10, 5, 3), readiness=Probe(5, 3, 2))
+# Per operator --runtime-env-profile (None: none set). staging and prod are the defaults;
+# dev gives a process paused in a debugger (which answers no probe) ten minutes, as its
+# `ladle serve --env-profile dev` gives a stalled engine (liveness-timeout 600).
+RUNTIME_PROBES: dict[str | None, RuntimeProbes] = {
+    None: PRODUCTION_PROBES,
+    "dev": RuntimeProbes(liveness=Probe(30, 10, 20), readiness=Probe(5, 3, 2)),
+    "staging": PRODUCTION_PROBES,
+    "prod": PRODUCTION_PROBES,
+}
 
 
 @dataclass(frozen=True)
@@ -176,6 +209,51 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
     return config
 
 
+@dataclass(frozen=True)
+class Profiling:
+    """What ``ladle.dev/profiling`` asks of the pods: whether they run with --profile-dir,
+    and why not when it was asked for but cannot be (an Event says so)."""
+
+    enabled: bool
+    problem: tuple[str, str] | None = None  # (Event reason, message)
+
+
+def profiling(isvc: InferenceService) -> Profiling:
+    value = isvc.meta.annotations.get(PROFILING_ANNOTATION)
+    if value is None or value == "disabled":
+        return Profiling(False)
+    if value != "enabled":
+        return Profiling(
+            False,
+            (
+                "InvalidProfilingAnnotation",
+                f"{PROFILING_ANNOTATION}: {value!r} is neither 'enabled' nor 'disabled'; "
+                "profiling stays off",
+            ),
+        )
+    if isvc.spec.api_key_secret is None:
+        return Profiling(
+            False,
+            (
+                "ProfilingNeedsAPIKey",
+                f"{PROFILING_ANNOTATION} is 'enabled' but spec.apiKeySecret is not set: "
+                "ladle serve refuses --profile-dir without a key, so profiling stays off",
+            ),
+        )
+    return Profiling(True)
+
+
+def operator_settings(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """The ``ladle serve`` settings the operator adds to the spec's: the environment profile
+    (a layer under every flag, so the spec's engine fields win) and profiling."""
+    settings: dict[str, Any] = {}
+    if config.runtime_env_profile is not None:
+        settings["env-profile"] = config.runtime_env_profile
+    if profiling(isvc).enabled:
+        settings["profile-dir"] = PROFILE_MOUNT
+    return settings
+
+
 def render_flags(config: dict[str, Any]) -> list[str]:
     args: list[str] = []
     for key, value in config.items():
@@ -289,7 +367,7 @@ def desired_children(
     pod_labels = {**labels, **({LABEL_POOL: spec.gpu_pool} if spec.gpu_pool else {})}
     gpu_resource = pool.resource_name if pool is not None else config.default_gpu_resource
 
-    engine = engine_config(isvc)
+    engine = {**engine_config(isvc), **operator_settings(isvc, config)}
     engine_flags = render_flags(engine)
     cm_name = config_map_name(name, variant)
     config_map: JSON | None = None
@@ -344,8 +422,13 @@ def desired_children(
             }
         )
         mounts.append({"name": "api-key", "mountPath": API_KEY_MOUNT, "readOnly": True})
+    if "profile-dir" in engine:
+        volumes.append({"name": "profiles", "emptyDir": {"sizeLimit": PROFILE_SIZE_LIMIT}})
+        mounts.append({"name": "profiles", "mountPath": PROFILE_MOUNT})
 
     drain = spec.engine.drain_timeout_seconds
+    probes = RUNTIME_PROBES[config.runtime_env_profile]
+    live, ready = probes.liveness, probes.readiness
     container: JSON = {
         "name": "runtime",
         "image": spec.runtime_image or config.runtime_image,
@@ -362,8 +445,8 @@ def desired_children(
             5,
             max(1, math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS)),
         ),
-        "livenessProbe": _probe("/health/live", 10, 5, 3),
-        "readinessProbe": _probe("/health/ready", 5, 3, 2),
+        "livenessProbe": _probe("/health/live", live.period, live.timeout, live.failures),
+        "readinessProbe": _probe("/health/ready", ready.period, ready.timeout, ready.failures),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -36,6 +36,7 @@ from ladle.operator.desired import (
     desired_service,
     label_selector,
     plan_variants,
+    profiling,
     service_url,
     template_hash,
     variant_name,
@@ -119,6 +120,9 @@ class InferenceServiceReconciler:
         self.config = config
         self.requeue = requeue
         self.canary = CanaryAnalysis(store, client)
+        # The ladle.dev/profiling problem last announced per service, so that a reconcile
+        # repeats no Event (the recorder would count each repeat with an API write).
+        self._profiling_said: dict[str, tuple[str, str] | None] = {}
 
     def forget(self, key: IsvcKey, uid: str | None) -> None:
         self.metrics.forget_isvc(*key)
@@ -126,6 +130,7 @@ class InferenceServiceReconciler:
             self.applier.forget(uid)
             self.writer.forget(uid)
             self.canary.forget(uid)
+            self._profiling_said.pop(uid, None)
         self.pools.forget(key)
         self.metrics.rollouts.pop(key, None)
 
@@ -273,6 +278,7 @@ class InferenceServiceReconciler:
         self.metrics.observe_isvc(*key, status)
         await self.writer.write(owner.ref, status, previous)
         self._announce(isvc, decision)
+        self._announce_profiling(isvc)
         if measured.action is not None:
             if not decision.action_used:
                 self._refuse_action(isvc, measured.action, state)
@@ -293,6 +299,15 @@ class InferenceServiceReconciler:
         if decision.rolled_back is not None:
             self.metrics.rollbacks.labels(*labels, decision.rolled_back).inc()
         self.metrics.rollouts[isvc.key] = decision.state
+
+    def _announce_profiling(self, isvc: InferenceService) -> None:
+        """A Warning Event when ladle.dev/profiling asks for what cannot be, once per change."""
+        problem = profiling(isvc).problem
+        if self._profiling_said.get(isvc.meta.uid) == problem:
+            return
+        self._profiling_said[isvc.meta.uid] = problem
+        if problem is not None:
+            self.recorder.emit(isvc_ref(isvc), "Warning", *problem)
 
     def _refuse_action(self, isvc: InferenceService, action: str, state: RolloutState) -> None:
         if action not in ROLLOUT_ACTIONS:

@@ -45,9 +45,7 @@ class ServerState:
         self.output_filters = load_output(settings.output_filters)
         trace_dir = settings.profile_dir
         self.profiler = (
-            None
-            if trace_dir is None
-            else EngineProfiler(trace_dir, settings.profile_max_seconds)
+            None if trace_dir is None else EngineProfiler(trace_dir, settings.profile_max_seconds)
         )
         # Background tasks (a profile's cap): the loop holds only weak references to them.
         self._tasks: set[asyncio.Task[None]] = set()

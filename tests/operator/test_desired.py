@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -14,11 +15,14 @@ from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     TEMPLATE_HASH_ANNOTATION,
+    Profiling,
     desired_children,
     desired_service,
     engine_config,
     object_digest,
+    profiling,
     render_flags,
+    template_hash,
 )
 from ladle.runtime.config import EngineArgs
 
@@ -335,3 +339,119 @@ def test_the_deployment_carries_a_digest_of_its_pod_template(
     # Pods name their pool, so that pods still draining count against its quota.
     assert deployment["spec"]["template"]["metadata"]["labels"]["ladle.dev/gpupool"] == "h200"
     assert "ladle.dev/gpupool" not in deployment["spec"]["selector"]["matchLabels"]
+
+
+# ---- environment profiles and profiling (issue 17) ----------------------------------------
+
+
+def profiling_on(obj: dict[str, Any], value: str) -> dict[str, Any]:
+    obj["metadata"]["annotations"] = {"ladle.dev/profiling": value}
+    return obj
+
+
+def probe_timings(ctr: dict[str, Any], name: str) -> tuple[int, int, int]:
+    probe = ctr[name]
+    return probe["periodSeconds"], probe["timeoutSeconds"], probe["failureThreshold"]
+
+
+def test_the_operators_env_profile_names_are_ladle_serves() -> None:
+    from ladle.operator.cli import RUNTIME_ENV_PROFILES
+    from ladle.operator.desired import RUNTIME_PROBES
+    from ladle.runtime.server.profiles import ENV_PROFILES
+
+    assert tuple(ENV_PROFILES) == RUNTIME_ENV_PROFILES
+    assert set(RUNTIME_PROBES) == {None, *ENV_PROFILES}
+
+
+def test_each_env_profile_changes_only_the_flag_and_its_probe_timings(
+    make_isvc: Builder,
+) -> None:
+    """What each --runtime-env-profile renders, diffed against no profile: `--env-profile` in
+    the pod's args (a layer under every other flag, so the spec's engine fields still win) and
+    the profile's probe timings; nothing else in the pod template."""
+    isvc = parse_isvc(make_isvc(spec={"engine": {"maxWaitingRequests": 8}}))
+    plain = desired_children(isvc, None, 1, CONFIG).deployment["spec"]["template"]
+    seen: dict[str | None, tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
+    for profile in (None, "dev", "staging", "prod"):
+        config = OperatorConfig(runtime_image=CONFIG.runtime_image, runtime_env_profile=profile)
+        children = desired_children(isvc, None, 1, config)
+        ctr = container(children)
+        args = ctr["args"]
+        if profile is None:
+            assert "--env-profile" not in args
+        else:
+            assert args[args.index("--env-profile") + 1] == profile
+            assert args[-2:] == ["--env-profile", profile]
+        # The spec's own setting stays an explicit flag, which beats the profile's default.
+        assert args[args.index("--max-waiting-requests") + 1] == "8"
+        seen[profile] = (probe_timings(ctr, "livenessProbe"), probe_timings(ctr, "readinessProbe"))
+        template = children.deployment["spec"]["template"]
+        rest = copy.deepcopy(template)
+        base = copy.deepcopy(plain)
+        for t in (rest, base):
+            c = t["spec"]["containers"][0]
+            c["args"] = [a for a in c["args"] if a not in ("--env-profile", profile)]
+            del c["livenessProbe"], c["readinessProbe"]
+        assert rest == base
+    assert seen == {
+        None: ((10, 5, 3), (5, 3, 2)),
+        "dev": ((30, 10, 20), (5, 3, 2)),  # ten minutes for a process paused in a debugger
+        "staging": ((10, 5, 3), (5, 3, 2)),
+        "prod": ((10, 5, 3), (5, 3, 2)),
+    }
+
+
+def test_the_env_profile_rides_in_the_config_map_when_flags_move_there(
+    make_isvc: Builder,
+) -> None:
+    config = OperatorConfig(config_map_threshold_bytes=0, runtime_env_profile="prod")
+    children = desired_children(parse_isvc(make_isvc()), None, 1, config)
+    assert children.config_map is not None
+    rendered = yaml.safe_load(children.config_map["data"]["config.yaml"])
+    assert rendered["env-profile"] == "prod"
+    assert "--env-profile" not in container(children)["args"]
+
+
+KEYED = {"apiKeySecret": {"name": "keys", "key": "token"}}
+
+
+def test_the_profiling_annotation_adds_a_profile_dir_on_a_bounded_empty_dir(
+    make_isvc: Builder,
+) -> None:
+    plain = desired_children(parse_isvc(make_isvc(spec=KEYED)), None, 1, CONFIG)
+    isvc = parse_isvc(profiling_on(make_isvc(spec=KEYED), "enabled"))
+    assert isvc.meta.annotations == {"ladle.dev/profiling": "enabled"}
+    assert profiling(isvc) == Profiling(True)
+    children = desired_children(isvc, None, 1, CONFIG)
+    ctr = container(children)
+    args = ctr["args"]
+    assert args[args.index("--profile-dir") + 1] == "/var/lib/ladle/profiles"
+    assert args[args.index("--api-key-file") + 1] == "/etc/ladle/auth/api-key"
+    pod = children.deployment["spec"]["template"]["spec"]
+    assert {"name": "profiles", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
+    assert {"name": "profiles", "mountPath": "/var/lib/ladle/profiles"} in ctr["volumeMounts"]
+    # A new pod template: the pods restart with the flag (and again when it is removed).
+    assert template_hash(children.deployment) != template_hash(plain.deployment)
+    off = profiling_on(make_isvc(spec=KEYED), "disabled")
+    assert desired_children(parse_isvc(off), None, 1, CONFIG).deployment == plain.deployment
+
+
+@pytest.mark.parametrize(
+    ("spec", "value", "reason"),
+    [
+        ({}, "enabled", "ProfilingNeedsAPIKey"),
+        (KEYED, "yes", "InvalidProfilingAnnotation"),
+    ],
+)
+def test_profiling_that_cannot_be_is_off_and_says_why(
+    make_isvc: Builder, spec: dict[str, Any], value: str, reason: str
+) -> None:
+    isvc = parse_isvc(profiling_on(make_isvc(spec=spec), value))
+    result = profiling(isvc)
+    assert not result.enabled
+    assert result.problem is not None
+    assert result.problem[0] == reason
+    assert "profiling stays off" in result.problem[1]
+    ctr = container(desired_children(isvc, None, 1, CONFIG))
+    assert "--profile-dir" not in ctr["args"]
+    assert "profiles" not in [m["name"] for m in ctr["volumeMounts"]]

@@ -230,7 +230,13 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
     }
     assert set(engine) | {"gpuMemoryUtilization"} == set(engine_fields)
     obj = {
-        "metadata": {"name": "x", "namespace": "n", "uid": "u", "generation": 1},
+        "metadata": {
+            "name": "x",
+            "namespace": "n",
+            "uid": "u",
+            "generation": 1,
+            "annotations": {"ladle.dev/profiling": "enabled"},
+        },
         "spec": {
             "model": {"name": "m", "source": {"pvc": {"claimName": "c", "path": "p"}}},
             "resources": {"gpus": 0},
@@ -242,9 +248,11 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
     gpu = parse_isvc({**obj, "spec": {**obj["spec"], "resources": {"gpus": 1},
                                       "engine": {"gpuMemoryUtilization": 0.5}}})  # fmt: skip
     keys = set(engine_config(isvc)) | set(engine_config(gpu))
-    args = desired_children(isvc, None, 1, OperatorConfig(config_map_threshold_bytes=10**6))
+    config = OperatorConfig(config_map_threshold_bytes=10**6, runtime_env_profile="prod")
+    args = desired_children(isvc, None, 1, config)
     rendered = args.deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     flags = {a.removeprefix("--") for a in rendered if a.startswith("--")}
+    assert {"env-profile", "profile-dir"} <= flags
 
     result = subprocess.run(
         [sys.executable, "-m", "ladle.cli", "serve", "--help"],

@@ -116,7 +116,8 @@ def test_the_cap_of_a_profile_stopped_by_hand_leaves_the_next_one_alone(tmp_path
     assert profiler.stop_session(first) is None  # the first one's cap fires: nothing to do
     assert profiler.running
     stopped = profiler.stop_session(second)
-    assert stopped is not None and not profiler.running
+    assert stopped is not None
+    assert not profiler.running
     assert profiler.stop_session(second) is None
 
 
