@@ -116,3 +116,17 @@ then read exactly), written as Prometheus writes it: 1 is "1.0", 0.5 is "0.5".
 - targetLabel: job
   replacement: ladle-runtime
 {{- end -}}
+
+{{/* The environment profile, checked: "", dev, staging or prod. */}}
+{{- define "ladle.envProfile" -}}
+{{- $p := .Values.envProfile | default "" -}}
+{{- if not (has $p (list "" "dev" "staging" "prod")) -}}
+{{- fail (printf "envProfile: %q is not one of dev, staging, prod (or empty)" $p) -}}
+{{- end -}}
+{{- $p -}}
+{{- end -}}
+
+{{/* The log level a profile gives the operator and the gateway (the values table). */}}
+{{- define "ladle.profileLogLevel" -}}
+{{- get (dict "dev" "debug" "staging" "info" "prod" "info") (include "ladle.envProfile" .) | default "info" -}}
+{{- end -}}
