@@ -627,3 +627,49 @@ def test_operator_serves_health_and_metrics(operator: OperatorProcess) -> None:
     logs = [line for line in operator.log.read_text().splitlines() if line.startswith("{")]
     assert logs
     assert all("message" in json.loads(line) for line in logs)
+
+
+def test_the_profiling_annotation_needs_a_key_and_says_so_once(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    """ladle.dev/profiling without spec.apiKeySecret: pods as they were, and one Warning Event
+    however many reconciles follow; with a key, --profile-dir and its volume."""
+    ns = k8s_namespace
+    kube.apply(isvc_manifest("prof", resources={"gpus": 0}), ns)
+    kube.wait_condition(ns, "prof", "Ready")
+    before = deployment(kube, ns, "prof-stable").metadata.generation
+    annotated = kube.kubectl("annotate", "-n", ns, "lisvc", "prof", "ladle.dev/profiling=enabled")
+    assert annotated.returncode == 0, annotated.stderr
+    (event,) = wait_for(
+        lambda: [e for e in kube.event_objects(ns, "prof") if e.reason == "ProfilingNeedsAPIKey"],
+        "the ProfilingNeedsAPIKey event",
+    )
+    assert event.type == "Warning"
+    assert "spec.apiKeySecret is not set" in event.message
+    assert deployment(kube, ns, "prof-stable").metadata.generation == before
+    # Another reconcile, of a new spec, repeats no Event.
+    kube.apply(isvc_manifest("prof", resources={"gpus": 0}, engine={"seed": 3}), ns)
+    wait_for(
+        lambda: "3" in deployment(kube, ns, "prof-stable").spec.template.spec.containers[0].args,
+        "the new spec's Deployment",
+    )
+    kube.wait_condition(ns, "prof", "Ready")
+    kube.kubectl("create", "secret", "generic", "prof-key", "-n", ns, "--from-literal=k=sk-1")
+    kube.apply(
+        isvc_manifest("prof", resources={"gpus": 0}, apiKeySecret={"name": "prof-key", "key": "k"}),
+        ns,
+    )
+    ctr = wait_for(
+        lambda: (
+            (c := deployment(kube, ns, "prof-stable").spec.template.spec.containers[0])
+            and "--profile-dir" in c.args
+            and c
+        ),
+        "the runtime pods to get --profile-dir",
+    )
+    assert ctr.args[ctr.args.index("--profile-dir") + 1] == "/var/lib/ladle/profiles"
+    mounts = {m.name: m.mount_path for m in ctr.volume_mounts}
+    assert mounts["profiles"] == "/var/lib/ladle/profiles"
+    events = [e for e in kube.event_objects(ns, "prof") if e.reason == "ProfilingNeedsAPIKey"]
+    assert [e.count for e in events] == [1]
+    kube.kubectl("delete", "-n", ns, "lisvc", "prof", "--wait=false")
