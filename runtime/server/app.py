@@ -132,13 +132,14 @@ def create_app(state: ServerState) -> FastAPI:
         await asyncio.sleep(profiler.max_seconds)
         try:
             stopped = await engine_call(llm, lambda: profiler.stop_session(session))
-        except APIError as exc:
-            log.warning("the capped profile could not be stopped", extra={"error": exc.message})
+        except Exception as exc:  # a hung or dead engine: the probes deal with that
+            log.warning("the capped profile could not be stopped", extra={"error": str(exc)})
             return
         if stopped is None:
             return  # /stop_profile came first
-        trace = await asyncio.to_thread(export, *stopped)
-        profiler.capped = trace
+        prof, path = stopped
+        profiler.capped = path  # named to a /stop_profile that comes while it is written
+        trace = await asyncio.to_thread(export, prof, path)
         log.warning(
             "profiler stopped at --profile-max-seconds; trace written",
             extra={"trace": str(trace), "max_seconds": profiler.max_seconds},
