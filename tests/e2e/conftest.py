@@ -97,16 +97,13 @@ class System:
         """The documents of ``examples/<name>``."""
         return [doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc]
 
+    def pod_dir(self, pod: dict[str, Any]) -> Path:
+        """The node agent's folder of a pod: its volumes, its containers' records."""
+        return self.cluster.cluster.agent_dir / "pods" / pod["metadata"]["uid"]
+
     def container_record(self, pod: dict[str, Any], container: str = "runtime") -> dict[str, Any]:
         """What the node agent recorded about a container: its pid and environment."""
-        path = (
-            self.cluster.cluster.agent_dir
-            / "pods"
-            / pod["metadata"]["uid"]
-            / "containers"
-            / container
-            / "record.json"
-        )
+        path = self.pod_dir(pod) / "containers" / container / "record.json"
         record: dict[str, Any] = json.loads(path.read_text())
         return record
 

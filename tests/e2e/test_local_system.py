@@ -8,6 +8,7 @@ for one model load per pod; the destructive tests (kill -9, deletion mid-stream)
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import os
 import shutil
@@ -15,9 +16,10 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -74,6 +76,8 @@ def services(
         "drainTimeoutSeconds": 60,
     }
     llama["spec"]["apiKeySecret"] = {"name": "qwen-api-key"}
+    # Profiling through the operator (docs/pipeline.md): on from the start, so no restart.
+    llama["metadata"]["annotations"] = {"ladle.dev/profiling": "enabled"}
     documents += [pv, claim, llama]
     system.apply(documents)
     yield {d["metadata"]["name"]: d for d in documents if d["kind"] == "InferenceService"}
@@ -210,6 +214,21 @@ def test_the_pvc_example_serves_the_volumes_model_behind_its_api_key(
     assert engine["model"] == "/models/meta-llama/Llama-3.1-8B-Instruct"
     args = pod["spec"]["containers"][0]["args"]
     assert "--config" in args  # the engine flags went through the operator's ConfigMap
+
+    # ladle.dev/profiling: the profiler endpoints answer behind the key, and the trace lands
+    # in the pod's own emptyDir (read on the node, where `kubectl cp` would fetch it).
+    root = base_url(pod).removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.post(f"{root}/start_profile", timeout=30).status_code == 401
+    assert httpx.post(f"{root}/start_profile", headers=auth, timeout=60).status_code == 200
+    assert keyed.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text
+    stopped = httpx.post(f"{root}/stop_profile", headers=auth, timeout=120)
+    assert stopped.status_code == 200, stopped.text
+    trace = PurePosixPath(stopped.json()["trace"])
+    assert trace.parent == PurePosixPath("/var/lib/ladle/profiles")
+    volume = system.pod_dir(pod) / "volumes" / "profiles"
+    events = json.loads(gzip.decompress((volume / trace.name).read_bytes()))["traceEvents"]
+    assert events
 
 
 def test_an_unknown_image_waits_with_a_clear_reason(
