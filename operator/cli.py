@@ -151,7 +151,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--runtime-env-profile",
         choices=RUNTIME_ENV_PROFILES,
         default=Default(None, "none"),
-        help="run every runtime pod with `ladle serve --env-profile` this, and that profile's "
+        help="the environment profile of every runtime pod's ladle serve, with that profile's "
         "probe timings (docs/operator.md#environment-profiles); the spec's fields still win",
     )
     parser.add_argument(
