@@ -119,7 +119,8 @@ def service(name: str, model: str, replicas: int, **spec: Any) -> str:
 @pytest.fixture(scope="module")
 def services(kube: Kube, local: str, operator: OperatorProcess) -> str:
     breaker = {"minimumCalls": 4, "openSeconds": 5, "halfOpenProbes": 1, "countRateLimited": True}
-    kube.apply(service("alpha", "model-a", 2), local)
+    # alpha opts in to the response cache; only greedy or seeded requests use it.
+    kube.apply(service("alpha", "model-a", 2, responseCache={"enabled": True}), local)
     kube.apply(service("beta", "model-b", 1, fallback="alpha", circuitBreaker=breaker), local)
     kube.apply(service("gamma", "model-c", 0, minReplicas=0), local)
     for name in ("alpha", "beta"):
@@ -182,6 +183,21 @@ def test_a_shared_prefix_lands_on_one_pod_with_load_bounded(
     served = sorted(after.get(p, 0) - before.get(p, 0) for p in after)
     assert sum(served) == 20
     assert served[-1] / 20 > 0.8
+
+
+def test_the_spec_turns_on_the_response_cache_for_its_model_alone(
+    services: str, gateway: Process
+) -> None:
+    greedy = {"prompt": "The cache in the cluster says", "temperature": 0}
+    before = sum(pod_counts(gateway, services, "alpha").values())
+    miss, hit = (complete(gateway, "model-a", **greedy) for _ in range(2))
+    assert (miss.status_code, hit.status_code) == (200, 200), miss.text + hit.text
+    assert (miss.headers["x-ladle-cache"], hit.headers["x-ladle-cache"]) == ("miss", "hit")
+    assert hit.content == miss.content
+    assert sum(pod_counts(gateway, services, "alpha").values()) == before + 1
+    # Sampled requests to alpha, and any request to beta (no responseCache), bypass it.
+    assert "x-ladle-cache" not in complete(gateway, "model-a", temperature=1.0).headers
+    assert "x-ladle-cache" not in complete(gateway, "model-b", **greedy).headers
 
 
 def test_an_api_key_over_its_limit_gets_429(services: str, gateway: Process) -> None:
