@@ -1,8 +1,24 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 # Shared test helpers (kube_harness) live beside this file; appended, so that nothing here
 # can shadow a standard-library module.
 sys.path.append(str(Path(__file__).resolve().parent))
 
 pytest_plugins = ["ladle.cluster.pytest_plugin"]
+
+# `make test` runs two pytest-xdist workers with --dist loadgroup. A worker takes a whole
+# group: one module (its module fixtures, servers and models, are set up once), or the whole
+# end-to-end package, which shares one chart install across its modules. Each worker that
+# needs Kubernetes starts its own cluster, on a loopback subnet of its own.
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.path
+        group = "e2e" if path.is_relative_to(E2E) else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
