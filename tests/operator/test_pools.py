@@ -54,40 +54,55 @@ def test_a_newcomer_gets_its_guaranteed_replica_from_a_full_pool(
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
 
+class ReplicaSetPeak:
+    """The most replicas a Deployment's ReplicaSets asked for at once while watched. This is
+    what a rolling update bounds (replicas + maxSurge); live pods may briefly exceed it, since
+    the ReplicaSet controller can create a successor before it deletes a predecessor."""
+
+    def __init__(self, kube: Kube, namespace: str, isvc: str) -> None:
+        self.kube, self.namespace, self.isvc = kube, namespace, isvc
+        self.most = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        asked: dict[str, int] = {}
+        stream = watch.Watch()
+        for event in stream.stream(
+            self.kube.apps.list_namespaced_replica_set,
+            self.namespace,
+            label_selector=f"ladle.dev/inferenceservice={self.isvc}",
+            timeout_seconds=120,
+        ):
+            rs = event["object"]
+            if event["type"] == "DELETED":
+                asked.pop(rs.metadata.name, None)
+            else:
+                asked[rs.metadata.name] = int(rs.spec.replicas or 0)
+            self.most = max(self.most, sum(asked.values()))
+            if self._stop.is_set():
+                stream.stop()
+
+    def result(self) -> int:
+        self._stop.set()
+        self.kube.kubectl(  # wake the watch
+            "annotate", "-n", self.namespace, "replicaset", "--all", "--overwrite", "poke=1"
+        )
+        self._thread.join(timeout=30)
+        return self.most
+
+
 def test_a_rollout_surges_only_into_the_pools_headroom(kube: Kube, k8s_namespace: str) -> None:
     """A pool whose quota the service fills has no room for a surge pod: the rollout replaces
     one replica at a time. (Kubernetes starts each replacement as its predecessor begins to
     terminate; the quota plan counts both until the old one is gone.)"""
     pool = f"{k8s_namespace}-tight"
     kube.apply(pool_manifest(pool, quota={"gpus": 2}))
-    most = 0
-    stop = threading.Event()
-
-    def count_pods() -> None:
-        nonlocal most
-        live: set[str] = set()
-        stream = watch.Watch()
-        for event in stream.stream(
-            kube.core.list_namespaced_pod,
-            k8s_namespace,
-            label_selector="ladle.dev/inferenceservice=chat",
-            timeout_seconds=120,
-        ):
-            pod = event["object"]
-            name = pod.metadata.name
-            if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
-                live.discard(name)
-            else:
-                live.add(name)
-            most = max(most, len(live))
-            if stop.is_set():
-                stream.stop()
-
     try:
         kube.apply(isvc_manifest("chat", gpuPool=pool, replicas=2), k8s_namespace)
         kube.wait_condition(k8s_namespace, "chat", "Ready", reason="Available")
-        counter = threading.Thread(target=count_pods, daemon=True)
-        counter.start()
+        peak = ReplicaSetPeak(kube, k8s_namespace, "chat")
         kube.apply(
             isvc_manifest("chat", gpuPool=pool, replicas=2, engine={"maxModelLen": 1024}),
             k8s_namespace,
@@ -97,14 +112,14 @@ def test_a_rollout_surges_only_into_the_pools_headroom(kube: Kube, k8s_namespace
         dep = kube.apps.read_namespaced_deployment("chat-stable", k8s_namespace)
         assert dep.spec.strategy.rolling_update.max_surge == 0  # (kept until the next rollout)
         assert dep.status.updated_replicas == 2
-        stop.set()
-        kube.kubectl("annotate", "-n", k8s_namespace, "pod", "--all", "poke=1")  # wake the watch
-        counter.join(timeout=30)
-        assert most == 2, f"{most} replicas ran at once (terminating ones aside) in a 2-GPU quota"
+        most = peak.result()
+        assert most == 2, f"{most} replicas ran at once in a 2-GPU quota"
         assert kube.pool(pool)["status"]["claimed"] <= 2
 
         # With room for a spare replica, the next rollout surges (and never drops Ready).
         kube.apply(pool_manifest(pool, quota={"gpus": 3}))
+        kube.wait_condition(k8s_namespace, "chat", "Ready", reason="Available")
+        peak = ReplicaSetPeak(kube, k8s_namespace, "chat")
         kube.apply(
             isvc_manifest("chat", gpuPool=pool, replicas=2, engine={"maxModelLen": 2048}),
             k8s_namespace,
@@ -119,8 +134,8 @@ def test_a_rollout_surges_only_into_the_pools_headroom(kube: Kube, k8s_namespace
             "the surge strategy",
         )
         kube.wait_condition(k8s_namespace, "chat", "Progressing", "False", timeout=90)
+        assert peak.result() == 3
     finally:
-        stop.set()
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
