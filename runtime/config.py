@@ -13,7 +13,7 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
-QUANTIZATION_METHODS = ("rtn", "awq")
+QUANTIZATION_METHODS = ("rtn", "awq", "gptq", "awq-gptq")
 # int4 group size when none is given: llama.cpp's block size, and the best quality per byte in
 # the quality table (docs/quantization.md).
 DEFAULT_GROUP_SIZE = 32
@@ -45,6 +45,16 @@ class QuantizationConfig:
     @property
     def enabled(self) -> bool:
         return self.weights != "none"
+
+    @property
+    def uses_awq(self) -> bool:
+        """AWQ's scales (and int4 clip ratios) are applied before rounding."""
+        return self.method in ("awq", "awq-gptq")
+
+    @property
+    def uses_gptq(self) -> bool:
+        """GPTQ rounds the weights rather than round to nearest."""
+        return self.method in ("gptq", "awq-gptq")
 
     def describe(self) -> str:
         """A short name: none, int8, int4-awq-g64."""
@@ -244,7 +254,8 @@ class EngineArgs:
             choices=QUANTIZATION_METHODS,
             default=Default(None, "awq, with --quantization"),
             help="rtn: round to nearest; awq: activation-aware scales (and int4 clipping) "
-            "calibrated on text that ships with Python, cached after the first load",
+            "calibrated on text that ships with Python, cached after the first load; gptq: "
+            "error-compensating rounding calibrated at every load; awq-gptq: both",
         )
         group.add_argument(
             "--quantization-group-size",

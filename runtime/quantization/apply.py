@@ -16,7 +16,7 @@ import torch
 
 from ladle.runtime.config import QuantizationConfig
 from ladle.runtime.models.llama import LlamaModel
-from ladle.runtime.quantization import awq
+from ladle.runtime.quantization import awq, gptq
 from ladle.runtime.quantization.formats import QuantizedWeight, quantize_int4, quantize_int8
 from ladle.runtime.quantization.linear import (
     DenseEmbedding,
@@ -37,25 +37,35 @@ def kernels_for_backend(attention_backend: str) -> Kernels:
 
 
 def quantize_model(
-    model: LlamaModel, config: QuantizationConfig, calibration: awq.Calibration | None = None
+    model: LlamaModel,
+    config: QuantizationConfig,
+    calibration: awq.Calibration | None = None,
+    sequences: list[list[int]] | None = None,
 ) -> None:
     """Quantize ``model``'s weights as ``config`` says. AWQ needs ``calibration`` (the scales
     and clip ratios :func:`awq.calibrate` found for this model), and folds its scales into
-    the weights first."""
+    the weights first; GPTQ needs calibration ``sequences`` (token ids) to round on."""
     if not config.enabled:
         return
     kernels = kernels_for_backend(model.attention.name)
     clips: dict[tuple[int, str], torch.Tensor] = {}
-    if config.method == "awq":
+    if config.uses_awq:
         if calibration is None:
             raise ValueError("AWQ quantization needs a calibration")
         awq.apply_scales(model, calibration)
         clips = dict(calibration.clips)
+    rounded: dict[tuple[int, str], QuantizedWeight] | None = None
+    if config.uses_gptq:
+        if sequences is None:
+            raise ValueError("GPTQ quantization needs calibration sequences")
+        rounded = gptq.quantize_sequential(model, config, sequences, clips)
 
     def quantize(linear: Linear, key: tuple[int, str]) -> Linear:
         assert isinstance(linear, DenseLinear), "weights are quantized once, at load"
         weight: QuantizedWeight
-        if config.weights == "int8":
+        if rounded is not None:
+            weight = rounded[key]
+        elif config.weights == "int8":
             weight = quantize_int8(linear.weight)
         else:
             weight = quantize_int4(linear.weight, config.group_size, clips.get(key))
@@ -76,9 +86,10 @@ def quantize_model(
 
 
 def quantize_at_load(model: LlamaModel, config: QuantizationConfig, model_path: Path) -> None:
-    """The engine's entry point: calibrate if the method needs it (cached per model and
-    settings), then quantize."""
+    """The engine's entry point: calibrate if the method needs it (AWQ's result is cached per
+    model and settings; GPTQ runs at every load), then quantize."""
     if not config.enabled:
         return
-    calibration = awq.calibration_for(model, config, model_path) if config.method == "awq" else None
-    quantize_model(model, config, calibration)
+    calibration = awq.calibration_for(model, config, model_path) if config.uses_awq else None
+    sequences = gptq.calibration_sequences(model_path) if config.uses_gptq else None
+    quantize_model(model, config, calibration, sequences)

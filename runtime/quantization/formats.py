@@ -116,13 +116,23 @@ def check_group_size(group_size: int) -> None:
         raise ValueError(f"int4 group size must be a positive multiple of 32, got {group_size}")
 
 
+def int8_scale(weight: torch.Tensor) -> torch.Tensor:
+    """Each output channel's step, absmax / 127 (fp32 [N])."""
+    return (weight.detach().to(torch.float32).abs().amax(dim=1) / INT8_MAX).clamp_min(MIN_SCALE)
+
+
+def pack_int8(codes: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+    """The int8 format from codes [N, K] (integers in -127..127) and steps [N]."""
+    q = codes.to(torch.int8)
+    packed = _panels(q).transpose(1, 2).contiguous()
+    return Int8Weight(packed, _panels(scale.float()).flatten().contiguous(), q.shape[0])
+
+
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Round to nearest, per output channel."""
+    scale = int8_scale(weight)
     w = weight.detach().to(torch.float32)
-    scale = (w.abs().amax(dim=1) / INT8_MAX).clamp_min(MIN_SCALE)
-    q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    packed = _panels(q).transpose(1, 2).contiguous()
-    return Int8Weight(packed, _panels(scale).flatten().contiguous(), w.shape[0])
+    return pack_int8(torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX), scale)
 
 
 def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -165,9 +175,18 @@ def quantize_int4(
     weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
 ) -> Int4Weight:
     """Round to nearest, asymmetric, per group (optionally within clipped ranges)."""
-    n, k = weight.shape
     q, scale, offset = _int4_codes(weight, group_size, clip)
-    codes = F.pad(q.to(torch.uint8), (0, k % 2))  # [N, K even]
+    return pack_int4(q, scale, offset, group_size)
+
+
+def pack_int4(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
+) -> Int4Weight:
+    """The int4 format from codes [N, K] (integers in 0..15) and each group's step and offset
+    [N, G]."""
+    check_group_size(group_size)
+    n, k = codes.shape
+    codes = F.pad(codes.to(torch.uint8), (0, k % 2))  # [N, K even]
     pairs = codes.view(n, -1, 2)
     packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [N, K/2]
 

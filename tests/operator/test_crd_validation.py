@@ -129,8 +129,9 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "unknown-method",
-        with_spec(VALID_ISVC, quantization={"weights": "int4", "method": "gptq"}),
-        'spec.quantization.method: Unsupported value: "gptq": supported values: "rtn", "awq"',
+        with_spec(VALID_ISVC, quantization={"weights": "int4", "method": "hqq"}),
+        'spec.quantization.method: Unsupported value: "hqq": supported values: "rtn", "awq", '
+        '"gptq", "awq-gptq"',
     ),
     (
         "replicas-above-max",

@@ -142,7 +142,7 @@ def test_quantization_flags_are_validated() -> None:
         ({"quantization_method": "awq"}, "need quantization int8 or int4"),
         ({"quantization": "int8", "quantization_group_size": 64}, "applies to int4 only"),
         ({"quantization": "int4", "quantization_group_size": 40}, "multiple of 32"),
-        ({"quantization": "int4", "quantization_method": "gptq"}, "quantization_method must be"),
+        ({"quantization": "int4", "quantization_method": "hqq"}, "quantization_method must be"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ConfigError, match=message):
