@@ -32,7 +32,11 @@ def _int4(method: str, group: int) -> tuple[str, dict[str, Any], str]:
 
 
 def _int8(method: str) -> tuple[str, dict[str, Any], str]:
-    return (f"int8 {method.upper()}", {"quantization": "int8", "quantization_method": method}, "int8")
+    return (
+        f"int8 {method.upper()}",
+        {"quantization": "int8", "quantization_method": method},
+        "int8",
+    )
 
 
 ROWS: list[tuple[str, dict[str, Any], str]] = [
