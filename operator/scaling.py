@@ -20,16 +20,21 @@ Three rules come from the field's failures rather than from Knative:
   windows say.
 - Scale-down waits for the larger of the decisions over ``scale_down_delay``, and for the
   scale-to-zero grace period without any demand.
+- A rise in the panic window that is past the current count's tolerance and three standard
+  deviations of the noise before it scales up at once (reason ``Rising``), before the stable mean
+  or the 2x panic threshold shows it; only the stable window scales down.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 # Reasons, as status and Events show them.
 STABLE = "Stable"
+RISING = "Rising"
 PANIC = "Panic"
 SCALED_TO_ZERO = "ScaledToZero"
 IDLE = "IdleGracePeriod"
@@ -40,6 +45,8 @@ AT_MAX = "AtMaxReplicas"
 # replicas' targets (HPA's tolerance); a load hovering at a replica boundary would otherwise
 # step the count up and down with every bit of noise.
 TOLERANCE = 0.1
+# How far above the noise the panic window must rise to scale up before the stable window does.
+RISE_DEVIATIONS = 3.0
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,33 @@ def _with_tolerance(policy: ScalingPolicy, demand: float, kv: float, current: in
     return wanted
 
 
+def _rising(
+    policy: ScalingPolicy, window: Sequence[tuple[float, float, float]], now: float, current: int
+) -> int:
+    """The count a rise in the panic window proves before the stable window's mean shows it.
+
+    The stable mean lags a ramp by half a window, and panic waits for twice the capacity, so
+    without this a load that grows by half in a minute would queue for both. The panic window
+    is short and noisy, so it only counts above the current count's tolerance band and beyond
+    ``RISE_DEVIATIONS`` standard deviations of the load the stable window saw before it (the
+    samples' own, not their mean's: successive scrapes of the same requests are correlated);
+    the stable window alone decides when to come back down. Too little history proves nothing.
+    """
+    earlier = [
+        load_in_replicas(policy, d, kv) for t, d, kv in window if t <= now - policy.panic_window
+    ]
+    recent = [
+        load_in_replicas(policy, d, kv) for t, d, kv in window if t > now - policy.panic_window
+    ]
+    if len(earlier) < 2 or not recent:
+        return 0
+    load = sum(recent) / len(recent)
+    noise = statistics.pstdev(earlier)
+    proven = min(load - RISE_DEVIATIONS * noise, load / (1.0 + TOLERANCE))
+    wanted = math.ceil(proven)
+    return wanted if wanted > current else 0
+
+
 def _mean(window: Sequence[tuple[float, float, float]], since: float) -> tuple[float, float]:
     recent = [(d, kv) for t, d, kv in window if t > since]
     if not recent:
@@ -260,6 +294,9 @@ def decide(
     panic_demand, panic_kv = _mean(window, now - policy.panic_window)
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
+    rising = _rising(policy, window, now, obs.current_replicas)
+    stable_reason = RISING if rising > stable_wanted else STABLE
+    stable_wanted = max(stable_wanted, rising)
     desired_stable = _clamp(stable_wanted, max_down, max_up)
     desired_panic = _clamp(panic_wanted, max_down, max_up)
 
@@ -276,7 +313,7 @@ def decide(
         max_panic = max(max_panic, desired_stable, desired_panic)
         desired, reason = max_panic, PANIC
     else:
-        desired, reason = desired_stable, STABLE
+        desired, reason = desired_stable, stable_reason
 
     recent = (*(r for r in state.recent if r[0] > now - policy.scale_down_delay), (now, desired))
     desired = max(d for _, d in recent)
@@ -324,11 +361,15 @@ def _message(
         return f"no requests for {policy.scale_to_zero_grace:g} s; scaled to zero"
     if reason == IDLE:
         return f"no requests; scaling to zero after {policy.scale_to_zero_grace:g} s without any"
-    window = (
-        f"panic window ({policy.panic_window:g} s) demand {panic:.1f}"
-        if reason == PANIC
-        else f"demand {stable:.1f} over {policy.stable_window:g} s"
-    )
+    if reason == PANIC:
+        window = f"panic window ({policy.panic_window:g} s) demand {panic:.1f}"
+    elif reason == RISING:
+        window = (
+            f"panic window ({policy.panic_window:g} s) demand {panic:.1f} rises past the noise "
+            f"of the last {policy.stable_window:g} s"
+        )
+    else:
+        window = f"demand {stable:.1f} over {policy.stable_window:g} s"
     targets = [
         f"{value:g} {unit}"
         for value, unit in (

@@ -53,7 +53,7 @@
 #define VW 4
 #define ROWS 2
 #endif
-/* Outputs per tile of the fp32 GEMV: each x vector loaded is used OUTS times. */
+/* Outputs per tile of the fp32 GEMV at batches over ROWS: each x vector loaded serves OUTS. */
 #define OUTS 4
 /* GEMV outputs are cut into chunks of whole panels. */
 #define PANEL 16
@@ -137,7 +137,41 @@ static void wait_done(op_counter *c, int chunks) {
     atomic_fetch_sub(&c->sleepers, 1);
 }
 
-/* R (<= ROWS) rows against OUTS consecutive outputs of a row-major fp32 weight. */
+/* R (<= ROWS) rows against one output of a row-major fp32 weight, for small batches, where
+ * the step is weight reads: outputs go one at a time, so that a thread's chunk of rows streams
+ * through memory in order, and the hardware prefetcher follows one stream at full speed (tiles
+ * of several interleaved rows, each row only a few KiB, restart several short streams per
+ * tile). One thread measured 14-15 GB/s this way against 9 GB/s with four interleaved rows.
+ * Two accumulators per row hide the FMA latency. */
+static inline __attribute__((always_inline)) void dense_row(const float *x, int64_t ldx,
+                                                            const float *w, int32_t K, int R,
+                                                            float out[ROWS][OUTS]) {
+    vf acc[ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = (vf){0};
+    int k = 0;
+    for (; k + 2 * VW <= K; k += 2 * VW) {
+        const vf w0 = vload(w + k), w1 = vload(w + k + VW);
+        for (int r = 0; r < R; r++) {
+            acc[r][0] += vload(x + r * ldx + k) * w0;
+            acc[r][1] += vload(x + r * ldx + k + VW) * w1;
+        }
+    }
+    for (; k + VW <= K; k += VW) {
+        const vf w0 = vload(w + k);
+        for (int r = 0; r < R; r++) acc[r][0] += vload(x + r * ldx + k) * w0;
+    }
+    for (int r = 0; r < R; r++) {
+        const vf both = acc[r][0] + acc[r][1];
+        float sum = 0.0f;
+        for (int l = 0; l < VW; l++) sum += both[l];
+        for (int kk = k; kk < K; kk++) sum += x[r * ldx + kk] * w[kk];
+        out[r][0] = sum;
+    }
+}
+
+/* R (<= ROWS) rows against OUTS consecutive outputs, for larger batches, where the step turns
+ * to arithmetic: each x vector loaded serves OUTS outputs (at 8 rows and more, 11-45% faster
+ * than one output at a time). */
 static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t ldx,
                                                              const float *w, int32_t K, int R,
                                                              float out[ROWS][OUTS]) {
@@ -162,35 +196,44 @@ static inline __attribute__((always_inline)) void dense_tile(const float *x, int
         }
 }
 
-/* Outputs [n0, n1) of a row-major fp32 weight, for R rows. */
+/* One block of up to ROWS rows, with the row count a constant in each kernel's copy, so that
+ * the accumulators stay in registers; ``tile``: OUTS outputs, else one. */
+static void dense_block(const float *x, int64_t ldx, const float *w, int32_t K, int rows,
+                        int tile, float out[ROWS][OUTS]) {
+#define DENSE_CASE(R)                                                                         \
+    case R:                                                                                   \
+        if (tile)                                                                             \
+            dense_tile(x, ldx, w, K, R, out);                                                 \
+        else                                                                                  \
+            dense_row(x, ldx, w, K, R, out);                                                  \
+        break;
+    switch (rows) {
+        DENSE_CASE(1)
+        DENSE_CASE(2)
+#if ROWS == 4
+        DENSE_CASE(3)
+        DENSE_CASE(4)
+#endif
+    default: break;
+    }
+#undef DENSE_CASE
+}
+
+/* Outputs [n0, n1) of a row-major fp32 weight, for R rows: one output at a time while the
+ * batch fits one block of rows, else tiles of OUTS (a partial last tile output by output). */
 static void dense_gemv(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
                        int64_t ldy, int32_t R, int32_t n0, int32_t n1) {
     const float *w = lin->w;
     const int32_t K = lin->k;
-    for (int32_t n = n0; n < n1; n += OUTS) {
-        if (n + OUTS > n1) { /* a partial last tile, output by output */
-            for (int32_t m = n; m < n1; m++)
-                for (int32_t r = 0; r < R; r++) {
-                    float sum = 0.0f;
-                    for (int32_t k = 0; k < K; k++) sum += x[r * ldx + k] * w[(int64_t)m * K + k];
-                    y[r * ldy + m] = sum + (lin->bias ? lin->bias[m] : 0.0f);
-                }
-            break;
-        }
+    int32_t outs;
+    for (int32_t n = n0; n < n1; n += outs) {
+        outs = R > ROWS && n + OUTS <= n1 ? OUTS : 1;
         for (int32_t r0 = 0; r0 < R; r0 += ROWS) {
             float out[ROWS][OUTS];
-            const float *xr = x + (int64_t)r0 * ldx, *wt = w + (int64_t)n * K;
-            switch (R - r0 < ROWS ? R - r0 : ROWS) { /* constant row counts for the registers */
-            case 1: dense_tile(xr, ldx, wt, K, 1, out); break;
-            case 2: dense_tile(xr, ldx, wt, K, 2, out); break;
-#if ROWS == 4
-            case 3: dense_tile(xr, ldx, wt, K, 3, out); break;
-            case 4: dense_tile(xr, ldx, wt, K, 4, out); break;
-#endif
-            default: break;
-            }
-            for (int r = 0; r < ROWS && r0 + r < R; r++)
-                for (int o = 0; o < OUTS; o++)
+            const int rows = R - r0 < ROWS ? R - r0 : ROWS;
+            dense_block(x + (int64_t)r0 * ldx, ldx, w + (int64_t)n * K, K, rows, outs == OUTS, out);
+            for (int r = 0; r < rows; r++)
+                for (int o = 0; o < outs; o++)
                     y[(int64_t)(r0 + r) * ldy + n + o] =
                         out[r][o] + (lin->bias ? lin->bias[n + o] : 0.0f);
         }

@@ -16,6 +16,7 @@ from ladle.operator.scaling import (
     IDLE,
     METRICS_UNAVAILABLE,
     PANIC,
+    RISING,
     SCALED_TO_ZERO,
     STABLE,
     Decision,
@@ -83,6 +84,33 @@ def test_a_burst_panics_and_scales_within_one_tick() -> None:
     # The 6 s panic window holds one burst sample of three: mean 58.7 → 8 replicas at once.
     assert burst.replicas >= 8
     assert decisions[-1].replicas == 20
+
+
+def test_a_ramp_scales_up_before_the_stable_mean_or_panic_would() -> None:
+    """2 replicas' worth with 2% noise for two minutes, then a ramp to 6 over a minute. The
+    stable mean lags it by half a window and panic waits for 4; the rise is past the noise
+    within a few ticks."""
+    policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
+    base = [20.0 * (1.02 if tick % 2 else 0.98) for tick in range(60)]
+    ramp = [20.0 + 40.0 * tick / 30 for tick in range(1, 31)]
+    decisions = run(policy, base + ramp, start_replicas=2)
+    assert {d.replicas for d in decisions[:60]} == {2}
+    first = next(i for i, d in enumerate(decisions) if d.replicas > 2)
+    assert decisions[first].reason == RISING
+    assert "rises past the noise of the last 60 s" in decisions[first].message
+    assert (base + ramp)[first] < 26  # a third of the way to panic's 40
+    assert not any(d.panicking for d in decisions[: first + 1])
+
+
+@pytest.mark.parametrize(("noise", "scales"), [(0.01, True), (0.2, False)])
+def test_a_short_rise_counts_only_beyond_the_noise_before_it(noise: float, scales: bool) -> None:
+    """The same 30% rise for one panic window: past 1% noise it is a rise, within 20% it is
+    noise, and the stable window decides."""
+    policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
+    base = [20.0 * (1 + noise if tick % 2 else 1 - noise) for tick in range(60)]
+    decisions = run(policy, [*base, 26.0, 26.0, 26.0], start_replicas=2)
+    assert decisions[-1].replicas == (3 if scales else 2)
+    assert (RISING in {d.reason for d in decisions[60:]}) == scales
 
 
 def test_panic_never_scales_down_and_ends_a_stable_window_after_the_last_crossing() -> None:

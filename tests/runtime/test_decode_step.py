@@ -2,9 +2,10 @@
 
 Each decode step of a mixed batch (contexts of different lengths, some crossing a block
 boundary, block size 4) runs both ways on the same inputs: hidden states must agree to
-rounding, for every architecture feature the fused step handles (tied embeddings, QKV bias,
-per-head q/k norm with head_dim != hidden / heads), both cache dtypes, int8 and int4 weights,
-and 1, 2 and 3 threads (more threads than this machine's cores: the barrier's sleeping path).
+rounding, at every batch size from five rows down to one, for every architecture feature the
+fused step handles (tied embeddings, QKV bias, per-head q/k norm with head_dim != hidden /
+heads), both cache dtypes, int8 and int4 weights, and 1, 2 and 3 threads (more threads than
+this machine's cores: the barrier's sleeping path).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def _compare_decode_steps(llm: LLM, threads: list[int]) -> int:
     engine = llm.engine
     fused = engine.runner.fused
     assert isinstance(fused, CpuDecodeStep)
-    params = SamplingParams(max_tokens=STEPS + 2, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(PROMPTS):
+        # Each prompt runs two steps longer than the one before: the batch shrinks from all
+        # five rows (the GEMV's tiles of outputs) to one (its one output at a time).
+        params = SamplingParams(max_tokens=STEPS + 2 * i, temperature=0.0, ignore_eos=True)
         engine.add_request(f"r{i}", ids, params)
     forward = engine.model.forward
     compared = 0
