@@ -20,12 +20,10 @@ from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.quantization.formats import PANEL, Int4Weight, Int8Weight
 from ladle.runtime.quantization.linear import DenseLinear, Linear, QuantizedLinear
 
-# The most decodes a fused step takes; more are GEMMs, which torch's kernels do better. With
-# fp32 weights the fused step's tiles still won at 32 rows on the AVX-512 EPYC (16 rows: 74
-# against 90 ms a step; 32 rows: 128 against 139 ms); with int8 or int4 weights torch's
-# quantized GEMMs win from 16 rows on (int8 at 16: 44 against 58 ms).
-MAX_BATCH_DENSE = 32
-MAX_BATCH_QUANTIZED = 8
+# Up to this many decodes a step is bound by reading the weights once (GEMV); from there on
+# it becomes a GEMM, which torch does better. (fp32 steps of up to 32 in the fused step won on
+# short contexts but decoded workload A, contexts up to 324 tokens, at 158 against 180 tok/s.)
+MAX_BATCH = 8
 _DENSE, _INT8, _INT4 = 0, 1, 2
 # decode_step.c's op list: ops per layer, and the ints of one op's counters.
 _OPS_PER_LAYER, _OP_COUNTER_INTS = 7, 16
@@ -133,13 +131,11 @@ class CpuDecodeStep:
         lib: ctypes.CDLL,
         model: LlamaModel,
         caches: list[LayerKVCache],
-        max_batch: int | None = None,
+        max_batch: int = MAX_BATCH,
     ) -> None:
         assert supports(model, caches)
         self._lib = lib
         self.model = model
-        if max_batch is None:
-            max_batch = MAX_BATCH_DENSE if _all_dense(model) else MAX_BATCH_QUANTIZED
         self.max_batch = max_batch
         cfg = model.config
         # Tensors the C structures point into (padded biases) must outlive them.
@@ -264,11 +260,6 @@ class CpuDecodeStep:
         if failed:
             raise MemoryError("the CPU decode step could not allocate its attention buffers")
         return self.hidden[:batch], self.logits[:batch, : self.model.config.vocab_size]
-
-
-def _all_dense(model: LlamaModel) -> bool:
-    layers = (lin for w in model.layers for lin in (w.qkv, w.o_proj, w.gate_up, w.down))
-    return all(isinstance(lin, DenseLinear) for lin in (*layers, model.lm_head))
 
 
 def for_model(model: LlamaModel, caches: list[LayerKVCache]) -> CpuDecodeStep | None:
