@@ -280,17 +280,16 @@ def test_metadata_drift_is_reverted_and_a_dropped_label_is_not_a_deletion(
         "the Service's label to be put back",
     )
     assert service.metadata.uid == uid
-    events = wait_for(
-        lambda: (
-            [m for _, r, m in kube.events(k8s_namespace, "chat") if r == "Reverted"]
-            if len([r for _, r, _ in kube.events(k8s_namespace, "chat") if r == "Reverted"]) >= 2
-            else None
-        ),
-        "both Reverted events",
-        timeout=20,
-    )
-    assert any("Deployment chat-stable" in m and "label" in m for m in events)
-    assert any(m.startswith("Put back the labels of Service chat") for m in events)
+
+    def reverted() -> list[str] | None:
+        """The Reverted events once both objects have one (the Deployment's two edits may
+        come as two events before the Service's)."""
+        messages = [m for _, r, m in kube.events(k8s_namespace, "chat") if r == "Reverted"]
+        deployment_told = any("Deployment chat-stable" in m and "label" in m for m in messages)
+        service_told = any(m.startswith("Put back the labels of Service chat") for m in messages)
+        return messages if deployment_told and service_told else None
+
+    wait_for(reverted, "a Reverted event for the Deployment's labels and one for the Service's")
     assert "Restored" not in [r for _, r, _ in kube.events(k8s_namespace, "chat")]
 
 
