@@ -40,6 +40,7 @@ from typing import Any
 
 import httptools
 import httpx
+import numpy as np
 import psutil
 import yaml
 
@@ -170,11 +171,6 @@ async def first_events(port: int, count: int) -> list[float]:
     return latencies
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -293,9 +289,9 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
     print(f"  one stream at a time, ms to the first event ({len(first['gw']):,} requests each):")
     print(f"  {'':38} {'p50':>10} {'p99':>10}")
     for target, label in (("direct", "direct to the backend"), ("gw", "through the gateway")):
-        p50, p99 = percentile(first[target], 50), percentile(first[target], 99)
+        p50, p99 = np.percentile(first[target], (50, 99))
         print(f"  {label:38} {p50:10.3f} {p99:10.3f}")
-    added = [percentile(first["gw"], q) - percentile(first["direct"], q) for q in (50, 99)]
+    added = np.percentile(first["gw"], (50, 99)) - np.percentile(first["direct"], (50, 99))
     print(f"  {'added by the gateway':38} {added[0]:+10.3f} {added[1]:+10.3f}")
     rps, cps = statistics.median(rows["gw_rps"]), statistics.median(rows["gw_cps"])
     ok = rps >= TARGET_RPS and cps >= TARGET_CHUNKS
@@ -323,6 +319,14 @@ def bench_serve_run(
     if result["failed"]:
         raise SystemExit(f"bench: {result['failed']} requests failed ({url})")
     return result
+
+
+def ttft_gaps(runs: dict[str, list[dict[str, Any]]], q: int) -> list[float]:
+    """The gateway's TTFT percentile less direct's, run by run."""
+    return [
+        g[f"p{q}_ttft_ms"] - d[f"p{q}_ttft_ms"]
+        for d, g in zip(runs["direct"], runs["gw"], strict=True)
+    ]
 
 
 def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
@@ -370,14 +374,6 @@ def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
         g["request_throughput"] / d["request_throughput"]
         for d, g in zip(results["direct"], results["gw"], strict=True)
     ]
-    p50 = [
-        g["p50_ttft_ms"] - d["p50_ttft_ms"]
-        for d, g in zip(results["direct"], results["gw"], strict=True)
-    ]
-    p99 = [
-        g["p99_ttft_ms"] - d["p99_ttft_ms"]
-        for d, g in zip(results["direct"], results["gw"], strict=True)
-    ]
 
     def med(key: str, target: str, runs: dict[str, list[dict[str, Any]]] = results) -> float:
         return float(statistics.median(r[key] for r in runs[target]))
@@ -400,16 +396,11 @@ def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
         f"target >= {TARGET_THROUGHPUT_RATIO}"
     )
     print(
-        f"  TTFT gateway less direct: p50 {statistics.median(p50):+.1f} ms, p99 "
-        f"{statistics.median(p99):+.1f} ms (queueing at saturation; not judged)"
+        f"  TTFT gateway less direct: p50 {statistics.median(ttft_gaps(results, 50)):+.1f} ms, "
+        f"p99 {statistics.median(ttft_gaps(results, 99)):+.1f} ms (queueing at saturation; "
+        "not judged)"
     )
-    added = {
-        q: [
-            g[f"p{q}_ttft_ms"] - d[f"p{q}_ttft_ms"]
-            for d, g in zip(single["direct"], single["gw"], strict=True)
-        ]
-        for q in (50, 99)
-    }
+    added = {q: ttft_gaps(single, q) for q in (50, 99)}
     add50, add99 = statistics.median(added[50]), statistics.median(added[99])
     print(
         f"\none request at a time: {args.single_prompts} prompts, {args.input_len} in / 1 out, "
