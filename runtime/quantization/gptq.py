@@ -3,7 +3,7 @@
 Round to nearest treats every weight alone. GPTQ quantizes a linear's input columns one by one
 and spreads each column's rounding error over the columns not yet quantized, weighted by how
 the layer's inputs correlate, so that the *output* error ``||X W^T - X Q^T||`` stays small
-rather than each weight's. With ``H = 2 X^T X`` over calibration inputs (dampened by 1% of its
+rather than each weight's. With ``H = 2 X^T X`` over calibration inputs (dampened by a tenth of its
 mean diagonal) and ``U`` the upper Cholesky factor of ``H^-1``, column i's error
 ``(w_i - q_i) / U[i, i]`` is subtracted from the later columns times ``U[i, i+1:]``. Columns
 are processed in blocks of 128, the updates to later blocks batched into one product.
