@@ -262,10 +262,11 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
                         # Load ran for the warm-up as well; the CPU time covers both.
                         span = args.seconds + min(1.0, args.seconds / 4)
                         rows[f"gw_{per_cpu}_cpu"].append(rate * span / max(cpu, 1e-9))
-        first: dict[str, list[float]] = {"direct": [], "gw": []}
+        rounds: list[dict[str, list[float]]] = []
         for i in range(args.repeats * 2):
+            rounds.append({})
             for target in ("direct", "gw") if i % 2 == 0 else ("gw", "direct"):
-                first[target] += loop.run_until_complete(
+                rounds[-1][target] = loop.run_until_complete(
                     first_events(
                         backend_port if target == "direct" else port, args.latency_requests
                     )
@@ -286,13 +287,28 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
     print(f"  {'direct, streamed chunks/s':38} {spread(rows['direct_cps'])}")
     print(f"  {'through the gateway, chunks/s':38} {spread(rows['gw_cps'])}")
     print(f"  {'  per gateway CPU-second':38} {spread(rows['gw_cps_cpu'])}")
-    print(f"  one stream at a time, ms to the first event ({len(first['gw']):,} requests each):")
+    first = {t: [ms for r in rounds for ms in r[t]] for t in ("direct", "gw")}
+    print(
+        f"  one stream at a time, ms to the first event ({len(first['gw']):,} requests each, "
+        f"{len(rounds)} alternating rounds):"
+    )
     print(f"  {'':38} {'p50':>10} {'p99':>10}")
     for target, label in (("direct", "direct to the backend"), ("gw", "through the gateway")):
         p50, p99 = np.percentile(first[target], (50, 99))
         print(f"  {label:38} {p50:10.3f} {p99:10.3f}")
     added = np.percentile(first["gw"], (50, 99)) - np.percentile(first["direct"], (50, 99))
     print(f"  {'added by the gateway':38} {added[0]:+10.3f} {added[1]:+10.3f}")
+    per_round = [
+        np.percentile(r["gw"], (50, 99)) - np.percentile(r["direct"], (50, 99)) for r in rounds
+    ]
+    print(
+        "  added, round by round: "
+        + ", ".join(
+            f"p{q} median {statistics.median(a[j] for a in per_round):+.3f} "
+            f"({min(a[j] for a in per_round):+.3f} - {max(a[j] for a in per_round):+.3f})"
+            for j, q in enumerate((50, 99))
+        )
+    )
     rps, cps = statistics.median(rows["gw_rps"]), statistics.median(rows["gw_cps"])
     ok = rps >= TARGET_RPS and cps >= TARGET_CHUNKS
     print(
