@@ -21,6 +21,7 @@ reads it with Reconciling and Stalled (Current, InProgress or Failed).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -211,12 +212,27 @@ class Problem:
     stalls: bool = False
 
 
+# How many nodes the scheduler found short of each resource ("3 Insufficient nvidia.com/gpu,
+# 1 Insufficient cpu."). GPUs are the reason only when more nodes lack them than lack anything
+# else: a pod that no node fits for its CPUs stays Unschedulable however busy the GPUs are.
+INSUFFICIENT = re.compile(r"(\d+) Insufficient ([^\s,]+?)[.,]?(?=\s|$)")
+
+
+def _short_of_gpus(messages: Sequence[str], gpu_resource: str) -> bool:
+    short: dict[str, int] = {}
+    for message in messages:
+        for count, resource in INSUFFICIENT.findall(message):
+            short[resource] = max(short.get(resource, 0), int(count))
+    gpus = short.pop(gpu_resource, 0)
+    return gpus > 0 and all(gpus > n for n in short.values())
+
+
 def _pod_problems(v: VariantObservation) -> list[Problem]:
     problems = []
     unschedulable = [p for p in v.pod_problems if p.reason == "Unschedulable"]
     if unschedulable:
         first = unschedulable[0]
-        insufficient = any(f"Insufficient {v.gpu_resource}" in p.message for p in unschedulable)
+        insufficient = _short_of_gpus([p.message for p in unschedulable], v.gpu_resource)
         problems.append(
             Problem(
                 "InsufficientGPUs" if insufficient else "Unschedulable",

@@ -6,8 +6,8 @@ their alerts in /api/v1/alerts.
 The faults: `beta` (whose fallback is `alpha`) runs one sequence at a time with one waiting, so
 a burst of requests is answered 429 by its runtime, which its breaker counts; the breaker opens
 and traffic moves to alpha (LadleCircuitBreakerOpen).
-Then alpha's runtime hangs (SIGSTOP), so the autoscaler holds alpha's count on unknown metrics
-(LadleAutoscalerMetricsFrozen, with its `for` shortened through the chart value).
+Then a gateway replica is Running but answers nothing, so the autoscaler holds alpha's count on
+unknown metrics (LadleAutoscalerMetricsFrozen, with its `for` shortened through the chart value).
 Then alpha goes away, so beta's requests fail fast with 503 and its availability budget burns
 (LadleAvailabilityBudgetBurn, critical). The system (operator, gateway, local nodes) is the
 `ladle_system` fixture of tests/e2e/conftest.py.
@@ -16,9 +16,7 @@ Then alpha goes away, so beta's requests fail fast with 503 and its availability
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -222,6 +220,42 @@ def panel_queries() -> list[tuple[str, str]]:
     return out
 
 
+def stuck_gateway_replica(system: System) -> dict[str, Any]:
+    """A pod the operator counts as a gateway replica (the chart's gateway labels, Running, an
+    "http" port) whose process listens on nothing: a replica stuck before it serves."""
+    (gateway, *_) = json.loads(
+        system.kubectl(
+            "get", "pods", "-n", system.system_namespace,
+            "-l", "app.kubernetes.io/component=gateway", "-o", "json",
+        ).stdout
+    )["items"]  # fmt: skip
+    labels = dict(gateway["metadata"]["labels"])
+    labels.pop("pod-template-hash", None)  # not the ReplicaSet's to adopt
+    (container,) = gateway["spec"]["containers"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"stuck-gateway-{uuid.uuid4().hex[:6]}",
+            "namespace": system.system_namespace,
+            "labels": labels,
+        },
+        "spec": {
+            "nodeName": gateway["spec"]["nodeName"],  # a local node: a real process
+            "tolerations": gateway["spec"].get("tolerations", []),
+            "securityContext": gateway["spec"].get("securityContext", {}),
+            "containers": [
+                {
+                    "name": "gateway",
+                    "image": container["image"],
+                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
+                    "ports": container["ports"],
+                }
+            ],
+        },
+    }
+
+
 def recorded(prometheus: Prometheus) -> list[str]:
     groups = prometheus.get("/api/v1/rules", type="record")["groups"]
     return [rule["name"] for group in groups for rule in group["rules"]]
@@ -329,16 +363,15 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     )
     assert not prometheus.firing("LadleAvailabilityBudgetBurn", inferenceservice="beta")
 
-    # The second fault: alpha's runtime hangs, so the autoscaler cannot read its load and
-    # holds its count; the operator's gauge says so and the alert fires after FROZEN_FOR.
+    # The second fault: a gateway replica is Running but answers nothing, so the autoscaler
+    # cannot read alpha's held requests and holds its count; the operator's gauge says so and
+    # the alert fires after FROZEN_FOR. (A hung *runtime* would not do: it turns NotReady within
+    # ten seconds, and the autoscaler reads only Ready pods. This replica has no probes, so no
+    # restart ends the fault before the alert can fire.)
     assert not prometheus.firing("LadleAutoscalerMetricsFrozen", namespace=namespace)
-    (pod,) = json.loads(
-        system.kubectl(
-            "get", "pods", "-n", namespace, "-l", "ladle.dev/inferenceservice=alpha", "-o", "json"
-        ).stdout
-    )["items"]  # fmt: skip
-    pid = int(system.container_record(pod)["pid"])
-    os.kill(pid, signal.SIGSTOP)
+    stuck = stuck_gateway_replica(system)
+    applied = system.kubectl("apply", "-f", "-", stdin=json.dumps(stuck))
+    assert applied.returncode == 0, applied.stderr
     try:
         wait_until(
             lambda: prometheus.firing(
@@ -348,10 +381,11 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
             timeout=120,
         )
     finally:
-        os.kill(pid, signal.SIGCONT)
+        name = stuck["metadata"]["name"]
+        system.kubectl("delete", "pod", name, "-n", system.system_namespace, "--wait=true")
     wait_until(
         lambda: not prometheus.firing("LadleAutoscalerMetricsFrozen", namespace=namespace),
-        "LadleAutoscalerMetricsFrozen to resolve once alpha answers again",
+        "LadleAutoscalerMetricsFrozen to resolve once the stuck replica is gone",
         timeout=120,
     )
 

@@ -217,6 +217,26 @@ def test_missing_gpus_are_degraded_with_the_schedulers_words(
     assert "2 Insufficient nvidia.com/gpu" in degraded
 
 
+def test_a_pod_no_node_fits_for_other_resources_is_unschedulable_however_short_the_gpus(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    isvc = parse_isvc(make_isvc())
+
+    def reason(scheduler: str) -> str:
+        pod = PodProblem(
+            "chat-stable-abc-1", "Unschedulable", f"0/3 nodes are available: {scheduler}"
+        )
+        status = observe(isvc, make_deployment(1, available=0, ready=0), pods=(pod,))
+        assert scheduler in message(status, "Degraded")
+        return conditions(status)["Degraded"][1]
+
+    # No node has the CPUs, whether or not the GPUs are busy too.
+    assert reason("3 Insufficient cpu, 2 Insufficient nvidia.com/gpu.") == "Unschedulable"
+    assert reason("3 Insufficient cpu, 3 Insufficient nvidia.com/gpu.") == "Unschedulable"
+    # No node has the GPUs; one is also short of memory.
+    assert reason("1 Insufficient memory, 3 Insufficient nvidia.com/gpu.") == "InsufficientGPUs"
+
+
 def test_a_container_that_cannot_start_says_why_in_the_kubelets_words(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
