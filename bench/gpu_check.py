@@ -706,13 +706,17 @@ def quantized_gemms(report: Report, dev: torch.device, smoke: bool) -> None:
     import torch.nn.functional as F
 
     from ladle.runtime.kernels.quant_gemm import quantized_linear, quantized_linear_ref
-    from ladle.runtime.quantization.formats import quantize_int4, quantize_int8
+    from ladle.runtime.quantization.formats import quantize_groups, quantize_int8
 
     bf16 = torch.bfloat16
     n, k, group = (70, 200, 32) if smoke else (14336, 4096, 128)
     w = torch.randn(n, k, device=dev) * 0.02
     bias = torch.randn(n, device=dev).to(bf16)
-    weights = {"int8": quantize_int8(w), f"int4 g{group}": quantize_int4(w, group)}
+    weights = {
+        "int8": quantize_int8(w),
+        f"int8 g{group}": quantize_groups(w, group, bits=8),
+        f"int4 g{group}": quantize_groups(w, group),
+    }
     for rows in (1, 17) if smoke else (1, 16, 256):
         x = torch.randn(rows, k, device=dev).to(bf16)
         for name, q in weights.items():

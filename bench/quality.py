@@ -31,20 +31,25 @@ def _int4(method: str, group: int) -> tuple[str, dict[str, Any], str]:
     return (f"int4 g{group} {method.upper()}", {**flags, "quantization_group_size": group}, "int4")
 
 
-def _int8(method: str) -> tuple[str, dict[str, Any], str]:
-    return (
-        f"int8 {method.upper()}",
-        {"quantization": "int8", "quantization_method": method},
-        "int8",
-    )
+def _int8(method: str, group: int | None = None) -> tuple[str, dict[str, Any], str]:
+    flags = {"quantization": "int8", "quantization_method": method}
+    if group is None:
+        return (f"int8 {method.upper()}", flags, "int8")
+    return (f"int8 g{group} {method.upper()}", {**flags, "quantization_group_size": group}, "int8")
 
 
 ROWS: list[tuple[str, dict[str, Any], str]] = [
     *(_int8(method) for method in ("rtn", "awq", "gptq", "awq-gptq")),
+    *(_int8(method, 32) for method in ("rtn", "awq")),
     *(_int4(method, group) for group in (32, 64, 128) for method in ("rtn", "awq")),
     *(_int4("awq-gptq", group) for group in (64, 128)),
     ("int8 KV cache", {"kv_cache_dtype": "int8"}, "int8"),
     ("int8 AWQ + int8 KV", {"quantization": "int8", "kv_cache_dtype": "int8"}, "int8"),
+    (
+        "int8 g32 AWQ + int8 KV",
+        {"quantization": "int8", "quantization_group_size": 32, "kv_cache_dtype": "int8"},
+        "int8",
+    ),
 ]
 
 

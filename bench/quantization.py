@@ -36,10 +36,11 @@ if str(ROOT / "src") not in sys.path:
 CONFIGS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "int8": {"quantization": "int8"},
+    "int8-g32": {"quantization": "int8", "quantization_group_size": 32},
     "int4-awq-g32": {"quantization": "int4", "quantization_group_size": 32},
     "int8+kv-int8": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
-TARGETS = {("int8", 1): 2.0, ("int4-awq-g32", 1): 3.0}
+TARGETS = {("int8", 1): 2.0, ("int8-g32", 1): 2.0, ("int4-awq-g32", 1): 3.0}
 BATCH_32_FLOOR = 0.85
 KV_TARGET = 3.5
 PROMPT_TOKENS = 64

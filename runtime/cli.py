@@ -151,8 +151,8 @@ def add_parsers(sub: SubParsers) -> None:
     throughput.add_argument(
         "--quantization-group-size",
         type=integer(32),
-        default=Default(None, f"{DEFAULT_GROUP_SIZE}, with --quantization int4"),
-        help="int4 weights per scale, a multiple of 32",
+        default=Default(None, f"{DEFAULT_GROUP_SIZE} for int4, per output channel for int8"),
+        help="weights per scale and offset, a multiple of 32",
     )
     throughput.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="KV cache element type"

@@ -15,7 +15,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_METHODS = ("rtn", "awq", "gptq", "awq-gptq")
 # int4 group size when none is given: llama.cpp's block size, and the best quality per byte in
-# the quality table (docs/quantization.md).
+# the quality table (docs/quantization.md). int8 is per output channel unless given one.
 DEFAULT_GROUP_SIZE = 32
 
 
@@ -40,7 +40,8 @@ class QuantizationConfig:
 
     weights: str = "none"
     method: str = "awq"
-    group_size: int = DEFAULT_GROUP_SIZE
+    # Inputs per scale and offset; None: int8 per output channel (int4 always has groups).
+    group_size: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -56,13 +57,16 @@ class QuantizationConfig:
         """GPTQ rounds the weights rather than round to nearest."""
         return self.method in ("gptq", "awq-gptq")
 
+    @property
+    def bits(self) -> int:
+        return 8 if self.weights == "int8" else 4
+
     def describe(self) -> str:
-        """A short name: none, int8, int4-awq-g64."""
+        """A short name: none, int8-awq, int8-awq-g32, int4-awq-g64."""
         if not self.enabled:
             return "none"
-        if self.weights == "int8":
-            return f"int8-{self.method}"
-        return f"int4-{self.method}-g{self.group_size}"
+        groups = "" if self.group_size is None else f"-g{self.group_size}"
+        return f"{self.weights}-{self.method}{groups}"
 
 
 @dataclass
@@ -137,18 +141,13 @@ class EngineArgs:
                 f"quantization_method must be one of {', '.join(QUANTIZATION_METHODS)}; "
                 f"got {method!r}"
             )
-        if weights == "int8":
-            if group is not None:
-                raise ConfigError(
-                    "quantization_group_size applies to int4 only (int8 is per output channel)"
-                )
-            return QuantizationConfig("int8", method or "awq")
-        group = DEFAULT_GROUP_SIZE if group is None else group
-        if group < 32 or group % 32:
+        if weights == "int4" and group is None:
+            group = DEFAULT_GROUP_SIZE
+        if group is not None and (group < 32 or group % 32):
             raise ConfigError(
                 f"quantization_group_size must be a positive multiple of 32; got {group}"
             )
-        return QuantizationConfig("int4", method or "awq", group)
+        return QuantizationConfig(weights, method or "awq", group)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -247,7 +246,8 @@ class EngineArgs:
             "-q",
             choices=WEIGHT_QUANTIZATIONS,
             default=Default(None, "none"),
-            help="quantize the weights at load: int8 per output channel, int4 in groups",
+            help="quantize the weights at load: int8 per output channel (or in groups, with "
+            "--quantization-group-size), int4 in groups",
         )
         group.add_argument(
             "--quantization-method",
@@ -260,8 +260,8 @@ class EngineArgs:
         group.add_argument(
             "--quantization-group-size",
             type=integer(32),
-            default=Default(None, f"{DEFAULT_GROUP_SIZE}, with --quantization int4"),
-            help="int4 weights per scale, a multiple of 32",
+            default=Default(None, f"{DEFAULT_GROUP_SIZE} for int4, per output channel for int8"),
+            help="weights per scale and offset, a multiple of 32",
         )
 
     @classmethod

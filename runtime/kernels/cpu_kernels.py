@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ladle.runtime.models.loader import cache_dir
-from ladle.runtime.quantization.formats import PANEL, Int4Weight, Int8Weight, check_group_size
+from ladle.runtime.quantization.formats import PANEL, GroupWeight, Int8Weight, check_group_size
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int,
         [_P, _I64, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32],
     ),
-    "ladle_linear_i4": (
+    "ladle_linear_groups": (
         ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32],
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     ),
     "ladle_decode_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I32, _I32]),
     "ladle_store_kv_i8": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32]),
@@ -287,7 +287,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def linear(
     lib: ctypes.CDLL,
     x: torch.Tensor,
-    weight: Int8Weight | Int4Weight,
+    weight: Int8Weight | GroupWeight,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """``x @ W.T + bias`` for x fp32 [..., K] and a weight in the formats of
@@ -318,7 +318,7 @@ def linear(
         )
     else:
         check_group_size(weight.group_size)
-        failed = lib.ladle_linear_i4(
+        failed = lib.ladle_linear_groups(
             *common,
             weight.qweight.data_ptr(),
             weight.scale.data_ptr(),
@@ -326,6 +326,7 @@ def linear(
             bias_ptr,
             *tail,
             weight.group_size,
+            weight.bits,
             torch.get_num_threads(),
         )
     if failed:

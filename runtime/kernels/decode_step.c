@@ -63,7 +63,8 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4)));
 static inline vf vload(const float *p) { return *(const vf_unaligned *)p; }
 
-enum { DENSE = 0, INT8 = 1, INT4 = 2 };
+/* INT8: per output channel; INT4 and INT8_GROUPS: scale and offset per group of inputs. */
+enum { DENSE = 0, INT8 = 1, INT4 = 2, INT8_GROUPS = 3 };
 
 typedef struct {
     int32_t kind, n, k, group_size;
@@ -249,9 +250,10 @@ static void linear_panels(const float *x, int64_t ldx, const ladle_linear *lin, 
         if (p0 * PANEL < n1) dense_gemv(x, ldx, lin, y, ldy, R, (int32_t)(p0 * PANEL), (int32_t)n1);
         return;
     }
-    const int32_t groups = lin->kind == INT4 ? (lin->k + lin->group_size - 1) / lin->group_size : 0;
-    const ladle_qweight q = {lin->w, lin->scale, lin->offset, groups, lin->group_size,
-                             lin->kind == INT4};
+    const int32_t groups =
+        lin->kind == INT8 ? 0 : (lin->k + lin->group_size - 1) / lin->group_size;
+    const ladle_qweight q = {lin->w,       lin->scale, lin->offset, groups, lin->group_size,
+                             lin->kind == INT4 ? 4 : 8};
     ladle_gemv_q_panels(x, ldx, &q, lin->bias, y, ldy, R, (int32_t)p0, (int32_t)p1, lin->k);
 }
 

@@ -17,14 +17,14 @@ import torch
 from ladle.runtime.attention.backend import AttentionMetadata, LayerKVCache
 from ladle.runtime.kernels import cpu_kernels
 from ladle.runtime.models.llama import LlamaModel
-from ladle.runtime.quantization.formats import PANEL, Int4Weight, Int8Weight
+from ladle.runtime.quantization.formats import PANEL, GroupWeight, Int8Weight
 from ladle.runtime.quantization.linear import DenseLinear, Linear, QuantizedLinear
 
 # Up to this many decodes a step is bound by reading the weights once (GEMV); from there on
 # it becomes a GEMM, which torch does better. (fp32 steps of up to 32 in the fused step won on
 # short contexts but decoded workload A, contexts up to 324 tokens, at 158 against 180 tok/s.)
 MAX_BATCH = 8
-_DENSE, _INT8, _INT4 = 0, 1, 2
+_DENSE, _INT8, _INT4, _INT8_GROUPS = 0, 1, 2, 3
 # decode_step.c's op list: ops per layer, and the ints of one op's counters.
 _OPS_PER_LAYER, _OP_COUNTER_INTS = 7, 16
 _P = ctypes.c_void_p
@@ -221,9 +221,9 @@ class CpuDecodeStep:
             return _Linear(
                 _INT8, n, k, 0, weight.qweight.data_ptr(), weight.scale.data_ptr(), None, _ptr(bias)
             )
-        assert isinstance(weight, Int4Weight)
+        assert isinstance(weight, GroupWeight)
         return _Linear(
-            _INT4,
+            _INT4 if weight.bits == 4 else _INT8_GROUPS,
             n,
             k,
             weight.group_size,

@@ -8,9 +8,10 @@
 
 /* A weight in the panel formats of runtime/quantization/formats.py. */
 typedef struct {
-    const void *w;               /* int8 [P, K, 16] or int4 [P, ceil(K / 2), 16] */
-    const float *scale, *offset; /* int8: scale [P * 16]; int4: [P, groups, 16] each */
-    int32_t groups, group_size, int4;
+    const void *w;               /* 8 bits [P, K, 16] or 4 bits [P, ceil(K / 2), 16] */
+    const float *scale, *offset; /* groups == 0: scale [P * 16]; else [P, groups, 16] each */
+    int32_t groups, group_size;  /* groups == 0: int8 per output channel (offset NULL) */
+    int32_t bits;                /* of a group format's codes: 4 or 8 */
 } ladle_qweight;
 
 /* y[r] = x[r] W^T (+ bias) for R rows and the outputs of panels [p0, p1), weights converted in

@@ -1,19 +1,20 @@
 """W8A16 and W4A16 GEMMs in Triton: ``y = x W^T (+ bias)`` with int8 or int4 weights.
 
 The weight formats are ``ladle.runtime.quantization.formats``': int8 per output channel, and
-int4 with a scale and offset per group of ``group_size`` inputs; both store output channels in
-panels of 16, input by input (int4: two consecutive inputs per byte, the even one in the low
-nibble), so the ``BLOCK_K x 16`` weights of a tile's panel are one contiguous run.
+groups (4- or 8-bit codes with a scale and offset per group of ``group_size`` inputs); all
+store output channels in panels of 16, input by input (4 bits: two consecutive inputs per
+byte, the even one in the low nibble), so the ``BLOCK_K x 16`` weights of a tile's panel are
+one contiguous run.
 
 The integer codes enter ``tl.dot`` *as integers* in the activations' dtype (exact: bf16 and
 fp16 hold every integer up to 256), and scales are applied to the fp32 products: after the
-K loop for int8 (one scale per output channel), per K tile for int4, where a tile lies within
-one group and ``sum_k x_k (q_k s + o) = s * (x . q) + o * sum_k x_k``. So no dequantized weight
-is rounded to 16 bits, and the inner loop is a plain MMA over unpacked codes.
+K loop for int8 per channel, per K tile for groups, where a tile lies within one group and
+``sum_k x_k (q_k s + o) = s * (x . q) + o * sum_k x_k``. So no dequantized weight is rounded to
+16 bits, and the inner loop is a plain MMA over unpacked codes.
 
-An int4 K tile of ``BLOCK_K`` inputs is ``BLOCK_K / 2`` byte rows: low nibbles are the even
-inputs, high nibbles the odd ones, so the kernel loads x's even and odd columns and runs two
-dots of ``BLOCK_K / 2``.
+The group kernel loads x's even and odd columns and runs two dots of ``BLOCK_K / 2``: a 4-bit
+K tile of ``BLOCK_K`` inputs is ``BLOCK_K / 2`` byte rows whose low nibbles are the even
+inputs and high nibbles the odd ones; 8-bit codes are read as the even and odd rows.
 
 Under the Triton interpreter (CPU tests) dots run in fp32 (its bf16 dot is wrong, triton
 #11584); fp32 activations use IEEE fp32 dots everywhere.
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ladle.runtime.kernels import interpreting
-from ladle.runtime.quantization.formats import Int4Weight, Int8Weight, QuantizedWeight
+from ladle.runtime.quantization.formats import GroupWeight, Int8Weight, QuantizedWeight
 
 INTERPRETED = interpreting()
 
@@ -81,7 +82,7 @@ def _w8a16_kernel(
 
 
 @triton.jit
-def _w4a16_kernel(
+def _groups_kernel(
     x_ptr: tl.tensor,
     w_ptr: tl.tensor,
     scale_ptr: tl.tensor,
@@ -92,9 +93,10 @@ def _w4a16_kernel(
     N: int,
     K: int,
     stride_xm: int,
-    pair_rows: int,
+    panel_rows: int,
     num_groups: int,
     GROUP_SIZE: tl.constexpr,
+    BITS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -108,8 +110,9 @@ def _w4a16_kernel(
     ri = tl.arange(0, HALF)
     mmask, nmask = rm < M, rn < N
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    # Panel p of channel n starts at p * pair_rows * 16; its byte row i holds inputs 2i, 2i + 1.
-    w_cols = w_ptr + (rn // 16)[None, :].to(tl.int64) * pair_rows * 16 + rn[None, :] % 16
+    # Panel p of channel n starts at p * panel_rows * 16; its byte row i holds input i (8 bits)
+    # or inputs 2i and 2i + 1 (4 bits).
+    w_cols = w_ptr + (rn // 16)[None, :].to(tl.int64) * panel_rows * 16 + rn[None, :] % 16
     g_cols = (rn // 16).to(tl.int64) * num_groups * 16 + rn % 16
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -122,11 +125,23 @@ def _w4a16_kernel(
         x_odd = tl.load(
             x_rows + (k_even + 1)[None, :], mask=mmask[:, None] & odd_mask[None, :], other=0.0
         )
-        packed = tl.load(
-            w_cols + (k0 // 2 + ri)[:, None] * 16, mask=even_mask[:, None] & nmask[None, :], other=0
-        ).to(tl.int32)
-        q_even = (packed & 0xF).to(DTYPE)
-        q_odd = (packed >> 4).to(DTYPE)
+        if BITS == 4:
+            packed = tl.load(
+                w_cols + (k0 // 2 + ri)[:, None] * 16,
+                mask=even_mask[:, None] & nmask[None, :],
+                other=0,
+            ).to(tl.int32)
+            q_even = (packed & 0xF).to(DTYPE)
+            q_odd = (packed >> 4).to(DTYPE)
+        else:
+            q_even = tl.load(
+                w_cols + k_even[:, None] * 16, mask=even_mask[:, None] & nmask[None, :], other=0
+            ).to(DTYPE)
+            q_odd = tl.load(
+                w_cols + (k_even + 1)[:, None] * 16,
+                mask=odd_mask[:, None] & nmask[None, :],
+                other=0,
+            ).to(DTYPE)
         dots = tl.dot(x_even.to(DTYPE), q_even, input_precision=PRECISION)
         dots = tl.dot(x_odd.to(DTYPE), q_odd, dots, input_precision=PRECISION)
         x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(x_odd.to(tl.float32), axis=1)
@@ -150,8 +165,8 @@ def _dot_setup(dtype: torch.dtype) -> tuple[tl.dtype, str]:
 
 
 def gemm_config(m: int, group_size: int | None) -> dict[str, int]:
-    """Tile sizes: 16 rows (tl.dot's minimum) for decode-sized batches, 64 beyond; int4 K tiles
-    stay within one group."""
+    """Tile sizes: 16 rows (tl.dot's minimum) for decode-sized batches, 64 beyond; a group
+    format's K tiles stay within one group."""
     block_m = 16 if m <= 16 else 64
     block_k = 64 if group_size is None or group_size % 64 == 0 else 32
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4}
@@ -186,10 +201,10 @@ def quantized_linear(
             **config,
         )
     else:
-        assert isinstance(weight, Int4Weight)
+        assert isinstance(weight, GroupWeight)
         config = gemm_config(m, weight.group_size)
         grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
-        _w4a16_kernel[grid](
+        _groups_kernel[grid](
             rows,
             weight.qweight,
             weight.scale,
@@ -203,6 +218,7 @@ def quantized_linear(
             weight.qweight.shape[1],
             weight.scale.shape[1],
             GROUP_SIZE=weight.group_size,
+            BITS=weight.bits,
             **common,
             **config,
         )

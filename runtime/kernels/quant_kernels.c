@@ -3,13 +3,15 @@
  * y[M, N] = x[M, K] W^T (+ bias), W quantized, x and y fp32: weights are dequantized on the fly
  * and every product and sum is taken in fp32, so the numerics are those of the dequantized
  * weights whatever the instruction set (the torch reference in ladle.runtime.quantization
- * computes the same thing).
+ * computes the same thing). The group GEMV takes the same sum in another order: codes times x
+ * per group, then the group's scale, plus its offset times the group's sum of x.
  *
  * Formats (see runtime/quantization/formats.py): output channels in panels of 16, stored
  * input by input, so one input's weights for a panel are one 16-byte row:
- * - int8: codes [P, K, 16], w = q * scale[n], one scale per output channel;
- * - int4: codes [P, ceil(K / 2), 16], byte j of row i holding inputs 2i (low nibble) and 2i + 1
- *   (high) of channel 16 p + j; w = q * scale[p, g, j] + offset[p, g, j] with g = k / group.
+ * - int8 per output channel: codes [P, K, 16], w = q * scale[n];
+ * - groups (groups > 0): w = q * scale[p, g, j] + offset[p, g, j] with g = k / group_size, and
+ *   8-bit codes [P, K, 16] (0..255) or 4-bit ones [P, ceil(K / 2), 16], byte j of row i
+ *   holding inputs 2i (low nibble) and 2i + 1 (high) of channel 16 p + j.
  *
  * Every product is an outer product: a panel row of weights (one vector of 16) times a
  * broadcast input, accumulated per output, so nothing is ever summed horizontally.
@@ -105,6 +107,10 @@ static inline void from_i8(const int8_t *p, vf out[VPP]) {
     widen(_mm_loadu_si128((const __m128i *)p), 1, out);
 }
 
+static inline void from_u8(const uint8_t *p, vf out[VPP]) {
+    widen(_mm_loadu_si128((const __m128i *)p), 0, out);
+}
+
 /* One byte row of an int4 panel: the codes of input 2i (low nibbles) and 2i + 1 (high). */
 static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0xF);
@@ -113,6 +119,12 @@ static inline void from_u4(const uint8_t *p, vf even[VPP], vf odd[VPP]) {
 }
 #else
 static inline void from_i8(const int8_t *p, vf out[VPP]) {
+    float f[PANEL];
+    for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
+    for (int h = 0; h < VPP; h++) out[h] = vload(f + h * VW);
+}
+
+static inline void from_u8(const uint8_t *p, vf out[VPP]) {
     float f[PANEL];
     for (int j = 0; j < PANEL; j++) f[j] = (float)p[j];
     for (int h = 0; h < VPP; h++) out[h] = vload(f + h * VW);
@@ -137,8 +149,33 @@ static inline const int8_t *panel_i8(const qweight *q, int64_t p, int32_t K) {
     return (const int8_t *)q->w + p * K * PANEL;
 }
 
-static inline const uint8_t *panel_i4(const qweight *q, int64_t p, int32_t K) {
-    return (const uint8_t *)q->w + p * ((K + 1) / 2) * PANEL;
+/* A group format's panel p: K byte rows of 8-bit codes, or ceil(K / 2) of 4-bit pairs. */
+static inline const uint8_t *panel_groups(const qweight *q, int64_t p, int32_t K) {
+    return (const uint8_t *)q->w + p * (q->bits == 4 ? (K + 1) / 2 : K) * PANEL;
+}
+
+/* The codes of inputs k and k + 1 (k even, k + 1 < K) of a group panel: one byte row of 4-bit
+ * pairs, or two rows of 8-bit codes. bits is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void from_pair(const uint8_t *w, int k, int bits,
+                                                            vf even[VPP], vf odd[VPP]) {
+    if (bits == 4) {
+        from_u4(w + (int64_t)(k / 2) * PANEL, even, odd);
+    } else {
+        from_u8(w + (int64_t)k * PANEL, even);
+        from_u8(w + (int64_t)(k + 1) * PANEL, odd);
+    }
+}
+
+/* The codes of input k alone. */
+static inline __attribute__((always_inline)) void from_one(const uint8_t *w, int k, int bits,
+                                                           vf out[VPP]) {
+    if (bits == 4) {
+        vf pair[2][VPP];
+        from_u4(w + (int64_t)(k / 2) * PANEL, pair[0], pair[1]);
+        for (int h = 0; h < VPP; h++) out[h] = pair[k % 2][h];
+    } else {
+        from_u8(w + (int64_t)k * PANEL, out);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -148,15 +185,60 @@ static inline const uint8_t *panel_i4(const qweight *q, int64_t p, int32_t K) {
  * chain are in flight. */
 #define UNROLL 4
 
-static inline __attribute__((always_inline)) void gemv_panel(const float *x, int64_t ldx,
-                                                             const qweight *q, int64_t p,
-                                                             int32_t K, int R,
-                                                             vf out[GEMV_MAX_ROWS][VPP]) {
+/* A group format: sum(x * (q * s + o)) over a group is s * sum(x * q) + o * sum(x), so the
+ * codes are multiplied as they are and each group's scale and offset are applied once, to its
+ * partial sums and to xs (the group's sum of x, per row). */
+static inline __attribute__((always_inline)) void gemv_groups(const float *x, int64_t ldx,
+                                                              const float *xs, const qweight *q,
+                                                              int64_t p, int32_t K, int R,
+                                                              int bits,
+                                                              vf out[GEMV_MAX_ROWS][VPP]) {
     vf acc[GEMV_MAX_ROWS][UNROLL][VPP];
+    const uint8_t *w = panel_groups(q, p, K);
+    const float *sc = q->scale + p * q->groups * PANEL, *of = q->offset + p * q->groups * PANEL;
     for (int r = 0; r < R; r++)
-        for (int u = 0; u < UNROLL; u++)
-            for (int h = 0; h < VPP; h++) acc[r][u][h] = (vf){0};
-    if (!q->int4) {
+        for (int h = 0; h < VPP; h++) out[r][h] = (vf){0};
+    for (int g = 0; g < q->groups; g++) {
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < UNROLL; u++)
+                for (int h = 0; h < VPP; h++) acc[r][u][h] = (vf){0};
+        const int k0 = g * q->group_size;
+        const int k1 = k0 + q->group_size < K ? k0 + q->group_size : K;
+        int k = k0;
+        for (; k + UNROLL <= k1; k += UNROLL)
+            for (int u = 0; u < UNROLL; u += 2) {
+                vf wv[2][VPP];
+                from_pair(w, k + u, bits, wv[0], wv[1]);
+                for (int r = 0; r < R; r++)
+                    for (int e = 0; e < 2; e++) {
+                        const vf xv = splat(x[r * ldx + k + u + e]);
+                        for (int h = 0; h < VPP; h++) acc[r][u + e][h] += xv * wv[e][h];
+                    }
+            }
+        for (; k < k1; k++) {
+            vf wv[VPP];
+            from_one(w, k, bits, wv);
+            for (int r = 0; r < R; r++)
+                for (int h = 0; h < VPP; h++) acc[r][0][h] += splat(x[r * ldx + k]) * wv[h];
+        }
+        for (int h = 0; h < VPP; h++) {
+            const vf s = vload(sc + g * PANEL + h * VW), o = vload(of + g * PANEL + h * VW);
+            for (int r = 0; r < R; r++)
+                out[r][h] += (acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h]) * s +
+                             splat(xs[r * q->groups + g]) * o;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void gemv_panel(const float *x, int64_t ldx,
+                                                             const float *xs, const qweight *q,
+                                                             int64_t p, int32_t K, int R,
+                                                             vf out[GEMV_MAX_ROWS][VPP]) {
+    if (q->groups == 0) {
+        vf acc[GEMV_MAX_ROWS][UNROLL][VPP];
+        for (int r = 0; r < R; r++)
+            for (int u = 0; u < UNROLL; u++)
+                for (int h = 0; h < VPP; h++) acc[r][u][h] = (vf){0};
         const int8_t *w = panel_i8(q, p, K);
         int k = 0;
         for (; k + UNROLL <= K; k += UNROLL)
@@ -181,57 +263,40 @@ static inline __attribute__((always_inline)) void gemv_panel(const float *x, int
         }
         return;
     }
-    const uint8_t *w = panel_i4(q, p, K);
-    const float *sc = q->scale + p * q->groups * PANEL, *of = q->offset + p * q->groups * PANEL;
-    for (int g = 0; g < q->groups; g++) {
-        vf s[VPP], o[VPP];
-        for (int h = 0; h < VPP; h++) {
-            s[h] = vload(sc + g * PANEL + h * VW);
-            o[h] = vload(of + g * PANEL + h * VW);
+    if (q->bits == 4)
+        gemv_groups(x, ldx, xs, q, p, K, R, 4, out);
+    else
+        gemv_groups(x, ldx, xs, q, p, K, R, 8, out);
+}
+
+/* Each group's sum of x, per row (xs[r * groups + g]), for gemv_panel. */
+static void group_sums(const float *x, int64_t ldx, const qweight *q, int64_t R, int32_t K,
+                       float *xs) {
+    for (int64_t r = 0; r < R; r++)
+        for (int g = 0; g < q->groups; g++) {
+            const int k0 = g * q->group_size;
+            const int k1 = k0 + q->group_size < K ? k0 + q->group_size : K;
+            float sum = 0.0f;
+            for (int k = k0; k < k1; k++) sum += x[r * ldx + k];
+            xs[r * q->groups + g] = sum;
         }
-        const int k0 = g * q->group_size;
-        const int k1 = k0 + q->group_size < K ? k0 + q->group_size : K;
-        int k = k0;
-        for (; k + UNROLL <= k1; k += UNROLL)
-            for (int u = 0; u < UNROLL; u += 2) {
-                vf wv[2][VPP];
-                from_u4(w + (int64_t)((k + u) / 2) * PANEL, wv[0], wv[1]);
-                for (int e = 0; e < 2; e++)
-                    for (int h = 0; h < VPP; h++) wv[e][h] = wv[e][h] * s[h] + o[h];
-                for (int r = 0; r < R; r++)
-                    for (int e = 0; e < 2; e++) {
-                        const vf xv = splat(x[r * ldx + k + u + e]);
-                        for (int h = 0; h < VPP; h++) acc[r][u + e][h] += xv * wv[e][h];
-                    }
-            }
-        for (; k < k1; k++) {
-            vf wv[2][VPP];
-            from_u4(w + (int64_t)(k / 2) * PANEL, wv[0], wv[1]);
-            for (int r = 0; r < R; r++)
-                for (int h = 0; h < VPP; h++)
-                    acc[r][0][h] += splat(x[r * ldx + k]) * (wv[k % 2][h] * s[h] + o[h]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < VPP; h++)
-            out[r][h] = acc[r][0][h] + acc[r][1][h] + acc[r][2][h] + acc[r][3][h];
 }
 
 /* One panel of outputs for every row, GEMV_MAX_ROWS rows at a time: the panel's weights come
  * from memory once and from cache for the later rows. */
-static inline void gemv_panel_rows(const float *x, int64_t ldx, const qweight *q,
-                                   const float *bias, float *y, int64_t ldy, int64_t R, int32_t p,
-                                   int32_t K) {
+static inline void gemv_panel_rows(const float *x, int64_t ldx, const float *xs,
+                                   const qweight *q, const float *bias, float *y, int64_t ldy,
+                                   int64_t R, int32_t p, int32_t K) {
     for (int64_t r0 = 0; r0 < R; r0 += GEMV_MAX_ROWS) {
-        const float *xr = x + r0 * ldx;
+        const float *xr = x + r0 * ldx, *xsr = xs + r0 * q->groups;
         float *yr = y + r0 * ldy;
         const int64_t rows = R - r0 < GEMV_MAX_ROWS ? R - r0 : GEMV_MAX_ROWS;
         vf out[GEMV_MAX_ROWS][VPP];
         switch (rows) { /* constant row counts, so the accumulators stay in registers */
-        case 1: gemv_panel(xr, ldx, q, p, K, 1, out); break;
-        case 2: gemv_panel(xr, ldx, q, p, K, 2, out); break;
-        case 3: gemv_panel(xr, ldx, q, p, K, 3, out); break;
-        default: gemv_panel(xr, ldx, q, p, K, 4, out); break;
+        case 1: gemv_panel(xr, ldx, xsr, q, p, K, 1, out); break;
+        case 2: gemv_panel(xr, ldx, xsr, q, p, K, 2, out); break;
+        case 3: gemv_panel(xr, ldx, xsr, q, p, K, 3, out); break;
+        default: gemv_panel(xr, ldx, xsr, q, p, K, 4, out); break;
         }
         for (int h = 0; h < VPP; h++) {
             const vf b = bias ? vload(bias + p * PANEL + h * VW) : (vf){0};
@@ -241,15 +306,21 @@ static inline void gemv_panel_rows(const float *x, int64_t ldx, const qweight *q
     }
 }
 
+/* xs lives on the stack: R * groups floats, a few KiB for a decode batch (R <= 8) even at
+ * K = 16k. */
 void ladle_gemv_q_panels(const float *x, int64_t ldx, const qweight *q, const float *bias,
                          float *y, int64_t ldy, int64_t R, int32_t p0, int32_t p1, int32_t K) {
-    for (int32_t p = p0; p < p1; p++) gemv_panel_rows(x, ldx, q, bias, y, ldy, R, p, K);
+    float xs[R * q->groups + 1];
+    group_sums(x, ldx, q, R, K, xs);
+    for (int32_t p = p0; p < p1; p++) gemv_panel_rows(x, ldx, xs, q, bias, y, ldy, R, p, K);
 }
 
 static void gemv(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
                  int64_t ldy, int R, int32_t P, int32_t K, int32_t num_threads) {
+    float xs[R * q->groups + 1];
+    group_sums(x, ldx, q, R, K, xs);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)P * K >= 4096)
-    for (int32_t p = 0; p < P; p++) gemv_panel_rows(x, ldx, q, bias, y, ldy, R, p, K);
+    for (int32_t p = 0; p < P; p++) gemv_panel_rows(x, ldx, xs, q, bias, y, ldy, R, p, K);
 }
 
 /* ---------------------------------------------------------------------------------------- */
@@ -262,7 +333,7 @@ static void dequant_tile(const qweight *q, int64_t p, int np, int32_t K, int k0,
                          float *buf) {
     for (int t = 0; t < np; t++) {
         float *dst = buf + t * PANEL;
-        if (!q->int4) {
+        if (q->groups == 0) {
             const int8_t *w = panel_i8(q, p + t, K) + (int64_t)k0 * PANEL;
             for (int k = 0; k < kc; k++) {
                 vf wv[VPP];
@@ -271,13 +342,16 @@ static void dequant_tile(const qweight *q, int64_t p, int np, int32_t K, int k0,
             }
             continue;
         }
-        const uint8_t *w = panel_i4(q, p + t, K);
+        const uint8_t *w = panel_groups(q, p + t, K);
         const float *sc = q->scale + (p + t) * q->groups * PANEL;
         const float *of = q->offset + (p + t) * q->groups * PANEL;
         for (int k = 0; k < kc; k += 2) {
             const int g = (k0 + k) / q->group_size; /* even k0 and group size: one group */
             vf wv[2][VPP];
-            from_u4(w + (int64_t)((k0 + k) / 2) * PANEL, wv[0], wv[1]);
+            if (k + 1 < kc)
+                from_pair(w, k0 + k, q->bits, wv[0], wv[1]);
+            else
+                from_one(w, k0 + k, q->bits, wv[0]);
             for (int e = 0; e < 2 && k + e < kc; e++)
                 for (int h = 0; h < VPP; h++) {
                     const vf s = vload(sc + g * PANEL + h * VW), o = vload(of + g * PANEL + h * VW);
@@ -345,7 +419,7 @@ static void tile_product(const float *x, int64_t ldx, int64_t M, const float *bu
 static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
                 int64_t ldy, int64_t M, int32_t P, int32_t K, int32_t num_threads) {
     const int tiles = (P + TILE_PANELS - 1) / TILE_PANELS;
-    const int kc_max = K < KC ? K + 1 : KC; /* room for an int4 chunk's odd last input */
+    const int kc_max = K < KC ? K + 1 : KC; /* room for a 4-bit chunk's odd last input */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -369,7 +443,7 @@ static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias
                 for (int v = 0; v < NV; v++) {
                     const int64_t col = p * PANEL + v * VW;
                     const int valid = v < np * VPP;
-                    mul[v] = q->int4 || !valid ? splat(1.0f) : vload(q->scale + col);
+                    mul[v] = q->groups || !valid ? splat(1.0f) : vload(q->scale + col);
                     const vf b = bias && valid ? vload(bias + col) : (vf){0};
                     if (valid)
                         for (int64_t m = 0; m < rows; m++) vstore(yb + m * ldy + col, b);
@@ -388,23 +462,24 @@ static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias
 
 /* ---------------------------------------------------------------------------------------- */
 /* Entry points. x rows are ldx floats apart; y is [M, ldy] with ldy >= 16 P (the padded
- * outputs are written too); bias, padded to 16 P, may be NULL; the int4 group size is a
- * positive multiple of 32 (the caller checks). Nonzero: out of memory. */
+ * outputs are written too); bias, padded to 16 P, may be NULL; a group size is a positive
+ * multiple of 32 and bits 4 or 8 (the caller checks). Nonzero: out of memory. */
 
 int ladle_linear_i8(const float *x, int64_t ldx, const int8_t *w, const float *scale,
                     const float *bias, float *y, int64_t ldy, int64_t M, int32_t P, int32_t K,
                     int32_t num_threads) {
-    const qweight q = {w, scale, NULL, 0, 0, 0};
+    const qweight q = {w, scale, NULL, 0, 0, 8};
     if (M == 0) return 0;
     if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
     gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);
     return 0;
 }
 
-int ladle_linear_i4(const float *x, int64_t ldx, const uint8_t *w, const float *scale,
-                    const float *offset, const float *bias, float *y, int64_t ldy, int64_t M,
-                    int32_t P, int32_t K, int32_t group_size, int32_t num_threads) {
-    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, 1};
+int ladle_linear_groups(const float *x, int64_t ldx, const uint8_t *w, const float *scale,
+                        const float *offset, const float *bias, float *y, int64_t ldy, int64_t M,
+                        int32_t P, int32_t K, int32_t group_size, int32_t bits,
+                        int32_t num_threads) {
+    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, bits};
     if (M == 0) return 0;
     if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
     gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);

@@ -17,7 +17,7 @@ import torch
 from ladle.runtime.config import QuantizationConfig
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.quantization import awq, gptq
-from ladle.runtime.quantization.formats import QuantizedWeight, quantize_int4, quantize_int8
+from ladle.runtime.quantization.formats import QuantizedWeight, quantize_groups, quantize_int8
 from ladle.runtime.quantization.linear import (
     DenseEmbedding,
     DenseLinear,
@@ -65,10 +65,12 @@ def quantize_model(
         weight: QuantizedWeight
         if rounded is not None:
             weight = rounded[key]
-        elif config.weights == "int8":
+        elif config.group_size is None:
             weight = quantize_int8(linear.weight)
         else:
-            weight = quantize_int4(linear.weight, config.group_size, clips.get(key))
+            weight = quantize_groups(
+                linear.weight, config.group_size, clips.get(key), bits=config.bits
+            )
         return QuantizedLinear(weight, linear.bias, kernels)
 
     for i, layer in enumerate(model.layers):

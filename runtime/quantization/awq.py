@@ -47,7 +47,7 @@ from ladle.runtime.config import QuantizationConfig
 from ladle.runtime.models.llama import LayerWeights, LlamaModel
 from ladle.runtime.models.loader import cache_dir
 from ladle.runtime.models.scoring import hidden_states
-from ladle.runtime.quantization.formats import fake_quantize_int4, quantize_int8
+from ladle.runtime.quantization.formats import fake_quantize_groups, quantize_int8
 from ladle.runtime.quantization.linear import DenseLinear, Linear
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def _search_clip(gram: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.
     best_err = torch.full((n, groups), float("inf"), device=w.device)
     for ratio in CLIP_RATIOS:
         clip = torch.full((n, groups), ratio, device=w.device)
-        diff = _grouped(fake_quantize_int4(w, group_size, clip) - w, group_size).transpose(0, 1)
+        diff = _grouped(fake_quantize_groups(w, group_size, clip) - w, group_size).transpose(0, 1)
         err = (torch.bmm(diff, gram) * diff).sum(dim=2).T
         better = err < best_err
         best_err = torch.where(better, err, best_err)
@@ -211,9 +211,10 @@ def _search_clip(gram: torch.Tensor, w: torch.Tensor, group_size: int) -> torch.
 
 
 def _fake_quant(config: QuantizationConfig) -> FakeQuant:
-    if config.weights == "int8":
+    group_size = config.group_size
+    if group_size is None:
         return lambda w: quantize_int8(w).dequantize()
-    return lambda w: fake_quantize_int4(w, config.group_size)
+    return lambda w: fake_quantize_groups(w, group_size, bits=config.bits)
 
 
 def _weight(linear: Linear) -> torch.Tensor:
@@ -227,8 +228,9 @@ def calibrate(
 ) -> Calibration:
     """AWQ scales (and, for int4, clip ratios) for every projection of ``model``."""
     cfg = model.config
-    int4 = config.weights == "int4"
-    recorders = _record(model, sequences, config.group_size if int4 else None)
+    # int4 searches clip ratios per group; 8 bits have steps fine enough to keep every range.
+    clip_groups = config.group_size if config.weights == "int4" else None
+    recorders = _record(model, sequences, clip_groups)
     fq = _fake_quant(config)
     scales: dict[Key, torch.Tensor] = {}
     clips: dict[Key, torch.Tensor] = {}
@@ -240,12 +242,12 @@ def calibrate(
             x, w = rec.sample(), _weight(getattr(layer, name))
             s = _search_scale(x, rec.mean_abs(), w, fq)
             scales[(i, name)] = s
-            if int4:
+            if clip_groups is not None:
                 assert rec.gram is not None
                 # The search sees the scaled problem: inputs x / s, weights w * s.
-                inv = _grouped(1.0 / s, config.group_size)
+                inv = _grouped(1.0 / s, clip_groups)
                 gram = rec.gram * inv[:, :, None] * inv[:, None, :]
-                clip = _search_clip(gram, w * s, config.group_size)
+                clip = _search_clip(gram, w * s, clip_groups)
                 if name == "qkv":
                     clip[: cfg.q_size + cfg.kv_size] = 1.0
                 clips[(i, name)] = clip

@@ -4,21 +4,26 @@ Both are dequantized inside the kernels (C on CPUs, Triton on GPUs), never in me
 
 * **int8**, per output channel, symmetric: ``w[n, k] = q[n, k] * scale[n]``, q in -127..127,
   one fp32 scale per row (absmax / 127). Rounding error is at most half a step.
-* **int4**, in groups of ``group_size`` inputs, asymmetric: ``w[n, k] = q[n, k] * scale[n, g]
-  + offset[n, g]`` with ``g = k // group_size`` and q in 0..15, the step spanning the group's
-  [min, max] (narrowed by an optional clip ratio). The offset is a float rather than an integer
-  zero point, so a group's minimum is represented exactly; error is at most half a step.
+* **groups** (int4, or int8 with a group size), ``group_size`` inputs each, asymmetric:
+  ``w[n, k] = q[n, k] * scale[n, g] + offset[n, g]`` with ``g = k // group_size`` and q in
+  0..15 (4 bits) or 0..255 (8 bits), the step spanning the group's [min, max] (narrowed by an
+  optional clip ratio). The offset is a float rather than an integer zero point, so a group's
+  minimum is represented exactly; error is at most half a step. A checkpoint that is itself a
+  Q4_1 GGUF (such as the default model: blocks of 32 ``q * d + m`` whose codes span 0..15 by
+  construction) is represented exactly by 8-bit groups of 32, each of its steps being 17 of
+  theirs; per-channel int8 re-rounds every weight.
 
 **Layout.** Output channels are stored in panels of 16, and within a panel input by input:
-int8 codes are ``[N / 16, K, 16]``, so the 16 weights one input contributes to 16 outputs are
-one 16-byte row. A GEMV then reads each panel front to back and needs no horizontal sums, a
-GEMM dequantizes a panel into rows its register tiles consume directly, and a GPU tile of
-``BLOCK_K x 16`` outputs is one contiguous run. int4 codes pack two *consecutive inputs* of a
-channel into a byte, ``[N / 16, ceil(K / 2), 16]``: byte j of row i holds ``q[16 p + j, 2 i]``
-in its low nibble and ``q[16 p + j, 2 i + 1]`` in its high one, so one 16-byte load gives two
-input rows of a panel after a mask and a shift. int4 scales and offsets follow the panels,
-``[N / 16, G, 16]``. A partial last panel is padded with zero channels (scale 0), an odd K
-with a zero input; ``group_size`` is a multiple of 32 and the last group may be partial.
+8-bit codes (both formats) are ``[N / 16, K, 16]``, so the 16 weights one input contributes to
+16 outputs are one 16-byte row. A GEMV then reads each panel front to back and needs no
+horizontal sums, a GEMM dequantizes a panel into rows its register tiles consume directly, and
+a GPU tile of ``BLOCK_K x 16`` outputs is one contiguous run. 4-bit codes pack two
+*consecutive inputs* of a channel into a byte, ``[N / 16, ceil(K / 2), 16]``: byte j of row i
+holds ``q[16 p + j, 2 i]`` in its low nibble and ``q[16 p + j, 2 i + 1]`` in its high one, so
+one 16-byte load gives two input rows of a panel after a mask and a shift. Group scales and
+offsets follow the panels, ``[N / 16, G, 16]``. A partial last panel is padded with zero
+channels (scale 0), an odd K (4 bits) with a zero input; ``group_size`` is a multiple of 32 and
+the last group may be partial.
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16
-INT4_MAX = 15
 INT8_MAX = 127
 GROUP_MULTIPLE = 32
 # Smallest step, so that an all-zero row or a constant group does not divide by zero.
@@ -80,13 +84,14 @@ class Int8Weight:
 
 
 @dataclass(frozen=True)
-class Int4Weight:
-    qweight: torch.Tensor  # uint8 [P, ceil(K / 2), 16], see the module docstring
+class GroupWeight:
+    qweight: torch.Tensor  # uint8: 8 bits [P, K, 16], 4 bits [P, ceil(K / 2), 16]
     scale: torch.Tensor  # fp32 [P, G, 16]
     offset: torch.Tensor  # fp32 [P, G, 16]
     out_features: int
     in_features: int
     group_size: int
+    bits: int  # 4 or 8
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -97,8 +102,10 @@ class Int4Weight:
 
     def codes(self) -> torch.Tensor:
         """q as uint8 [N, K]."""
-        pairs = torch.stack((self.qweight & 0xF, self.qweight >> 4), dim=2)  # [P, K/2, 2, 16]
-        q = pairs.flatten(1, 2)[:, : self.in_features]
+        q = self.qweight
+        if self.bits == 4:
+            pairs = torch.stack((q & 0xF, q >> 4), dim=2)  # [P, K/2, 2, 16]
+            q = pairs.flatten(1, 2)[:, : self.in_features]
         return _unpanel(q, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -108,12 +115,19 @@ class Int4Weight:
         return (self.codes().to(torch.float32) * scale + offset).to(dtype)
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+QuantizedWeight = Int8Weight | GroupWeight
 
 
 def check_group_size(group_size: int) -> None:
     if group_size < GROUP_MULTIPLE or group_size % GROUP_MULTIPLE:
-        raise ValueError(f"int4 group size must be a positive multiple of 32, got {group_size}")
+        raise ValueError(f"group size must be a positive multiple of 32, got {group_size}")
+
+
+def levels(bits: int) -> int:
+    """The largest code of a group format: 15 for 4 bits, 255 for 8."""
+    if bits not in (4, 8):
+        raise ValueError(f"group formats have 4 or 8 bits, got {bits}")
+    return (1 << bits) - 1
 
 
 def int8_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -145,7 +159,7 @@ def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.view(n, -1, group_size)
 
 
-def int4_range(
+def group_range(
     weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's (low, high) quantization range, [N, G] each. ``clip`` ([N, G] in (0, 1])
@@ -158,49 +172,57 @@ def int4_range(
     return low, high
 
 
-def _int4_codes(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None
+def _group_codes(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes [N, K] as floats, scale [N, G], offset [N, G])."""
     check_group_size(group_size)
+    top = levels(bits)
     k = weight.shape[1]
-    low, high = int4_range(weight, group_size, clip)
-    scale = ((high - low) / INT4_MAX).clamp_min(MIN_SCALE)
+    low, high = group_range(weight, group_size, clip)
+    scale = ((high - low) / top).clamp_min(MIN_SCALE)
     groups = _groups(weight.detach().to(torch.float32), group_size)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, INT4_MAX)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, top)
     return q.flatten(1)[:, :k], scale, low
 
 
-def quantize_int4(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
-) -> Int4Weight:
+def quantize_groups(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, *, bits: int = 4
+) -> GroupWeight:
     """Round to nearest, asymmetric, per group (optionally within clipped ranges)."""
-    q, scale, offset = _int4_codes(weight, group_size, clip)
-    return pack_int4(q, scale, offset, group_size)
+    q, scale, offset = _group_codes(weight, group_size, clip, bits)
+    return pack_groups(q, scale, offset, group_size, bits=bits)
 
 
-def pack_int4(
-    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
-) -> Int4Weight:
-    """The int4 format from codes [N, K] (integers in 0..15) and each group's step and offset
-    [N, G]."""
+def pack_groups(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    group_size: int,
+    *,
+    bits: int = 4,
+) -> GroupWeight:
+    """The group format from codes [N, K] (integers in 0..levels(bits)) and each group's step
+    and offset [N, G]."""
     check_group_size(group_size)
+    levels(bits)
     n, k = codes.shape
-    codes = F.pad(codes.to(torch.uint8), (0, k % 2))  # [N, K even]
-    pairs = codes.view(n, -1, 2)
-    packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [N, K/2]
+    packed = codes.to(torch.uint8)
+    if bits == 4:
+        pairs = F.pad(packed, (0, k % 2)).view(n, -1, 2)  # [N, K/2, 2]
+        packed = pairs[..., 0] | (pairs[..., 1] << 4)
 
     def by_panel(t: torch.Tensor) -> torch.Tensor:
         return _panels(t).transpose(1, 2).contiguous()
 
-    return Int4Weight(by_panel(packed), by_panel(scale), by_panel(offset), n, k, group_size)
+    return GroupWeight(by_panel(packed), by_panel(scale), by_panel(offset), n, k, group_size, bits)
 
 
-def fake_quantize_int4(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+def fake_quantize_groups(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, *, bits: int = 4
 ) -> torch.Tensor:
-    """``quantize_int4(...).dequantize()`` without the packing: calibration's inner loop."""
-    q, scale, offset = _int4_codes(weight, group_size, clip)
+    """``quantize_groups(...).dequantize()`` without the packing: calibration's inner loop."""
+    q, scale, offset = _group_codes(weight, group_size, clip, bits)
     g = group_size
     k = weight.shape[1]
     return q * scale.repeat_interleave(g, dim=1)[:, :k] + offset.repeat_interleave(g, dim=1)[:, :k]

@@ -9,8 +9,8 @@ mean diagonal) and ``U`` the upper Cholesky factor of ``H^-1``, column i's error
 are processed in blocks of 128, the updates to later blocks batched into one product.
 
 The result is ordinary codes and scales: int8 per output channel (the step fixed up front,
-``absmax / 127`` of the row), int4 per group (each group's range taken when GPTQ reaches it,
-from the weights as earlier errors have moved them). The kernels are unchanged.
+``absmax / 127`` of the row), int4 and grouped int8 per group (each group's range taken when
+GPTQ reaches it, from the weights as earlier errors have moved them). The kernels are unchanged.
 
 **Sequential.** One forward pass runs over all calibration tokens with every linear replaced
 by a stand-in that, on its one call, quantizes its weight on the inputs it receives and returns
@@ -37,13 +37,13 @@ from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.models.scoring import hidden_states
 from ladle.runtime.quantization import awq
 from ladle.runtime.quantization.formats import (
-    INT4_MAX,
     INT8_MAX,
     MIN_SCALE,
     QuantizedWeight,
-    int4_range,
+    group_range,
     int8_scale,
-    pack_int4,
+    levels,
+    pack_groups,
     pack_int8,
 )
 from ladle.runtime.quantization.linear import DenseLinear
@@ -85,14 +85,15 @@ def gptq(
 ) -> QuantizedWeight:
     """Quantize ``weight`` [N, K] to ``config``'s format, minimizing the output error on inputs
     whose ``2 X^T X`` is ``hessian`` [K, K]. ``clip`` ([N, G], int4) narrows each group's range
-    as in :func:`formats.int4_range`."""
+    as in :func:`formats.group_range`."""
     # Input-major: column i of the weight is the contiguous row i, so the updates stream.
     w = weight.detach().to(torch.float32).T.contiguous()
     k, n = w.shape
     u = inverse_hessian_factor(hessian.to(w.device))
     codes = torch.empty_like(w)
-    int8 = config.weights == "int8"
-    group = k if int8 else config.group_size
+    int8 = config.group_size is None  # per output channel, symmetric
+    group = k if config.group_size is None else config.group_size
+    top = levels(config.bits)
     block = BLOCK if int8 else group * max(1, BLOCK // group)
     scale = int8_scale(weight)[None, :] if int8 else w.new_empty(-(-k // group), n)
     offset = w.new_zeros(scale.shape)
@@ -104,14 +105,14 @@ def gptq(
             g, first = divmod(start + i, group)
             if first == 0 and not int8:
                 cols = w1[i : i + group].T.contiguous()
-                low, high = int4_range(cols, group, None if clip is None else clip[:, g : g + 1])
-                scale[g] = ((high - low)[:, 0] / INT4_MAX).clamp_min(MIN_SCALE)
+                low, high = group_range(cols, group, None if clip is None else clip[:, g : g + 1])
+                scale[g] = ((high - low)[:, 0] / top).clamp_min(MIN_SCALE)
                 offset[g] = low[:, 0]
             x, s, o = w1[i], scale[g], offset[g]
             if int8:
                 q = torch.round(x / s).clamp_(-INT8_MAX, INT8_MAX)
             else:
-                q = torch.round((x - o) / s).clamp_(0, INT4_MAX)
+                q = torch.round((x - o) / s).clamp_(0, top)
             codes[start + i] = q
             err = (x - (q * s + o)) / u1[i, i]
             w1[i + 1 :] -= u1[i, i + 1 :, None] * err[None, :]
@@ -119,7 +120,7 @@ def gptq(
         w[end:] -= u[start:end, end:].T @ errors
     if int8:
         return pack_int8(codes.T, scale[0])
-    return pack_int4(codes.T, scale.T, offset.T, group)
+    return pack_groups(codes.T, scale.T, offset.T, group, bits=config.bits)
 
 
 Quantize = Callable[[Key, torch.Tensor, torch.Tensor], QuantizedWeight]

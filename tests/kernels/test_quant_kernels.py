@@ -16,9 +16,9 @@ import torch
 from ladle.runtime.kernels import cpu_kernels
 from ladle.runtime.kernels.quant_gemm import quantized_linear
 from ladle.runtime.quantization.formats import (
-    Int4Weight,
+    GroupWeight,
     Int8Weight,
-    quantize_int4,
+    quantize_groups,
     quantize_int8,
     quantize_kv_rows,
 )
@@ -49,7 +49,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def reference(
-    x: torch.Tensor, w: Int8Weight | Int4Weight, bias: torch.Tensor | None
+    x: torch.Tensor, w: Int8Weight | GroupWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     y = x.double() @ w.dequantize().double().T
     return y if bias is None else y + bias.double()
@@ -73,7 +73,7 @@ def test_cpu_linear_matches_float64(lib: ctypes.CDLL, m: int, n: int, k: int, gr
     x = torch.randn(2 * m, k + 3)[::2, :k]
     w = torch.randn(n, k)
     bias = torch.randn(n) if m % 2 else None
-    for q in (quantize_int8(w), quantize_int4(w, group)):
+    for q in (quantize_int8(w), quantize_groups(w, group), quantize_groups(w, group, bits=8)):
         y = cpu_kernels.linear(lib, x, q, bias)
         assert y.shape == (m, n)
         assert rel_err(y, reference(x, q, bias)) < 1e-5
@@ -83,7 +83,7 @@ def test_cpu_linear_keeps_leading_dimensions_and_rejects_bad_groups() -> None:
     lib = cpu_kernels.load()
     assert lib is not None
     x = torch.randn(2, 3, 64)
-    q = quantize_int4(torch.randn(5, 64), 32)
+    q = quantize_groups(torch.randn(5, 64), 32)
     y = cpu_kernels.linear(lib, x, q, None)
     assert y.shape == (2, 3, 5)
     assert rel_err(y, reference(x, q, None)) < 1e-5
@@ -104,7 +104,7 @@ def test_triton_w8a16_w4a16_match_float64(
     w = torch.randn(n, k, device=DEVICE)
     bias = torch.randn(n, device=DEVICE)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    for q in (quantize_int8(w), quantize_int4(w, group)):
+    for q in (quantize_int8(w), quantize_groups(w, group), quantize_groups(w, group, bits=8)):
         y = quantized_linear(x, q, bias)
         assert y.dtype == dtype
         assert y.shape == (m, n)

@@ -108,14 +108,9 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         'spec.quantization.kvCache: Unsupported value: "fp8": supported values: "auto", "int8"',
     ),
     (
-        "group-size-with-int8",
-        with_spec(VALID_ISVC, quantization={"weights": "int8", "groupSize": 64}),
-        "quantization.groupSize applies to int4 weights only",
-    ),
-    (
         "group-size-with-default-weights",
         with_spec(VALID_ISVC, quantization={"groupSize": 128}),
-        "quantization.groupSize applies to int4 weights only",
+        "quantization.groupSize needs weights int8 or int4",
     ),
     (
         "group-size-not-a-multiple-of-32",
@@ -390,6 +385,7 @@ def test_quantized_variants_are_accepted_as_written(kube: Kube, k8s_namespace: s
     choices = {
         "int4-awq": {"weights": "int4", "method": "awq", "groupSize": 128, "kvCache": "int8"},
         "int8-kv": {"weights": "int8", "kvCache": "int8"},
+        "int8-groups": {"weights": "int8", "groupSize": 32},
         "kv-only": {"kvCache": "int8"},
     }
     for name, quantization in choices.items():

@@ -168,6 +168,11 @@ def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
         ({"kvCache": "int8"}, ["--kv-cache-dtype", "int8"], "none+kv-int8"),
         ({"weights": "int8"}, ["--quantization", "int8"], "int8"),
         (
+            {"weights": "int8", "groupSize": 32},
+            ["--quantization", "int8", "--quantization-group-size", "32"],
+            "int8-g32",
+        ),
+        (
             {"weights": "int4", "method": "rtn", "groupSize": 128, "kvCache": "int8"},
             [
                 "--quantization", "int4",

@@ -137,10 +137,12 @@ def test_quantization_flags_are_validated() -> None:
         "int4", "awq", 32
     )
     assert EngineArgs(quantization="int8").quantization_config().describe() == "int8-awq"
+    grouped = EngineArgs(quantization="int8", quantization_group_size=32).quantization_config()
+    assert (grouped.describe(), grouped.bits) == ("int8-awq-g32", 8)
     bad = [
         ({"quantization": "int3"}, "quantization must be one of none, int8, int4"),
         ({"quantization_method": "awq"}, "need quantization int8 or int4"),
-        ({"quantization": "int8", "quantization_group_size": 64}, "applies to int4 only"),
+        ({"quantization": "int8", "quantization_group_size": 48}, "multiple of 32"),
         ({"quantization": "int4", "quantization_group_size": 40}, "multiple of 32"),
         ({"quantization": "int4", "quantization_method": "hqq"}, "quantization_method must be"),
     ]
@@ -189,16 +191,19 @@ def test_awq_folds_scales_without_changing_the_function_and_is_cached(
 def test_weight_bytes_shrink_with_the_format(tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model("qwen2")  # untied head, QKV bias
     sizes = {}
-    for q in (None, "int8", "int4"):
+    for q, group in ((None, None), ("int8", None), ("int8", 32), ("int4", 32)):
         args = EngineArgs(
             model=str(path),
             num_gpu_blocks_override=8,
             quantization=q,
             quantization_method="rtn" if q else None,
+            quantization_group_size=group,
         )
         engine = LLMEngine(args)
-        sizes[q] = engine.model.weight_bytes()
+        sizes[(q, group)] = engine.model.weight_bytes()
         out = run_greedy(engine, [[1, 2, 3, 4, 5]])
         assert len(out[0]) == 12
-    assert sizes["int8"] < sizes[None] / 3
-    assert sizes["int4"] < sizes["int8"]
+    assert sizes[("int8", None)] < sizes[(None, None)] / 3
+    # 8-bit groups of 32 add a scale and an offset (8 bytes) per 32 weights.
+    assert sizes[("int8", None)] < sizes[("int8", 32)] < sizes[(None, None)] / 2.5
+    assert sizes[("int4", 32)] < sizes[("int8", None)]

@@ -7,8 +7,8 @@ import torch
 
 from ladle.runtime.quantization.formats import (
     PANEL,
-    fake_quantize_int4,
-    quantize_int4,
+    fake_quantize_groups,
+    quantize_groups,
     quantize_int8,
     quantize_kv_rows,
 )
@@ -39,30 +39,50 @@ def test_int8_round_trip_is_within_half_a_step_per_channel(n: int, k: int) -> No
     assert torch.equal(q.rows(ids), q.dequantize()[ids])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(
     ("n", "k", "group"),
     [(3, 31, 32), (4, 32, 32), (5, 100, 64), (6, 576, 64), (7, 576, 128), (2, 1530, 96)],
 )
-def test_int4_round_trip_is_within_half_a_step_per_group(n: int, k: int, group: int) -> None:
+def test_group_round_trip_is_within_half_a_step_per_group(
+    n: int, k: int, group: int, bits: int
+) -> None:
     torch.manual_seed(k + group)
     w = torch.randn(n, k) + torch.randn(n, 1) * 3  # offsets away from zero: asymmetric ranges
-    q = quantize_int4(w, group)
+    q = quantize_groups(w, group, bits=bits)
+    top = (1 << bits) - 1
     groups, panels = -(-k // group), -(-n // PANEL)
-    assert q.qweight.shape == (panels, -(-k // 2), PANEL)
+    assert q.qweight.shape == (panels, -(-k // 2) if bits == 4 else k, PANEL)
     assert q.scale.shape == q.offset.shape == (panels, groups, PANEL)
     codes = q.codes()
     assert codes.shape == (n, k)
-    assert codes.max() <= 15
+    assert codes.max() <= top
     step = q.scale.transpose(1, 2).reshape(-1, groups)[:n].repeat_interleave(group, dim=1)[:, :k]
     err = (q.dequantize() - w).abs()
     assert (err <= step * (0.5 + SLACK)).all()
     # Each group's minimum is represented exactly (the float offset) and its maximum within
-    # rounding, so both ends of every group's range are codes 0 and 15.
+    # rounding, so both ends of every group's range are codes 0 and the top code.
     padded = torch.nn.functional.pad(codes.float(), (0, groups * group - k), value=float("nan"))
     per_group = padded.view(n, groups, group)
-    assert (per_group.nan_to_num(99).amin(dim=2) == 0).all()
-    assert (per_group.nan_to_num(-1).amax(dim=2) == 15).all()
-    assert torch.equal(fake_quantize_int4(w, group), q.dequantize())
+    assert (per_group.nan_to_num(999).amin(dim=2) == 0).all()
+    assert (per_group.nan_to_num(-1).amax(dim=2) == top).all()
+    assert torch.equal(fake_quantize_groups(w, group, bits=bits), q.dequantize())
+
+
+def test_8_bit_groups_hold_a_4_bit_group_grid_exactly() -> None:
+    """A Q4_1-style checkpoint (each block of 32 weights ``q * d + m``, q in 0..15), such as
+    the default model, survives 8-bit groups of the same size unchanged: 255 steps hold its 15
+    steps 17 times. Per-channel int8 re-rounds it."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 24, 256
+    d = torch.rand(n, k // 32, 1, generator=gen) * 0.1 + 0.01
+    m = -torch.rand(n, k // 32, 1, generator=gen)
+    q4 = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+    q4[..., 0], q4[..., 1] = 0, 15  # every block spans its whole grid
+    w = (q4 * d + m).view(n, k)
+    exact = quantize_groups(w, 32, bits=8).dequantize()
+    assert float((exact - w).abs().max()) < 1e-5 * float(w.abs().max())
+    assert float((quantize_int8(w).dequantize() - w).abs().max()) > 1e-3
 
 
 def test_layouts_are_panels_of_16_channels_input_by_input() -> None:
@@ -73,7 +93,7 @@ def test_layouts_are_panels_of_16_channels_input_by_input() -> None:
     grid = (torch.arange(n)[:, None] + torch.arange(k)[None, :]).remainder(16).float()
     grid[:, 0] = torch.where(torch.arange(n) % 2 == 0, 0.0, 15.0)  # every group spans 0..15
     grid[:, 1] = torch.where(torch.arange(n) % 2 == 0, 15.0, 0.0)
-    q4 = quantize_int4(grid, 32)
+    q4 = quantize_groups(grid, 32)
     assert torch.equal(q4.codes(), grid.to(torch.uint8))
     byte = q4.qweight[1, 2, 3]  # panel 1, inputs 4 and 5, channel 19
     assert int(byte) & 0xF == int(grid[19, 4])
@@ -86,21 +106,21 @@ def test_layouts_are_panels_of_16_channels_input_by_input() -> None:
 def test_int4_constant_groups_and_clipping() -> None:
     w = torch.zeros(2, 64)
     w[1, 32:] = 5.0
-    q = quantize_int4(w, 32)
+    q = quantize_groups(w, 32)
     assert torch.equal(q.dequantize(), w)  # constant groups are exact
     outlier = torch.randn(4, 128)
     outlier[:, 0] = 40.0
     clip = torch.full((4, 4), 0.5)
-    clipped = quantize_int4(outlier, 32, clip).dequantize()
+    clipped = quantize_groups(outlier, 32, clip).dequantize()
     assert clipped[:, 0].max() <= 20.0 + 1e-4  # the clipped range ends at half the absmax
     # Clipping narrows the step of the outlier's group: the other values get finer.
-    narrowed = quantize_int4(outlier, 32, clip).scale[0, 0, :4]  # panel 0, group 0
-    assert (narrowed < quantize_int4(outlier, 32).scale[0, 0, :4]).all()
+    narrowed = quantize_groups(outlier, 32, clip).scale[0, 0, :4]  # panel 0, group 0
+    assert (narrowed < quantize_groups(outlier, 32).scale[0, 0, :4]).all()
 
 
 def test_group_size_must_be_a_multiple_of_the_block() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_int4(torch.randn(2, 64), 48)
+        quantize_groups(torch.randn(2, 64), 48)
 
 
 def test_kv_rows_round_trip_per_token_and_head() -> None:

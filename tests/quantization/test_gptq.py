@@ -14,16 +14,17 @@ from ladle.runtime.config import QuantizationConfig
 from ladle.runtime.models.scoring import hidden_states
 from ladle.runtime.quantization import gptq
 from ladle.runtime.quantization.formats import (
-    Int4Weight,
+    GroupWeight,
     Int8Weight,
     QuantizedWeight,
-    quantize_int4,
+    quantize_groups,
     quantize_int8,
 )
 from ladle.runtime.quantization.linear import QuantizedLinear
 
 CONFIGS = [
     QuantizationConfig("int8", "gptq"),
+    QuantizationConfig("int8", "gptq", 32),
     QuantizationConfig("int4", "gptq", 32),
     QuantizationConfig("int4", "gptq", 64),
 ]
@@ -41,9 +42,9 @@ def correlated_inputs(rows: int, k: int, seed: int) -> torch.Tensor:
 
 
 def rtn(weight: torch.Tensor, config: QuantizationConfig) -> QuantizedWeight:
-    if config.weights == "int8":
+    if config.group_size is None:
         return quantize_int8(weight)
-    return quantize_int4(weight, config.group_size)
+    return quantize_groups(weight, config.group_size, bits=config.bits)
 
 
 def output_error(x: torch.Tensor, w: torch.Tensor, q: QuantizedWeight) -> float:
@@ -81,10 +82,10 @@ def test_gptq_writes_the_formats_the_kernels_read(
         assert torch.equal(q.scale, base.scale)
         assert q.codes().abs().max() <= 127
     else:
-        assert isinstance(q, Int4Weight)
-        assert isinstance(base, Int4Weight)
-        assert q.codes().max() <= 15
-        assert q.group_size == base.group_size
+        assert isinstance(q, GroupWeight)
+        assert isinstance(base, GroupWeight)
+        assert q.codes().max() <= (1 << config.bits) - 1
+        assert (q.group_size, q.bits) == (base.group_size, base.bits)
     # Dequantized, each weight is still within reach of where it was: GPTQ moves weights by
     # the errors it compensates, not arbitrarily.
     assert float((q.dequantize() - w).abs().max()) < float(w.abs().max())

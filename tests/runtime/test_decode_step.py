@@ -4,8 +4,8 @@ Each decode step of a mixed batch (contexts of different lengths, some crossing 
 boundary, block size 4) runs both ways on the same inputs: hidden states must agree to
 rounding, at every batch size from five rows down to one, for every architecture feature the
 fused step handles (tied embeddings, QKV bias, per-head q/k norm with head_dim != hidden /
-heads), both cache dtypes, int8 and int4 weights, and 1, 2 and 3 threads (more threads than
-this machine's cores: the barrier's sleeping path).
+heads), both cache dtypes, int8 (per channel and in groups) and int4 weights, and 1, 2 and 3
+threads (more threads than this machine's cores: the barrier's sleeping path).
 """
 
 from __future__ import annotations
@@ -91,11 +91,16 @@ def test_fused_step_equals_per_op_forward(
     assert _compare_decode_steps(llm, threads=[1, 2, 3]) >= STEPS
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize(("quantization", "group"), [("int8", None), ("int8", 32), ("int4", 32)])
 def test_fused_step_with_quantized_weights(
-    quantization: str, tiny_model_factory: Callable[[str], Path]
+    quantization: str, group: int | None, tiny_model_factory: Callable[[str], Path]
 ) -> None:
-    llm = _engine(tiny_model_factory("qwen2"), quantization=quantization, quantization_method="rtn")
+    llm = _engine(
+        tiny_model_factory("qwen2"),
+        quantization=quantization,
+        quantization_method="rtn",
+        quantization_group_size=group,
+    )
     assert _compare_decode_steps(llm, threads=[2]) >= STEPS
 
 
