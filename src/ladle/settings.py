@@ -474,8 +474,11 @@ class Settings:
         if raw is None:
             raw = env.get(self.config.variable)
             source = f"{self.config.variable}={raw!r}"
-        if not raw:
+        if raw is None:
             return None
+        if not raw.strip():
+            # As for every other setting: an empty value is a mistake, not "no file".
+            raise SettingError(f"{source}: must not be empty; name a YAML file, or leave it unset")
         path = Path(raw).expanduser()
         if not path.is_file():
             raise SettingError(f"{source}: no such file: {path}")

@@ -75,6 +75,10 @@ MISTAKES: dict[str, Mistake] = {
         ("serve",), ("LADLE_SERVE_CONFIG=", "no such file"),
         env={"LADLE_SERVE_CONFIG": "{tmp}/missing.yaml"},
     ),
+    "config file named empty": Mistake(("serve", "--config", ""), ("--config ''", "not be empty")),
+    "config file from the environment, empty": Mistake(
+        ("serve",), ("LADLE_SERVE_CONFIG=''", "not be empty"), env={"LADLE_SERVE_CONFIG": ""},
+    ),
     "variable not a number": Mistake(
         ("serve",), ("LADLE_SERVE_MAX_NUM_SEQS='abc'", "whole number >= 1"),
         env={"LADLE_SERVE_MAX_NUM_SEQS": "abc"},

@@ -160,6 +160,23 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "not split a model across GPUs yet",
     ),
     (
+        # The CLI's rule too: 512m is half a byte (it became "--kv-cache-memory 1"), not 512 MiB.
+        "kv-cache-memory-in-milli",
+        with_spec(VALID_ISVC, resources={"gpus": 0}, engine={"kvCacheMemory": "512m"}),
+        "engine.kvCacheMemory is 512m: 'm' means milli in a quantity (a thousandth of a byte); "
+        "write Mi or M",
+    ),
+    (
+        "kv-cache-memory-in-part-bytes",
+        with_spec(VALID_ISVC, resources={"gpus": 0}, engine={"kvCacheMemory": "1.5"}),
+        "engine.kvCacheMemory is 1.5: a size in bytes must be whole, such as 4Gi or 512Mi",
+    ),
+    (
+        "memory-in-milli",
+        with_spec(VALID_ISVC, resources={"memory": "16000m"}),
+        "resources.memory is 16000m: 'm' means milli in a quantity",
+    ),
+    (
         "kv-cache-memory-on-gpu",
         with_spec(VALID_ISVC, engine={"kvCacheMemory": "4Gi"}),
         "engine.kvCacheMemory sizes the KV cache of CPU replicas (resources.gpus: 0)",
