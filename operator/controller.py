@@ -27,6 +27,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ladle.logs import object_id
 from ladle.operator.api import (
     ISVC_KIND,
     POOL_KIND,
@@ -186,7 +187,8 @@ class Controller:
             return trim_child({**obj, "kind": kind})
         except (KeyError, TypeError, ValueError) as err:
             log.error(
-                "unreadable object", extra={"kind": kind, "object": _key(obj), "error": str(err)}
+                "unreadable object",
+                extra={"kind": kind, "object": object_id(*_key(obj)), "error": str(err)},
             )
             return None
 
@@ -413,8 +415,8 @@ class Controller:
                     logging.INFO if quiet else logging.WARNING,
                     "reconcile failed; will retry",
                     extra={
-                        "object": f"{key.namespace}/{key.name}",
-                        "kind": key.kind,
+                        "object": object_id(key.namespace, key.name),
+                        "kind": ISVC_KIND if key.kind == "isvc" else POOL_KIND,
                         "error": str(err),
                         "retry_in_seconds": delay,
                     },
@@ -425,7 +427,11 @@ class Controller:
                 self.metrics.reconciles.labels(key.kind, "error").inc()
                 log.exception(
                     "reconcile crashed; will retry",
-                    extra={"object": f"{key.namespace}/{key.name}", "retry_in_seconds": delay},
+                    extra={
+                        "object": object_id(key.namespace, key.name),
+                        "kind": ISVC_KIND if key.kind == "isvc" else POOL_KIND,
+                        "retry_in_seconds": delay,
+                    },
                 )
             else:
                 self.queue.forget(key)

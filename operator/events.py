@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from ladle.logs import object_id
 from ladle.operator.api import GROUP, JSON
 from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.telemetry import Metrics
@@ -81,7 +82,12 @@ class EventRecorder:
         log.log(
             logging.WARNING if type_ == "Warning" else logging.INFO,
             message,
-            extra={"event": reason, "type": type_, "object": f"{ref.namespace}/{ref.name}"},
+            extra={
+                "event": reason,
+                "type": type_,
+                "object": object_id(ref.namespace, ref.name),
+                "kind": ref.kind,
+            },
         )
 
     async def run(self) -> None:

@@ -1,8 +1,8 @@
 """One JSON-lines log format for every Ladle process: ``ladle serve``, ``ladle gateway``,
 ``ladle operator`` (kopf's records included) and the local cluster's node agent.
 
-Every line has ``time`` (ISO 8601, UTC), ``level`` (``debug``, ``info``, ``warning``,
-``error``, ``critical``: the names ``--log-level`` takes), ``logger`` and ``message``. A line
+Every line has ``time`` (ISO 8601, UTC), ``level`` (``debug``, ``info``, ``warning`` or
+``error``: the names ``--log-level`` takes), ``logger`` and ``message``. A line
 about an HTTP request carries its ``request_id``; a line about a Kubernetes object carries
 ``object`` (``namespace/name``, or ``name`` for cluster-scoped ones) and, where known, ``kind``.
 Errors go in ``error``, tracebacks in ``exc_info``.
@@ -33,6 +33,12 @@ CHATTER = ("kopf", "uvicorn", "aiohttp", "httpx", "asyncio")
 _NOT_FIELDS = frozenset({"color_message", "k8s_ref", "k8s_skip", "settings"})
 
 
+def object_id(namespace: str | None, name: str) -> str:
+    """The ``object`` field: ``namespace/name``, or ``name`` for a cluster-scoped object (a
+    GPUPool, a Node), so one object reads the same in every line whoever logs it."""
+    return f"{namespace}/{name}" if namespace else name
+
+
 class _Fields(logging.Filter):
     """Adds the current request's id and kopf's object reference; demotes chatter."""
 
@@ -51,9 +57,7 @@ class _Fields(logging.Filter):
                 record.request_id = request_id
         ref = getattr(record, "k8s_ref", None)
         if isinstance(ref, Mapping) and not hasattr(record, "object"):
-            name = str(ref.get("name") or "")
-            namespace = ref.get("namespace")
-            record.object = f"{namespace}/{name}" if namespace else name
+            record.object = object_id(ref.get("namespace"), str(ref.get("name") or ""))
             if ref.get("kind") and not hasattr(record, "kind"):
                 record.kind = ref["kind"]
         return True

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from ladle import logs
 from ladle.cli import build_parser
-from ladle.settings import env_name, leaf_parsers
+from ladle.settings import LOG_LEVELS, env_name, leaf_parsers
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -60,6 +61,15 @@ def test_log_levels_are_spelled_the_same_everywhere() -> None:
     }
     assert set(spellings) >= {"serve", "gateway", "operator"}
     assert set(spellings.values()) == {"{debug,info,warning,error}"}
+    # What logs.py and the docs promise --log-level takes is what it takes.
+    stated = re.search(r"``level`` \(([^:]+): the names ``--log-level`` takes", logs.__doc__ or "")
+    assert stated, "ladle.logs no longer says which levels --log-level takes"
+    assert re.findall(r"``(\w+)``", stated[1]) == list(LOG_LEVELS)
+    for doc in ("server.md", "gateway.md"):
+        text = (DOCS / doc).read_text()
+        (row,) = [line for line in text.splitlines() if line.startswith("| `--log-level`")]
+        allowed = row.split("|")[-2]  # the flag, its default, then what it allows
+        assert re.findall(r"`(\w+)`", allowed) == list(LOG_LEVELS), (doc, row)
 
 
 @pytest.mark.parametrize(("command", "doc"), [("serve", "server.md"), ("gateway", "gateway.md")])
