@@ -13,6 +13,8 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
+from ladle.words import plural
+
 
 class State(enum.StrEnum):
     CLOSED = "Closed"
@@ -88,7 +90,7 @@ class CircuitBreaker:
             return self._to(
                 State.OPEN,
                 now,
-                f"failure rate {rate:.0%} over the last {self._calls} calls "
+                f"failure rate {rate:.0%} over the last {plural(self._calls, 'call')} "
                 f"(threshold {cfg.failure_rate:.0%})",
             )
         return None

@@ -31,6 +31,7 @@ from ladle.gateway.routes import Pod, RouteTable, Service, ServiceKey
 from ladle.gateway.scrape import PodLoad
 from ladle.gateway.split import choose_variant
 from ladle.gateway.upstream import Pool, Response, UpstreamError, UpstreamTimeout
+from ladle.words import plural
 
 log = logging.getLogger("ladle.gateway")
 
@@ -468,7 +469,8 @@ class Router:
             self.metrics.rejected.labels(ns, name, "hold_queue_full").inc()
             raise GatewayError(
                 503,
-                f"{name} has no ready pod and {state.held} requests already wait for one",
+                f"{name} has no ready pod and "
+                f"{plural(state.held, 'request already waits', 'requests already wait')} for one",
                 "no_ready_pods",
                 headers=[(b"retry-after", b"5")],
             )

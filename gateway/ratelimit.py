@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ladle.words import plural
+
 
 class TokenBucket:
     def __init__(self, per_minute: int, now: float) -> None:
@@ -66,8 +68,8 @@ class KeyLimiter:
                 return Refusal(
                     "tokens",
                     wait,
-                    f"this API key is over its limit of {self.tokens.capacity:.0f} tokens per "
-                    f"minute; retry in {wait:.1f} s",
+                    f"this API key is over its limit of {plural(self.tokens.capacity, 'token')} "
+                    f"per minute; retry in {wait:.1f} s",
                 )
         if self.requests is not None:
             wait = self.requests.take(now)
@@ -75,8 +77,9 @@ class KeyLimiter:
                 return Refusal(
                     "requests",
                     wait,
-                    f"this API key is over its limit of {self.requests.capacity:.0f} requests "
-                    f"per minute; retry in {wait:.1f} s",
+                    "this API key is over its limit of "
+                    f"{plural(self.requests.capacity, 'request')} per minute; "
+                    f"retry in {wait:.1f} s",
                 )
         return None
 

@@ -37,6 +37,7 @@ from ladle.operator.scrape import Target, gateway_metrics, scrape_gateways, scra
 from ladle.operator.status import SCALING_ACTIVE, SCALING_LIMITED, Condition, merge_conditions
 from ladle.operator.store import PodInfo, Store
 from ladle.operator.telemetry import Metrics
+from ladle.words import plural
 
 log = logging.getLogger("ladle.operator.autoscaler")
 
@@ -84,7 +85,7 @@ def autoscaling_status(
             SCALING_LIMITED,
             True,
             "TooManyReplicas",
-            f"the load asks for {decision.wanted} replicas; maxReplicas is {policy_max}",
+            f"the load asks for {plural(decision.wanted, 'replica')}; maxReplicas is {policy_max}",
         )
     elif decision.replicas == isvc.spec.min_replicas and decision.wanted < decision.replicas:
         limited = Condition(

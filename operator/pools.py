@@ -32,11 +32,11 @@ from ladle.operator.status import (
     PoolFacts,
     Problem,
     derive_pool_status,
-    plural,
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import NodeInfo, PodInfo, Store, node_matches
 from ladle.operator.telemetry import Metrics
+from ladle.words import plural
 
 log = logging.getLogger("ladle.operator.pools")
 
@@ -354,5 +354,5 @@ class PoolReconciler:
         )
         log.info(
             "GPUPool in use" if in_use else "GPUPool no longer in use",
-            extra={"object": pool.meta.name, "finalizer": POOL_FINALIZER},
+            extra={"object": pool.meta.name, "kind": POOL_KIND, "finalizer": POOL_FINALIZER},
         )

@@ -32,6 +32,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ladle.words import plural
+
 # Reasons, as status and Events show them.
 STABLE = "Stable"
 RISING = "Rising"
@@ -356,7 +358,8 @@ def _message(
     held: float,
 ) -> str:
     if reason == ACTIVATING:
-        return f"{held:g} requests are held with no replica ready; starting one"
+        waiting = plural(held, "request is", "requests are")
+        return f"{waiting} held with no replica ready; starting one"
     if reason == SCALED_TO_ZERO:
         return f"no requests for {policy.scale_to_zero_grace:g} s; scaled to zero"
     if reason == IDLE:
@@ -370,14 +373,11 @@ def _message(
         )
     else:
         window = f"demand {stable:.1f} over {policy.stable_window:g} s"
-    targets = [
-        f"{value:g} {unit}"
-        for value, unit in (
-            (policy.target_concurrency, "requests"),
-            (policy.target_kv_usage, "KV-cache usage"),
-        )
-        if value is not None
-    ]
+    targets = []
+    if policy.target_concurrency is not None:
+        targets.append(plural(policy.target_concurrency, "request"))
+    if policy.target_kv_usage is not None:
+        targets.append(f"{policy.target_kv_usage:g} KV-cache usage")
     target = "target " + " and ".join(targets) + " per replica"
     capped = f" (wants {wanted}, maxReplicas is {policy.max_replicas})" if reason == AT_MAX else ""
-    return f"{window}, {target}: {replicas} replicas{capped}"
+    return f"{window}, {target}: {plural(replicas, 'replica')}{capped}"

@@ -17,6 +17,7 @@ from ladle.runtime.beam_search import BeamSearch
 from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.limits import RequestLimits
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
+from ladle.words import plural
 
 PromptInput = str | list[int] | dict[str, Any]
 
@@ -171,9 +172,9 @@ class InputProcessor:
         blocks = params.beam_width * -(-longest // self.block_size)
         if blocks > self.num_kv_blocks:
             raise RequestError(
-                f"beam_width: {params.beam_width} beams of up to {longest} tokens need "
-                f"{blocks} KV blocks and the cache has {self.num_kv_blocks}; lower beam_width "
-                f"or max_tokens",
+                f"beam_width: {plural(params.beam_width, 'beam')} of up to "
+                f"{plural(longest, 'token')} would need {blocks} KV blocks and the cache has "
+                f"{self.num_kv_blocks}; lower beam_width or max_tokens",
                 "beam_width",
             )
 

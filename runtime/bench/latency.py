@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ladle.settings import Default, Invalid, Settings, integer
+from ladle.words import plural
 
 PRECISIONS = ("fp32", "int8", "int4")
 # What each of our precisions is served with: `ladle serve --quantization`.
@@ -412,5 +413,5 @@ def format_table(runs: list[Run]) -> str:
             lines.append(f"| {precision} | {concurrency} | {system} | " + " | ".join(cells) + " |")
     failed = sum(r.failed for r in runs)
     if failed:
-        lines.append(f"{failed} requests failed; see the servers' logs")
+        lines.append(f"{plural(failed, 'request')} failed; see the servers' logs")
     return "\n".join(lines)

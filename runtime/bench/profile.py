@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from ladle.runtime.kernels import cpu_kernels
 from ladle.runtime.llm import LLM
 from ladle.runtime.sampling_params import SamplingParams
+from ladle.words import plural
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 _ATTENTION = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::bmm")
@@ -64,7 +65,7 @@ class DecodeProfile:
         ]
         per_step = 1e3 / self.steps
         lines = [
-            f"decode profile: batch {self.batch}, {self.steps} steps, "
+            f"decode profile: batch {self.batch}, {plural(self.steps, 'step')}, "
             f"{self.wall * per_step:.1f} ms/step"
         ]
         lines += [f"  {name:<36} {t * per_step:7.1f} ms  {t / self.wall:6.1%}" for name, t in rows]

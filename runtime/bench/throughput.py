@@ -34,6 +34,7 @@ from ladle.runtime.bench.workloads import WORKLOADS, Workload
 from ladle.runtime.llm import LLM
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.sampling_params import SamplingParams
+from ladle.words import plural
 
 # Warm-up requests: not from any workload, so no timed run finds them cached.
 _WARMUP = Workload("warm-up", num_requests=4, min_words=8, max_words=40, output_len=4)
@@ -144,7 +145,8 @@ def bench(args: argparse.Namespace) -> list[Result]:
         lens = [len(p) for p in prompts]
         work[name] = (workload, prompts)
         print(
-            f"workload {name}: {len(prompts)} requests, prompt tokens {min(lens)}-{max(lens)} "
+            f"workload {name}: {plural(len(prompts), 'request')}, "
+            f"prompt tokens {min(lens)}-{max(lens)} "
             f"(total {sum(lens)}), {workload.output_len} new tokens each",
             flush=True,
         )

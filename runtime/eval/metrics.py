@@ -26,6 +26,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ladle.words import plural
+
 # A probability mass below this counts as zero in the coarsened KL divergence.
 _EPS = 1e-12
 
@@ -60,7 +62,7 @@ class EvalResult:
                 f"  perplexity       {self.ppl_reference:.3f} -> {self.ppl_candidate:.3f} "
                 f"({self.ppl_delta:+.2%})",
                 f"  greedy agreement {self.greedy_agreement:.2%} "
-                f"(first {self.greedy_tokens} tokens identical)",
+                f"(first {plural(self.greedy_tokens, 'token')} identical)",
             ]
         )
 

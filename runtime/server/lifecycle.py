@@ -23,6 +23,7 @@ from ladle.runtime.profiler import EngineProfiler
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
+from ladle.words import plural
 
 if TYPE_CHECKING:
     from ladle.runtime.async_engine import AsyncLLM
@@ -135,7 +136,8 @@ class ServerState:
         idle = llm.seconds_without_progress()
         if idle > timeout:
             waiting = llm.engine.num_unfinished_requests
-            return f"the engine has made no progress for {idle:.0f} s with {waiting} requests open"
+            open_ = plural(waiting, "request")
+            return f"the engine has made no progress for {idle:.0f} s with {open_} open"
         return None
 
     def readiness(self) -> str | None:
@@ -178,8 +180,8 @@ class ServerState:
         if num_seqs > limit:
             raise APIError(
                 400,
-                f"this request runs {num_seqs} sequences (prompts times n, best_of or beams) "
-                f"but the server lets at most {limit} wait; send fewer",
+                f"this request runs {plural(num_seqs, 'sequence')} (prompts times n, best_of or "
+                f"beams) but the server lets at most {limit} wait; send fewer",
                 code="invalid_parameter",
                 param="n",
             )
@@ -188,7 +190,8 @@ class ServerState:
             self._reject("queue_full")
             raise APIError(
                 429,
-                f"the server has {waiting} sequences waiting (at most {limit}); retry later",
+                f"the server has {plural(waiting, 'sequence')} waiting (at most {limit}); "
+                "retry later",
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )

@@ -58,6 +58,7 @@ from ladle.runtime.server.streaming import (
     sse,
     until_disconnect,
 )
+from ladle.words import plural
 
 log = logging.getLogger("ladle.server.requests")
 
@@ -790,7 +791,7 @@ def _completion_prompts(
         return [prompt]
     if len(prompt) > limit:
         raise RequestError(
-            f"prompt: at most {limit} prompts per request (set by --max-prompts), "
+            f"prompt: at most {plural(limit, 'prompt')} per request (set by --max-prompts), "
             f"got {len(prompt)}",
             "prompt",
         )

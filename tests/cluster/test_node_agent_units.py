@@ -247,6 +247,9 @@ def test_allocators() -> None:
         gpus.allocate(("pod-c", "c"), 2)
     gpus.release("pod-a")
     assert gpus.allocate(("pod-c", "c"), 2) == [0, 1]
+    assert gpus.allocate(("pod-d", "c"), 1) == [3]
+    with pytest.raises(Exhausted, match=r"^1 GPU requested but only 0 of 4 are free"):
+        gpus.allocate(("pod-e", "c"), 1)
 
 
 def test_atomic_writer_swaps_the_whole_set(tmp_path: Path) -> None:

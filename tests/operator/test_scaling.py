@@ -75,6 +75,12 @@ def test_steady_load_settles_on_demand_over_target() -> None:
     )
 
 
+def test_counts_of_one_read_as_one() -> None:
+    """A message agrees with its counts: "1 replica" and "1 request", never "1 replicas"."""
+    one = run(ScalingPolicy(target_concurrency=1, max_replicas=4), [1.0] * 30)[-1]
+    assert one.message.endswith("target 1 request per replica: 1 replica"), one.message
+
+
 def test_a_burst_panics_and_scales_within_one_tick() -> None:
     policy = ScalingPolicy(target_concurrency=8, max_replicas=50)
     decisions = run(policy, [8.0] * 40 + [160.0] * 5)

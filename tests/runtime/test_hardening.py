@@ -194,7 +194,7 @@ def test_beam_searches_that_cannot_fit_are_refused_and_those_that_can_all_finish
     """Parked beams hold blocks while their siblings catch up; two searches competing for a
     cache that holds one at a time must both finish, not wait on each other."""
     llm = LLM(tiny_path, num_gpu_blocks_override=16, block_size=4, max_num_batched_tokens=8)
-    with pytest.raises(RequestError, match="beam_width: 3 beams of up to 30 tokens need 24"):
+    with pytest.raises(RequestError, match="beam_width: 3 beams of up to 30 tokens would need 24"):
         llm.beam_search([[5] * 20], BeamSearchParams(beam_width=3, max_tokens=10))
     params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
     both = llm.beam_search([[5] * 9, [6] * 10], params)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ladle.words import plural
+
 # Bump when the way binaries are built changes (flags, layout), so old caches are not reused.
 RECIPE = "1"
 
@@ -215,7 +217,8 @@ def _run_build(cmd: list[str], cwd: Path, label: str) -> None:
 
     def heartbeat() -> None:
         while not done.wait(30):
-            _log(f"      {label}: {count} packages compiled, {time.monotonic() - start:.0f}s")
+            packages = plural(count, "package")
+            _log(f"      {label}: {packages} compiled, {time.monotonic() - start:.0f}s")
 
     ticker = threading.Thread(target=heartbeat, daemon=True)
     ticker.start()

@@ -38,6 +38,7 @@ from ladle.cluster import build, nodes, pki
 from ladle.cluster.agent import podnet
 from ladle.cluster.agent.config import KUBELET_PORT, AgentConfig, NodeConfig
 from ladle.cluster.agent.containers import stop_all
+from ladle.words import plural
 
 HOST = "127.0.0.1"
 SERVICE_CIDR = "10.96.0.0/16"
@@ -329,7 +330,8 @@ class Cluster:
         parts = []
         for log in sorted(self.log_dir.glob("*.log")) if self.log_dir.is_dir() else []:
             tail = log.read_text(errors="replace").splitlines()[-lines:]
-            parts.append(f"----- {log.name} (last {len(tail)} lines) -----\n" + "\n".join(tail))
+            heading = f"----- {log.name} (last {plural(len(tail), 'line')}) -----"
+            parts.append(heading + "\n" + "\n".join(tail))
         return "\n".join(parts)
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
+from ladle.words import plural
+
 
 class Exhausted(Exception):
     """Nothing left to hand out."""
@@ -58,7 +60,8 @@ class GpuAllocator:
         free = [i for i in range(self.count) if i not in self._owner]
         if len(free) < count - len(held):
             raise Exhausted(
-                f"{count} GPUs requested but only {len(free) + len(held)} of {self.count} are free"
+                f"{plural(count, 'GPU')} requested but only {len(free) + len(held)} of "
+                f"{self.count} are free"
             )
         chosen = free[: count - len(held)]
         self.reserve(owner, chosen)
