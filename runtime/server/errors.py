@@ -88,10 +88,15 @@ def from_validation_errors(errors: list[Any], body: Any = None) -> APIError:
     JSON object at all (broken, empty, an array, form data) says so, with ``param`` null."""
     first = errors[0]
     if first.get("type") == "json_invalid":
-        position = int(first["loc"][-1])
         message = first.get("ctx", {}).get("error", "invalid JSON")
-        text = body if isinstance(body, str) else ""
-        return _not_an_object(json_body.broken(json.JSONDecodeError(message, text, position)))
+        # The position counts characters of the decoded text; line and column come from it,
+        # so bytes are decoded as json.loads decodes them (never measured against "").
+        if isinstance(body, bytes | bytearray):
+            body = bytes(body).decode(json.detect_encoding(body), "replace")
+        loc = first.get("loc") or ()
+        if isinstance(body, str) and loc and isinstance(loc[-1], int):
+            return _not_an_object(json_body.broken(json.JSONDecodeError(message, body, loc[-1])))
+        return _not_an_object(f"the request body is not valid JSON: {message}")
     cause = first.get("ctx", {}).get("error")
     if isinstance(cause, RequestError):
         return invalid_request(cause)

@@ -19,6 +19,12 @@ from .conftest import Gateway, Server, start_gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 HI = [{"role": "user", "content": "Hi"}]
+# Pretty-printed, as a person writes it, with a comma too many; "é" is two bytes and one
+# character: the position counts characters, the line and column are the fifth line's first.
+TRAILING_COMMA = (
+    b'{\n  "model": "' + MODEL.encode() + b'",\n'
+    b'  "messages": [{"role": "user", "content": "H\xc3\xa9"}],\n  "max_tokens": 2,\n}\n'
+)
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,10 @@ MISTAKES: dict[str, Mistake] = {
     "JSON cut short": Mistake(
         "/v1/chat/completions", b'{"model": "' + MODEL.encode() + b'", "messages": [', 400,
         "invalid_json", None, "not valid JSON: Expecting value at line 1, column",
+    ),
+    "JSON with a trailing comma, over several lines": Mistake(
+        "/v1/chat/completions", TRAILING_COMMA, 400, "invalid_json", None,
+        "Expecting property name enclosed in double quotes at line 5, column 1 (character 108)",
     ),
     "an array for a body": Mistake(
         "/v1/chat/completions", b"[1, 2]", 400, "invalid_json", None, "not an array"

@@ -4,6 +4,7 @@ metric buckets, and the benchmark's statistics."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ladle.runtime.bench.workloads import WORKLOADS
 from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.sampling_params import RequestOutputKind
 from ladle.runtime.server.auth import ApiKeys
-from ladle.runtime.server.errors import APIError
+from ladle.runtime.server.errors import APIError, from_validation_errors
 from ladle.runtime.server.metrics import LATENCY_BUCKETS, one_two_five_buckets
 from ladle.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
 from ladle.runtime.server.serving import build_sampling_params
@@ -177,3 +178,17 @@ def test_throughput_ratios_are_taken_within_rounds() -> None:
     assert summary["ladle"]["median"] == pytest.approx(100 / 12.5)
     assert "ladle/transformers" not in summary
     assert "80% [80%-91%]" in throughput.format_summary({"A": summary})
+
+
+def test_a_json_error_is_placed_in_the_body_whatever_type_it_arrives_as() -> None:
+    """FastAPI hands over the decoded text today; bytes must place the error the same way,
+    never against an empty text (which would call every error "line 1")."""
+    text = '{\n  "prompt": "é",\n  "n": 1,\n}'
+    with pytest.raises(json.JSONDecodeError) as broken:
+        json.loads(text)
+    pos, msg = broken.value.pos, broken.value.msg
+    error = {"type": "json_invalid", "loc": ("body", pos), "ctx": {"error": msg}}
+    where = "at line 4, column 1 (character 29)"
+    for body in (text, text.encode()):
+        assert where in from_validation_errors([error], body).message, type(body)
+    assert "not valid JSON: Expecting" in from_validation_errors([error], None).message
