@@ -3,6 +3,7 @@ environment variables, an API key file from a Secret, a bounded waiting queue.""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +114,33 @@ def test_full_waiting_queue_is_429_with_retry_after(guarded: Server, key_file: P
     guarded.wait_metric("ladle:num_requests_running", 0)
     assert guarded.metric("ladle:request_rejected_total", reason="queue_full") == 1
     assert complete(guarded, key).status_code == 200
+
+
+def test_a_key_file_gone_missing_is_logged_once_and_once_more_when_back(
+    guarded: Server, key_file: Path
+) -> None:
+    """The Secret's file vanishes under a running server (an unmount, a botched rotation):
+    the keys it held keep working, and the log says so once, not on every request; once more
+    when the file is back. Runs last: it rewrites the file."""
+    saved = key_file.read_text()
+    key = saved.split()[0]
+    before = len(guarded.log_lines())
+    key_file.unlink()
+    try:
+        for _ in range(5):
+            assert complete(guarded, key).status_code == 200
+    finally:
+        key_file.write_text(saved)
+        stat = key_file.stat()
+        os.utime(key_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    for _ in range(3):
+        assert complete(guarded, key).status_code == 200
+    records = [json.loads(line) for line in guarded.log_lines()[before:]]
+    assert not [r for r in records if "exc_info" in r or r["level"] == "error"], records
+    gone = [r for r in records if r["message"].startswith("api key file unreadable")]
+    back = [r for r in records if r["message"] == "api key file readable again"]
+    assert len(gone) == 1, gone
+    assert (gone[0]["level"], gone[0]["path"]) == ("warning", str(key_file))
+    assert "No such file" in gone[0]["error"]
+    assert len(back) == 1, back
+    assert back[0]["level"] == "info"
