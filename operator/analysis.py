@@ -242,17 +242,21 @@ FALLBACK_GATE = "int8"
 
 
 def quality_thresholds(spec: QualityGateSpec, weights: str) -> Gate:
-    """The gate for a canary whose weights are ``weights``: the spec's own thresholds, else
-    ``ladle eval``'s gate for that quantization."""
+    """The gate for a canary whose weights are ``weights``, threshold by threshold: each one
+    the spec sets, and ``ladle eval``'s gate for that quantization for each one it leaves
+    unset (so setting top-1 alone keeps int4's perplexity bound)."""
+    default = GATES.get(weights, GATES[FALLBACK_GATE])
     given = (spec.min_top1, spec.max_kld, spec.max_ppl_increase)
-    if any(v is not None for v in given):
-        return Gate(
-            "spec",
-            max_kld=spec.max_kld,
-            min_top1=spec.min_top1,
-            max_ppl_delta=spec.max_ppl_increase,
-        )
-    return GATES.get(weights, GATES[FALLBACK_GATE])
+    if all(v is None for v in given):
+        return default
+    return Gate(
+        f"{default.name}+spec",
+        max_kld=default.max_kld if spec.max_kld is None else spec.max_kld,
+        min_top1=default.min_top1 if spec.min_top1 is None else spec.min_top1,
+        max_ppl_delta=(
+            default.max_ppl_delta if spec.max_ppl_increase is None else spec.max_ppl_increase
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from ladle.operator.analysis import (
     QualityNumbers,
     error_rate_gate,
     interval,
+    latency_gate,
     parse_metrics,
     quality_outcome,
     quality_thresholds,
@@ -158,6 +159,37 @@ def test_latency_gates_compare_p95_of_the_interval_as_ratios() -> None:
     assert [g.gate for g in slo_gates(canary.scrape(), stable.scrape(), off, 20)] == ["errorRate"]
 
 
+def test_a_latency_gate_with_observations_but_fewer_than_min_requests_is_inconclusive() -> None:
+    """A p95 can be computed from a handful of observations; it is not judged on them. Three
+    slow canary requests would be a 10x TTFT ratio, and one-token requests leave TPOT with
+    fewer observations than requests."""
+    canary, stable = RuntimePage(), RuntimePage()
+    for _ in range(3):
+        canary.request(2.0)
+    for _ in range(27):
+        canary.request(0.1, tokens=1)  # counted as requests, no TPOT observation
+    for _ in range(40):
+        stable.request(0.1)
+    c, s = canary.scrape(), stable.scrape()
+    assert (c.requests, c.ttft.count, c.tpot.count) == (30, 30, 3)
+    assert c.tpot.quantile(0.95) is not None  # observations enough for a number
+    gates = {g.gate: g for g in slo_gates(c, s, SLOGateSpec(), 20)}
+    assert gates["errorRate"].result == "Pass"
+    assert gates["ttftP95"].result == "Fail"  # 30 observations: judged
+    assert gates["tpotP95"].result == "Inconclusive"
+    assert gates["tpotP95"].message == "TPOT p95: too few requests (3 and 40 requests; at least 20)"
+    # The same few observations on the TTFT side alone: inconclusive, not a 10x failure.
+    few = Histogram(((0.25, 0.0), (2.5, 3.0), (math.inf, 3.0)))
+    many = Histogram(((0.25, 40.0), (2.5, 40.0), (math.inf, 40.0)))
+    assert few.quantile(0.95) is not None
+    thin = latency_gate("ttftP95", "TTFT p95", few, many, 1.5, 20)
+    assert thin.result == "Inconclusive"
+    assert thin.message == "TTFT p95: too few requests (3 and 40 requests; at least 20)"
+    # Either side: a stable with too few observations holds the gate just the same.
+    assert latency_gate("ttftP95", "TTFT p95", many, few, 1.5, 20).result == "Inconclusive"
+    assert latency_gate("ttftP95", "TTFT p95", few, many, 1.5, 3).result == "Fail"
+
+
 def test_an_erroring_canary_fails_on_errors_even_without_latencies() -> None:
     canary, stable = RuntimePage(), RuntimePage()
     for _ in range(30):
@@ -174,8 +206,29 @@ def test_quality_defaults_follow_the_quantization() -> None:
     assert quality_thresholds(QualityGateSpec(), "int4") == GATES["int4"]
     # Anything else (an int8 KV cache, engine settings, a new image) is held to int8's.
     assert quality_thresholds(QualityGateSpec(), "none") == GATES["int8"]
-    own = QualityGateSpec(min_top1=0.95)
-    assert quality_thresholds(own, "int4") == Gate("spec", min_top1=0.95)
+
+
+def test_each_threshold_left_unset_keeps_the_quantizations_default() -> None:
+    """Setting one threshold replaces that one alone: an int4 canary that states only its
+    top-1 agreement is still held to int4's perplexity bound."""
+    own = quality_thresholds(QualityGateSpec(min_top1=0.95), "int4")
+    assert (own.min_top1, own.max_kld, own.max_ppl_delta) == (0.95, None, 0.05)
+    # A canary whose top-1 passes the stated bound but whose perplexity went up 40% fails.
+    numbers = QualityNumbers(
+        top1=0.96, kld=0.05, ppl_increase=0.4, greedy=0.5, prompts=8, tokens=600
+    )
+    failed = quality_outcome(numbers, own)
+    assert failed.result == "Fail"
+    assert failed.message.startswith("perplexity +40.0% > +5% (top-1 agreement 0.96 >= 0.95")
+    # int8's gate: KLD and top-1; setting KLD keeps the top-1 bound, and adds no perplexity.
+    kld = quality_thresholds(QualityGateSpec(max_kld=0.02), "int8")
+    assert (kld.min_top1, kld.max_kld, kld.max_ppl_delta) == (0.97, 0.02, None)
+    # A threshold the default does not have is added; the fallback (int8's) fills the rest.
+    ppl = quality_thresholds(QualityGateSpec(max_ppl_increase=0.1), "none")
+    assert (ppl.min_top1, ppl.max_kld, ppl.max_ppl_delta) == (0.97, 0.005, 0.1)
+    every = QualityGateSpec(min_top1=0.5, max_kld=1.0, max_ppl_increase=2.0)
+    gate = quality_thresholds(every, "int4")
+    assert (gate.min_top1, gate.max_kld, gate.max_ppl_delta) == (0.5, 1.0, 2.0)
 
 
 def test_quality_outcome_names_what_failed_with_the_numbers() -> None:
