@@ -405,6 +405,9 @@ def _spec_moved(m: _Machine, spec: RolloutSpec | None) -> None:
 
 
 def _pause(m: _Machine) -> None:
+    # A check that was running when the pause began may finish during it: its verdict is kept
+    # and acted on when the rollout resumes.
+    _record_quality(m)
     if m.state.paused_at is None:
         m.set(paused_at=m.obs.now)
         m.emit("Normal", "RolloutPaused", f"Paused at step {m.state.step} ({m.state.weight}%)")
@@ -522,8 +525,9 @@ def _enter_step(m: _Machine, spec: RolloutSpec, step: int) -> None:
         m.run_quality = True
 
 
-def _quality_pending(m: _Machine, spec: RolloutSpec) -> QualityVerdict | None:
-    """This step's quality verdict (recorded, or just arrived); asks for a run if none."""
+def _record_quality(m: _Machine) -> None:
+    """Keep a quality verdict for this step that just arrived (a check finishes once: one
+    that is not recorded now is lost, and would have to run again)."""
     state, obs = m.state, m.obs
     if obs.quality is not None and (obs.quality.revision, obs.quality.step) == (
         state.canary_revision,
@@ -538,6 +542,12 @@ def _quality_pending(m: _Machine, spec: RolloutSpec) -> QualityVerdict | None:
             m.emit("Warning", "QualityGateFailed", verdict_.message)
         else:
             m.emit("Normal", "QualityGateInconclusive", verdict_.message)
+
+
+def _quality_pending(m: _Machine, spec: RolloutSpec) -> QualityVerdict | None:
+    """This step's quality verdict (recorded, or just arrived); asks for a run if none."""
+    state, obs = m.state, m.obs
+    _record_quality(m)
     recorded = m.state.quality
     if recorded is not None and (recorded.revision, recorded.step) == (
         state.canary_revision,

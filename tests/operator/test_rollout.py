@@ -9,6 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ladle.operator.analysis import QualityNumbers, quality_outcome
 from ladle.operator.api import QualityGateSpec, RolloutSpec
 from ladle.operator.rollout import (
     Decision,
@@ -22,6 +23,7 @@ from ladle.operator.rollout import (
     split,
     to_status,
 )
+from ladle.runtime.eval.metrics import GATES
 
 STABLE_T = {"source": {"builtin": {}}, "runtime": {"image": "img:1"}}
 CANARY_T = {"source": {"builtin": {}}, "runtime": {"image": "img:1"}, "quantization": "int8"}
@@ -261,6 +263,78 @@ def test_slo_failures_roll_back_at_the_failure_limit_and_a_pass_resets_the_count
     assert "TTFT p95 900ms vs stable 300ms" in world.state.message
     assert world.state.weight == 0
     assert ("ttftP95", "fail") in decision.analysed
+
+
+def test_a_failed_quality_recheck_after_traffic_moved_rolls_back_to_stable() -> None:
+    """The recheck at 50% fails, with user traffic already on the canary: all of it goes back
+    to stable at once, and the reason names the gate and what it measured."""
+    world = _at_step_one()
+    world.later(10)
+    world.tick(slo=PASS)
+    world.settle()
+    assert (world.state.step, world.state.weight) == (2, 50)
+    assert world.decisions[-3].run_quality  # the recheck at 50%
+    numbers = QualityNumbers(
+        top1=0.81, kld=0.21, ppl_increase=0.4, greedy=0.2, prompts=6, tokens=203
+    )
+    outcome = quality_outcome(numbers, GATES["int8"])
+    verdict = QualityVerdict(
+        "r2", 2, outcome.result, outcome.message, world.now, numbers.as_status()
+    )
+    world.later(4)  # the check ends before the interval does
+    decision = world.tick(quality=verdict)
+    assert decision.rolled_back == "quality"
+    assert world.state.phase == "RolledBack"
+    assert world.state.reason == "QualityGateFailed"
+    assert world.state.message == (
+        "QualityGateFailed: top-1 agreement 0.81 < 0.97; KLD 0.21 > 0.005 "
+        "(perplexity +40.0%; 6 prompts, 203 tokens)"
+    )
+    assert world.state.weights() == [
+        {"variant": "stable", "weight": 100},
+        {"variant": "canary", "weight": 0},
+    ]
+    assert world.state.quality == verdict
+    assert world.state.stable_revision == "r1"  # untouched
+    assert world.state.failed_revision == "r2"
+    assert world.events[-2:] == ["QualityGateFailed", "RolledBack"]
+    world.later(3)
+    world.tick()
+    assert not world.state.active
+    assert world.state.weights() == []  # no weights: the gateway sends everything to stable
+    assert split(world.state, SPEC.steps, 4) == (4, 0)
+    assert world.state.reason == "QualityGateFailed"
+    status = to_status(world.state)
+    assert status["quality"]["top1Agreement"] == 0.81
+    assert status["quality"]["step"] == 2
+
+
+def test_a_quality_verdict_that_arrives_while_paused_is_kept() -> None:
+    """The recheck at 50% starts with the step; paused meanwhile, its verdict is recorded, not
+    lost, and the resumed rollout does not run the check again."""
+    world = _at_step_one()
+    world.later(10)
+    world.tick(slo=PASS)
+    world.settle()
+    assert world.state.step == 2
+    world.spec = replace(SPEC, paused=True)
+    world.tick()
+    assert world.state.phase == "Paused"
+    world.later(5)
+    decision = world.tick(quality=world.quality())
+    assert world.state.phase == "Paused"
+    assert world.state.quality is not None
+    assert (world.state.quality.step, world.state.quality.result) == (2, "Pass")
+    assert not decision.run_quality
+    world.spec = SPEC
+    resumed = world.tick()
+    assert world.state.phase == "Progressing"
+    assert not resumed.run_quality, "the check already passed at this step"
+    world.later(10)
+    world.tick(slo=PASS)
+    world.settle()
+    assert (world.state.step, world.state.weight) == (3, 100)
+    assert world.events.count("QualityGatePassed") == 2
 
 
 def test_inconclusive_holds_the_step_until_the_progress_deadline_fails_it() -> None:
