@@ -12,6 +12,10 @@ Arrivals follow gamma(shape=burstiness, scale=1/(rate*burstiness)) (burstiness 1
 an infinite rate sends everything at once); ``--max-concurrency`` caps requests in flight.
 Prompts are synthetic: words cut to an exact token count drawn uniformly from
 [input_len*(1-r), input_len*(1+r)].
+
+SIGINT or SIGTERM ends a run early: no more requests are sent, those in flight finish, and
+the report (and ``--result-file``) covers the requests that were sent. A second signal ends
+it at once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import asyncio
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -349,9 +355,35 @@ async def send(
     return result
 
 
+def stop_on_signals() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets, the first time; the default handlers are then
+    back, so a second signal ends the process as usual. Outside the main thread (where
+    signals cannot be handled) it is never set."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        return stop
+    signals = (signal.SIGINT, signal.SIGTERM)
+    defaults = {sig: signal.getsignal(sig) for sig in signals}
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+        for sig, previous in defaults.items():
+            signal.signal(sig, previous)
+
+    for sig in signals:
+        signal.signal(sig, handler)
+    return stop
+
+
 async def run_load(
-    args: argparse.Namespace, model: str, requests: list[BenchRequest], tokenizer: Any
+    args: argparse.Namespace,
+    model: str,
+    requests: list[BenchRequest],
+    tokenizer: Any,
+    stop: threading.Event | None = None,
 ) -> tuple[list[RequestResult], float]:
+    """Every request's result, and the run's duration. Once ``stop`` is set no more requests
+    are sent: the results are those of the requests that were."""
     import httpx
     import numpy as np
 
@@ -370,18 +402,22 @@ async def run_load(
         if not check.success:
             raise SystemExit(f"ladle bench serve: the test request failed: {check.error}")
 
-        async def limited(request: BenchRequest) -> RequestResult:
+        async def limited(request: BenchRequest) -> RequestResult | None:
             async with gate:
+                if stop is not None and stop.is_set():
+                    return None  # never sent
                 return await send(client, url, _payload(args, model, request), request, tokenizer)
 
         tasks = []
         started = time.perf_counter()
         for request in requests:
+            if stop is not None and stop.is_set():
+                break
             tasks.append(asyncio.ensure_future(limited(request)))
             if math.isfinite(args.request_rate):
                 shape = args.burstiness
                 await asyncio.sleep(rng.gamma(shape, 1.0 / (args.request_rate * shape)))
-        results = list(await asyncio.gather(*tasks))
+        results = [r for r in await asyncio.gather(*tasks) if r is not None]
         return results, time.perf_counter() - started
 
 
@@ -410,6 +446,8 @@ def _print(summary: dict[str, Any], percentiles: list[float]) -> None:
         print(f"{label:<42}{text:>12}")
 
     print("{:=^54}".format(" Serving Benchmark Result "))
+    if summary.get("not_sent"):
+        row("Stopped early; requests not sent:", summary["not_sent"])
     row("Successful requests:", summary["completed"])
     row("Failed requests:", summary["failed"])
     row("Benchmark duration (s):", summary["duration_s"])
@@ -474,11 +512,14 @@ def main(args: argparse.Namespace) -> int:
 
     percentiles = args.percentiles
     slos = parse_slos(args.goodput)
+    stop = stop_on_signals()
     model = served_model(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
     requests = synthetic_requests(args, tokenizer)
-    results, duration = asyncio.run(run_load(args, model, requests, tokenizer))
+    results, duration = asyncio.run(run_load(args, model, requests, tokenizer, stop))
     summary = summarize(results, duration, percentiles, slos)
+    if len(results) < len(requests):
+        summary["not_sent"] = len(requests) - len(results)
     summary["config"] = {
         k: v for k, v in vars(args).items() if k not in ("func", "api_key") and v is not None
     }

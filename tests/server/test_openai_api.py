@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -272,3 +274,51 @@ def test_bench_serve_against_the_server(server: Server, tmp_path: Path) -> None:
     assert result["goodput"] == pytest.approx(result["request_throughput"])
     assert result["p99_ttft_ms"] >= result["p50_ttft_ms"] > 0
     assert all(len(r["itl"]) == 2 for r in result["requests"])
+
+
+def test_bench_serve_stopped_by_a_signal_reports_what_it_sent(
+    server: Server, tmp_path: Path
+) -> None:
+    """SIGTERM mid-run: nothing more is sent, the requests in flight finish, and the report
+    covers every request that was sent (what a test keeping load running in the background
+    reads back)."""
+
+    def finished() -> float:
+        return sum(
+            value
+            for (name, _), value in server.metrics().items()
+            if name == "ladle:request_success_total"
+        )
+
+    before = finished()
+    result_file = tmp_path / "stopped.json"
+    args = ["--base-url", server.url, "--num-prompts", "2000", "--input-len", "8"]
+    args += ["--output-len", "4", "--max-concurrency", "2", "--result-file", str(result_file)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ladle.cli", "bench", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while finished() < before + 4:  # the test request and a few timed ones
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "bench serve sent nothing"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "Stopped early; requests not sent:" in out
+    result = json.loads(result_file.read_text())
+    assert result["failed"] == 0, result["requests"]
+    assert result["completed"] >= 3
+    assert result["not_sent"] == 2000 - result["completed"]
+    assert len(result["requests"]) == result["completed"]
+    # Those in flight at the signal finished: the server finished every request it was sent,
+    # the test request among them, and none was cut off.
+    assert finished() == before + 1 + result["completed"]
