@@ -9,8 +9,10 @@ uninstalled before they run, so their own operator processes reconcile alone.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Generator, Iterator
@@ -210,24 +212,60 @@ def gateway_url(ladle_system: System) -> str:
     return url
 
 
+@dataclass(frozen=True)
+class LoadResult:
+    """What a stopped `Load` sent: ``completed`` and ``failed`` requests (each one an HTTP
+    error, a broken stream or a connection that failed), the distinct errors, and ``problem``
+    when there is no report to read (the benchmark exited early or did not stop)."""
+
+    completed: int
+    failed: int
+    errors: tuple[str, ...] = ()
+    problem: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        """It ran until stopped, sent requests, and every one of them was answered in full."""
+        return self.problem is None and self.completed > 0 and self.failed == 0
+
+
 class Load:
-    """`ladle bench serve` through the gateway, in the background, until stopped."""
+    """`ladle bench serve` through the gateway, in the background, until stopped. ``stop``
+    sends SIGTERM, on which the benchmark sends nothing more, lets the requests in flight
+    finish, and writes its report: the returned `LoadResult`."""
 
     def __init__(self, gateway_url: str, model: str, concurrency: int, output_len: int) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="ladle-load-"))
+        self.result_file = self.folder / "result.json"
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "ladle.cli", "bench", "serve",
                 "--base-url", gateway_url, "--model", model,
                 "--num-prompts", "100000", "--max-concurrency", str(concurrency),
                 "--input-len", "16", "--output-len", str(output_len), "--ignore-eos",
+                "--result-file", str(self.result_file),
             ],
             stdout=subprocess.DEVNULL,  # its errors go to stderr, which pytest shows on a failure
         )  # fmt: skip
 
-    def stop(self) -> None:
-        self.proc.terminate()
+    def stop(self, timeout: float = 90) -> LoadResult:
+        """Never raises (it runs in ``finally`` blocks): what went wrong is in ``problem``."""
+        early = self.proc.poll()
+        if early is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                shutil.rmtree(self.folder, ignore_errors=True)
+                return LoadResult(0, 0, problem=f"did not finish within {timeout:.0f}s of SIGTERM")
         try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            report = json.loads(self.result_file.read_text())
+        except (OSError, ValueError) as err:
+            return LoadResult(0, 0, problem=f"exited {self.proc.returncode} with no report ({err})")
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        errors = tuple(sorted({str(r["error"]) for r in report["requests"] if r.get("error")}))
+        problem = None if early is None else f"exited {early} before it was stopped"
+        return LoadResult(int(report["completed"]), int(report["failed"]), errors, problem)

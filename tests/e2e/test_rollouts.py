@@ -15,6 +15,7 @@ the module 6 to 8.7 minutes with its cluster.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import os
 import re
@@ -41,7 +42,8 @@ MODEL = "canary-model"
 STEPS = [25, 50, 100]
 ACTION = "ladle.dev/rollout-action"
 INTERVAL = 15
-# Six prompts, about 300 tokens: enough to score top-1 agreement to within a few percent.
+# Six prompts, 209 tokens (203 scored positions, the `tokens` in status): enough to score
+# top-1 agreement to within a few percent.
 PROMPTS = "\n".join(
     [
         "The capital of France is Paris, and the capital of Germany is Berlin. Both cities are "
@@ -180,14 +182,17 @@ def canary_weight(block: dict[str, Any]) -> int:
     )
 
 
-def split(gateway_url: str, n: int) -> collections.Counter[str]:
-    """Which variant served each of ``n`` requests."""
-    seen: collections.Counter[str] = collections.Counter()
-    for _ in range(n):
+def split(gateway_url: str, n: int, clients: int = 1) -> collections.Counter[str]:
+    """Which variant served each of ``n`` requests, sent by ``clients`` clients at once (the
+    gateway draws each request's variant on its own, so they may overlap)."""
+
+    def one(_: int) -> str:
         reply = complete(gateway_url)
         assert reply.status_code == 200, reply.text
-        seen[reply.headers["x-ladle-variant"]] += 1
-    return seen
+        return reply.headers["x-ladle-variant"]
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        return collections.Counter(pool.map(one, range(n)))
 
 
 def mark() -> str:
@@ -213,6 +218,26 @@ def reasons(system: System, since: str = "") -> list[str]:
         for e in items
         if (e.get("lastTimestamp") or e.get("eventTime") or "")[:19] >= since[:19]
     ]
+
+
+def show(system: System, since: str) -> None:
+    """Print what a user would look at (run with -s to see it): ``kubectl get lisvc``, the
+    service's Events since ``since``, and ``status.rollout`` without its templates."""
+    print(system.kubectl("get", "lisvc", NAME, "-n", system.namespace).stdout)
+    out = system.kubectl(
+        "get", "events", "-n", system.namespace,
+        "--field-selector", f"involvedObject.name={NAME},involvedObject.kind=InferenceService",
+        "-o", "json",
+    )  # fmt: skip
+    items = sorted(
+        json.loads(out.stdout)["items"],
+        key=lambda e: e.get("eventTime") or e.get("lastTimestamp") or "",
+    )
+    for e in items:
+        if (e.get("lastTimestamp") or e.get("eventTime") or "")[:19] >= since[:19]:
+            print(f"{e['type']:<8} {e['reason']:<22} {e['message']}")
+    block = {k: v for k, v in rollout(system).items() if not k.endswith("Template")}
+    print(json.dumps(block, indent=1))
 
 
 def wait_rollout(
@@ -280,7 +305,6 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
     assert first["quality"]["top1Agreement"] >= 0.85
     load = Load(gateway_url, MODEL, concurrency=4, output_len=4)
     try:
-        seen_steps = []
         for step, weight in enumerate(STEPS, 1):
             block = wait_until(
                 lambda s=step: (
@@ -293,29 +317,55 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
             )
             assert canary_weight(block) == weight
             assert block["phase"] == "Progressing"
+            # `kubectl get lisvc` shows the phase and the canary's weight. Read at once: the
+            # step cannot move on before its first interval (15 s) has ended.
+            lisvc = rollouts.kubectl("get", "lisvc", NAME, "-n", rollouts.namespace)
+            # Then hold the step with the documented pause while it is sampled, however long
+            # sampling takes under load; the resume starts the step's interval again.
+            pause(rollouts, True)
+            held = wait_rollout(
+                rollouts, lambda b: b.get("phase") == "Paused", f"step {step} paused", 30
+            )
+            # Still this step: so the columns above were read at it, too.
+            assert (held["step"], canary_weight(held), held["stage"]) == (
+                step,
+                weight,
+                "Analysing",
+            ), held
+            columns = lisvc.stdout.splitlines()[1].split()
+            assert columns[-3:-1] == ["Progressing", str(weight)], lisvc.stdout
             # 24 draws: a 25% canary goes unseen with probability 0.75^24, about 0.1%.
-            sample = split(gateway_url, 24)
-            if rollout(rollouts).get("step") == step:  # the sample is this step's alone
-                seen_steps.append(step)
-                if weight == 100:
-                    assert sample == {"canary": 24}, sample
-                else:
-                    assert sample["canary"] >= 1, (weight, sample)
-                    assert sample["stable"] >= 1, (weight, sample)
-                # `kubectl get lisvc` shows the phase and the canary's weight.
-                lisvc = rollouts.kubectl("get", "lisvc", NAME, "-n", rollouts.namespace)
-                columns = lisvc.stdout.splitlines()[1].split()
-                if rollout(rollouts).get("step") == step:
-                    assert columns[-3:-1] == ["Progressing", str(weight)], lisvc.stdout
-        assert seen_steps, "no step lasted long enough to sample the split"
+            sample = split(gateway_url, 24, clients=4)
+            if weight == 100:
+                assert sample == {"canary": 24}, sample
+            else:
+                assert sample["canary"] >= 1, (weight, sample)
+                assert sample["stable"] >= 1, (weight, sample)
+            # Events: this step started once, as every one before it (and is paused now).
+            events = wait_until(
+                lambda s=step: (e := reasons(rollouts)).count("RolloutPaused") == s and e,
+                f"the RolloutPaused Event of step {step}",
+                30,
+            )
+            assert events.count("StepStarted") == step, events
+            pause(rollouts, False)
+            wait_rollout(
+                rollouts, lambda b: b.get("phase") == "Progressing", f"step {step} resumed", 30
+            )
         done = wait_until(
             lambda: (b := rollout(rollouts)).get("phase") == "Promoted" and b,
             "the promotion",
             240,
         )
+        # The load runs on until the old canary's pods are gone: the whole swap.
+        wait_until(
+            lambda: list(deployments(rollouts)) == [f"{NAME}-stable"], "the canary removed", 60
+        )
     finally:
-        load.stop()
-    print(f"\nint8 canary promoted in {time.monotonic() - started:.0f}s")
+        served = load.stop()
+    print(f"\nint8 canary promoted in {time.monotonic() - started:.0f}s; load: {served}")
+    # No request was dropped at any step, in the promotion or in the swap of revisions.
+    assert served.clean, served
     assert done["revisions"]["stable"] != stable_revision
     assert "canary" not in done["revisions"]
     assert done.get("weights") is None  # all traffic on stable again
@@ -332,8 +382,8 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
     ):
         assert reason in events, events
     assert events.count("StepStarted") == len(STEPS), events
+    assert events.count("RolloutResumed") == len(STEPS), events
     # The stable Deployment now runs int8, and the canary's is gone.
-    wait_until(lambda: list(deployments(rollouts)) == [f"{NAME}-stable"], "the canary removed", 60)
     args = runtime_args(deployments(rollouts)[f"{NAME}-stable"])
     assert "int8" in args, args
     assert split(gateway_url, 4) == {"stable": 4}
@@ -343,6 +393,7 @@ def test_a_canary_that_damages_the_output_rolls_back_on_the_quality_gate(
     rollouts: System, gateway_url: str
 ) -> None:
     started = time.monotonic()
+    since = mark()
     stable_revision = rollout(rollouts)["revisions"]["stable"]
     prober = Prober(gateway_url)
     try:
@@ -359,6 +410,7 @@ def test_a_canary_that_damages_the_output_rolls_back_on_the_quality_gate(
     finally:
         answers = prober.stop()
     print(f"\nint4 g128 canary rolled back in {time.monotonic() - started:.0f}s")
+    show(rollouts, since)
     assert done["reason"] == "QualityGateFailed"
     # The measured numbers, e.g. "top-1 agreement 0.62 < 0.9; perplexity +85.1% > +5% (...)".
     assert "top-1 agreement" in done["message"], done["message"]
