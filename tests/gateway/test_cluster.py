@@ -5,9 +5,12 @@ a kubelet would (the local cluster has no kubelet; the node agent will run real 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import random
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,6 +22,7 @@ from kubernetes import client
 from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.gateway.kube import KubeApi
 from ladle.gateway.routes import parse_pod
+from ladle.gateway.split import choose_variant
 from ladle.gateway.watch import Informer
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle, start_runtime
@@ -105,7 +109,9 @@ def read_isvc(api: Any, namespace: str, name: str) -> dict[str, Any]:
     return obj
 
 
-def create_ready_pod(api: Any, namespace: str, name: str, service: str, port: int) -> None:
+def create_ready_pod(
+    api: Any, namespace: str, name: str, service: str, port: int, variant: str = "stable"
+) -> None:
     """A runtime pod bound to our node, then its status written as the kubelet would."""
     core = client.CoreV1Api(api)
     pod = {
@@ -113,7 +119,7 @@ def create_ready_pod(api: Any, namespace: str, name: str, service: str, port: in
         "kind": "Pod",
         "metadata": {
             "name": name,
-            "labels": {"ladle.dev/inferenceservice": service, "ladle.dev/variant": "stable"},
+            "labels": {"ladle.dev/inferenceservice": service, "ladle.dev/variant": variant},
         },
         "spec": {
             "nodeName": NODE,
@@ -328,6 +334,92 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
         ),
         "heldSince to be cleared",
     )
+
+
+def test_a_restarted_gateway_keeps_the_canary_split_from_status(
+    k8s_cluster: KubeCluster,
+    gateway_chart: str,
+    k8s_api: Any,
+    namespace: str,
+    node: str,
+    runtime: Process,
+    tmp_path: Path,
+) -> None:
+    """The split lives in ``status.rollout.weights``, not in a gateway's memory: a fresh
+    gateway process sends every session to the variant the one before it did. Sessions
+    (``x-session-id``) make the split exact: each key's variant follows from the weights
+    alone, so a gateway that fell back to all-stable, or split evenly, shows at once."""
+    create_isvc(k8s_api, namespace, isvc("chat", MODEL))
+    create_ready_pod(k8s_api, namespace, "chat-stable-0", "chat", runtime.port)
+    create_ready_pod(k8s_api, namespace, "chat-canary-0", "chat", runtime.port, "canary")
+    weights = [{"variant": "stable", "weight": 30}, {"variant": "canary", "weight": 70}]
+    sessions = [f"user-{i}" for i in range(16)]
+    table = tuple((w["variant"], w["weight"]) for w in weights)
+    expected = {
+        s: choose_variant(table, {"stable", "canary"}, rng=random.Random(), sticky=s.encode())
+        for s in sessions
+    }
+    assert set(expected.values()) == {"stable", "canary"}  # these keys tell the two apart
+    kubeconfig = k8s_cluster.service_account_kubeconfig(
+        gateway_chart, GATEWAY_ACCOUNT, tmp_path / "gateway.kubeconfig"
+    )
+
+    def start() -> Process:
+        port = free_port()
+        return start_ladle(
+            tmp_path / f"gateway-{port}.log",
+            "gateway", "--port", str(port), "--identity", "gw-restart",
+            port=port,
+            env={"KUBECONFIG": str(kubeconfig)},
+        )  # fmt: skip
+
+    def served(gw: Process) -> dict[str, str]:
+        out = {}
+        for session in sessions:
+            reply = httpx.post(
+                gw.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                headers={"x-session-id": session},
+                timeout=60,
+            )
+            assert reply.status_code == 200, reply.text
+            out[session] = reply.headers["x-ladle-variant"]
+        return out
+
+    first = start()
+    try:
+        # No weights in status yet: stable takes everything, the canary's pod notwithstanding.
+        assert set(served(first).values()) == {"stable"}
+        client.CustomObjectsApi(k8s_api).patch_namespaced_custom_object_status(
+            "ladle.dev", "v1alpha1", namespace, "inferenceservices", "chat",
+            {"status": {"rollout": {"phase": "Progressing", "step": 2, "weights": weights}}},
+        )  # fmt: skip
+        # The weights arrive by the watch: every session lands where they say.
+        before = wait_for(
+            lambda: (seen := served(first)) == expected and seen,
+            "the running gateway to split 30/70",
+            timeout=30,
+        )
+    finally:
+        first.stop()
+    second = start()
+    try:
+        # A fresh process, Ready once it has listed services and pods: its very first answers
+        # follow the weights in status.
+        after = served(second)
+        metrics = httpx.get(second.url + "/metrics", timeout=10).text
+    finally:
+        second.stop()
+    assert after == before == expected
+    for variant, count in collections.Counter(after.values()).items():
+        line = next(
+            x
+            for x in metrics.splitlines()
+            if x.startswith("ladle_gateway_requests_total{")
+            and f'namespace="{namespace}"' in x
+            and f'variant="{variant}"' in x
+        )
+        assert float(line.rsplit(" ", 1)[1]) == count, line
 
 
 def test_the_watch_cache_lists_again_after_a_gap(
