@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ladle.operator.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.rollout import QUALITY, GateOutcome, Result
 from ladle.runtime.eval.metrics import GATES, Gate
+from ladle.words import plural
 
 PREFIX = "ladle:"
 TTFT = "time_to_first_token_seconds"
@@ -314,7 +315,7 @@ def quality_outcome(numbers: QualityNumbers, gate: Gate) -> GateOutcome:
         )
         if name not in gated
     ]
-    sample = f"{numbers.prompts} prompts, {numbers.tokens} tokens"
+    sample = f"{plural(numbers.prompts, 'prompt')}, {plural(numbers.tokens, 'token')}"
     if failed:
         passed = [text for _, ok, text in checks if ok]
         detail = ", ".join([*passed, *extra])
