@@ -8,7 +8,9 @@ Conditions follow metav1.Condition. The five InferenceService conditions and wha
   while a rollout with ``maxUnavailable: 0`` runs), or it is scaled to zero. Never True while
   Stalled.
 - **Progressing** (Deployment-style, read by Argo CD) and **Reconciling** (kstatus) always
-  agree: True while the operator still expects to reach the desired state by itself.
+  agree: True while the operator still expects to reach the desired state by itself. A paused
+  canary rollout waits for a person, so both are False (reason RolloutPaused) once the held
+  step's replicas are up: kstatus reads Current, Argo CD Suspended.
 - **Stalled** (kstatus): progress needs someone to act (a missing pool, a refused apply, a
   rollout past its deadline, pods that cannot start, nothing granted). Never True together
   with Reconciling.
@@ -264,7 +266,9 @@ def _progress(v: VariantObservation) -> str:
         f"{v.deployment_name}: {min(r.updated, want)}/{want} replicas updated, "
         f"{min(r.available, want)}/{want} available"
     )
-    if r.replicas > want:
+    if r.replicas > want and r.updated >= want:
+        # Extra pods once every replica is updated are leftovers (a hand scale, a grant cut);
+        # before that they are the rolling update's surge.
         text += f"; scaling down from {r.replicas}"
     return text
 
@@ -321,7 +325,9 @@ def derive_isvc_status(
             found = [replace(p, stalls=False) for p in found]
         problems.extend(found)
     if rollout is not None and rollout.failed_revision is not None and rollout.reason:
-        problems.insert(0, Problem(rollout.reason, rollout.message))
+        # status.rollout.message starts with the reason, which the condition carries already.
+        detail = rollout.message.removeprefix(f"{rollout.reason}: ")
+        problems.insert(0, Problem(rollout.reason, detail))
 
     granted = sum(v.granted_replicas for v in traffic)
     requested = sum(v.requested_replicas for v in traffic)
@@ -377,9 +383,15 @@ def derive_isvc_status(
         progressing = Condition(PROGRESSING, True, blocker.reason, blocker.message)
     elif service_pending:
         progressing = Condition(PROGRESSING, True, "CreatingService", service_pending)
+    elif canary and rollout is not None and rollout.phase == "Paused":
+        # It waits for a person (spec.rollout.paused, or a manual promotion), and paused time
+        # never runs into a deadline: once the held step's replicas are up, nothing more will
+        # happen by itself, so kstatus reads Current (Flux and `kubectl wait` stop waiting)
+        # while Argo CD shows Suspended from status.rollout.phase.
+        message = rollout.message if complete else f"{rollout.message}; {progress}"
+        progressing = Condition(PROGRESSING, not complete, "RolloutPaused", message)
     elif canary and rollout is not None:
-        reason = "RolloutPaused" if rollout.phase == "Paused" else "CanaryRollout"
-        progressing = Condition(PROGRESSING, True, reason, rollout.message)
+        progressing = Condition(PROGRESSING, True, "CanaryRollout", rollout.message)
     elif not complete:
         progressing = Condition(PROGRESSING, True, "RollingOut", progress)
     else:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ladle.operator.api import InferenceService, parse_isvc, parse_pool
 from ladle.operator.quota import Claim, plan_pool
+from ladle.operator.rollout import RolloutState
 from ladle.operator.status import (
     PodProblem,
     PoolFacts,
@@ -38,6 +39,7 @@ def observe(
     service_exists: bool = True,
     service_error: str | None = None,
     blockers: tuple[Problem, ...] = (),
+    rollout: RolloutState | None = None,
 ) -> dict[str, Any]:
     variant = VariantObservation(
         name="stable",
@@ -60,6 +62,7 @@ def observe(
         blockers=blockers,
         service_exists=service_exists,
         service_error=service_error,
+        rollout=rollout,
     )
 
 
@@ -100,9 +103,10 @@ def test_a_spec_edit_rolling_out_with_no_unavailability_stays_ready(
     assert conditions(status)["Ready"] == ("True", "RollingOut")
     assert conditions(status)["Progressing"] == ("True", "RollingOut")
     assert conditions(status)["Reconciling"] == ("True", "RollingOut")
+    # The third pod is the surge, not something to scale down.
     assert message(status, "Ready") == (
         "serving 2/2 replicas available while rolling out: "
-        "chat-stable: 1/2 replicas updated, 2/2 available; scaling down from 3"
+        "chat-stable: 1/2 replicas updated, 2/2 available"
     )
 
 
@@ -328,6 +332,99 @@ def test_scaled_to_zero_is_ready(make_isvc: Builder, make_deployment: Builder) -
     assert "raise spec.replicas" in ready["message"]
 
 
+def in_canary(
+    make_isvc: Builder, make_deployment: Builder, state: RolloutState, canary_available: int = 1
+) -> dict[str, Any]:
+    """Two replicas of stable and one canary replica, split by ``state``'s weight."""
+    isvc = parse_isvc(make_isvc(spec={"replicas": 2}))
+    variants = [
+        VariantObservation(
+            "stable", "none", "img", "chat-stable", make_deployment(2), 2, 2, "nvidia.com/gpu",
+            weight=100 - state.weight,
+        ),
+        VariantObservation(
+            "canary", "int8", "img", "chat-canary", make_deployment(1, available=canary_available),
+            1, 1, "nvidia.com/gpu", weight=state.weight,
+        ),
+    ]  # fmt: skip
+    return derive_isvc_status(isvc, variants, url="u", selector="s", now=NOW, rollout=state)
+
+
+def canary_state(**fields: Any) -> RolloutState:
+    return RolloutState(stable_revision="r1", canary_revision="r2", **fields)
+
+
+def test_a_canary_rollout_is_reconciling_and_stays_ready(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    state = canary_state(phase="Progressing", stage="Analysing", step=1, weight=25, message="m")
+    status = in_canary(make_isvc, make_deployment, state)
+    assert conditions(status) == {
+        "Ready": ("True", "RollingOut"),
+        "Progressing": ("True", "CanaryRollout"),
+        "Reconciling": ("True", "CanaryRollout"),
+        "Stalled": ("False", "AsExpected"),
+        "Degraded": ("False", "AsExpected"),
+    }
+
+
+def test_a_paused_rollout_waits_for_a_person_so_kstatus_reads_current(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    """A pause never ends by itself (no deadline runs while paused): with Reconciling True
+    kstatus would read InProgress forever and a Flux or `kubectl wait` would time out. Paused
+    reads as a Job that is suspended does in newer cli-utils: Current. Argo CD shows it
+    Suspended from status.rollout.phase."""
+    paused = "paused at step 1 with 25% to the canary (spec.rollout.paused)"
+    state = canary_state(phase="Paused", stage="Analysing", step=1, weight=25, message=paused)
+    status = in_canary(make_isvc, make_deployment, state)
+    assert conditions(status) == {
+        "Ready": ("True", "RollingOut"),
+        "Progressing": ("False", "RolloutPaused"),
+        "Reconciling": ("False", "RolloutPaused"),
+        "Stalled": ("False", "AsExpected"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert message(status, "Reconciling") == paused
+    # Awaiting a manual promotion is the same kind of wait.
+    awaiting = canary_state(phase="Paused", stage="AwaitingPromotion", step=3, weight=100)
+    status = in_canary(make_isvc, make_deployment, awaiting)
+    assert conditions(status)["Reconciling"] == ("False", "RolloutPaused")
+
+
+def test_a_paused_rollout_still_reconciles_until_the_held_step_is_up(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    state = canary_state(phase="Paused", stage="Scaling", step=0, weight=0, message="paused")
+    status = in_canary(make_isvc, make_deployment, state, canary_available=0)
+    assert conditions(status)["Ready"] == ("True", "RollingOut")  # the canary has no traffic
+    assert conditions(status)["Progressing"] == ("True", "RolloutPaused")
+    assert conditions(status)["Reconciling"] == ("True", "RolloutPaused")
+    assert message(status, "Reconciling").startswith("paused; ")
+    assert "chat-canary: 1/1 replicas updated, 0/1 available" in message(status, "Reconciling")
+
+
+def test_a_rolled_back_canary_names_the_gate_once(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    isvc = parse_isvc(make_isvc(spec={"replicas": 2}))
+    state = RolloutState(
+        phase="RolledBack",
+        stable_revision="r1",
+        failed_revision="r2",
+        reason="QualityGateFailed",
+        message="QualityGateFailed: top-1 agreement 0.81 < 0.95 (KLD 0.21)",
+    )
+    variant = VariantObservation(
+        "stable", "none", "img", "chat-stable", make_deployment(2), 2, 2, "nvidia.com/gpu"
+    )
+    status = derive_isvc_status(isvc, [variant], url="u", selector="s", now=NOW, rollout=state)
+    assert conditions(status)["Ready"] == ("True", "Available")  # stable serves
+    assert conditions(status)["Degraded"] == ("True", "QualityGateFailed")
+    assert message(status, "Degraded") == "top-1 agreement 0.81 < 0.95 (KLD 0.21)"
+    assert status["rollout"]["message"] == state.message
+
+
 def test_transition_times_move_only_when_status_changes(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
@@ -369,6 +466,7 @@ rollouts = st.builds(
     ),
     blocked=st.sampled_from([None, "GPUPoolNotFound", "ApplyFailed", "ApplyFailedPassing"]),
     service=st.sampled_from(["exists", "pending", "refused"]),
+    canary=st.sampled_from([None, "Progressing", "Paused", "RolledBack"]),
 )
 def test_the_conditions_keep_their_promises(
     rollout: dict[str, Any] | None,
@@ -376,6 +474,7 @@ def test_the_conditions_keep_their_promises(
     pods: list[str],
     blocked: str | None,
     service: str,
+    canary: str | None,
 ) -> None:
     """The invariants docs/operator.md states, over arbitrary observations."""
     isvc = parse_isvc(
@@ -413,6 +512,16 @@ def test_the_conditions_keep_their_promises(
         service_exists=service == "exists",
         service_error="403 Forbidden" if service == "refused" else None,
         blockers=blockers,
+        rollout=None
+        if canary is None
+        else RolloutState(
+            phase=canary,  # type: ignore[arg-type]
+            stable_revision="r1",
+            canary_revision=None if canary == "RolledBack" else "r2",
+            failed_revision="r2" if canary == "RolledBack" else None,
+            reason="SLOGateFailed" if canary == "RolledBack" else None,
+            message=f"{canary}: why",
+        ),
     )
     on = {c["type"]: c["status"] == "True" for c in status["conditions"]}
     assert status["observedGeneration"] == 2
