@@ -4,7 +4,10 @@
   5.1) through lupa, against their own test cases in Argo CD's layout (health_test.yaml and
   testdata/), and against live objects the operator wrote.
 - kstatus (Flux, kpt): sigs.k8s.io/cli-utils' own library, built by `ladle cluster build` as
-  kstatus-compute, reads the live objects in each phase.
+  kstatus-compute, reads the same test objects and the live objects in each phase.
+
+The test objects' status is what the operator writes: tests/gitops_fixtures.py builds each one
+with the operator's own pure functions, and a test here fails when a file differs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import gitops_fixtures
 import pytest
 import yaml
 from kube_harness import Kube, OperatorProcess, wait_for
@@ -61,6 +65,19 @@ def test_argocd_health_check_cases(kind: str, case: dict[str, Any]) -> None:
     assert argocd_health(kind, obj) == case["healthStatus"]
 
 
+@pytest.mark.parametrize(
+    ("kind", "phase"),
+    [(kind, phase) for kind, phases in gitops_fixtures.PHASES.items() for phase in phases],
+)
+def test_the_test_objects_are_what_the_operator_writes(kind: str, phase: str) -> None:
+    """Each testdata file is built by the operator's own status functions for its phase; after
+    changing what they write, run `.venv/bin/python tests/gitops_fixtures.py`."""
+    path = gitops_fixtures.path(kind, phase)
+    assert path.read_text() == gitops_fixtures.render(kind, phase), (
+        f"{path.name} is not what the operator writes: run tests/gitops_fixtures.py"
+    )
+
+
 def test_the_cases_cover_every_health_argo_cd_knows() -> None:
     seen = {c["healthStatus"]["status"] for k, c in CASES if k == "InferenceService"}
     assert seen == {"Healthy", "Progressing", "Degraded", "Suspended"}
@@ -69,6 +86,8 @@ def test_the_cases_cover_every_health_argo_cd_knows() -> None:
     for kind in KINDS:
         used = {Path(c["inputPath"]).name for k, c in CASES if k == kind}
         assert used == {p.name for p in (CHECKS / kind / "testdata").glob("*.yaml")}
+        assert {f"{phase}.yaml" for phase in gitops_fixtures.PHASES[kind]} == used
+        assert {case for k, case in KSTATUS if k == kind} == {Path(u).stem for u in used}
 
 
 def test_the_docs_show_the_argocd_cm_keys_that_are_shipped() -> None:
@@ -83,22 +102,53 @@ def test_the_docs_show_the_argocd_cm_keys_that_are_shipped() -> None:
     assert snippet.group(1) == patch
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("healthy", "Current"),
-        ("autoscaled_at_max_metrics_frozen", "Current"),
-        ("scaled_to_zero", "Current"),
-        ("scaled_to_zero_autoscaled", "Current"),
-        ("rolling_update", "InProgress"),
-        ("generation_not_observed", "InProgress"),
-        ("stalled_pool_missing", "Failed"),
-        ("deleting", "Terminating"),
-    ],
-)
-def test_kstatus_reads_the_same_cases(case: str, expected: str) -> None:
-    obj = yaml.safe_load((CHECKS / "InferenceService" / "testdata" / f"{case}.yaml").read_text())
-    assert kstatus([obj]) == [expected]
+# What kstatus (cli-utils v0.37.2, status.Compute) concludes for each test object. It reads, in
+# order: metadata.deletionTimestamp (Terminating); observedGeneration against generation
+# (InProgress); Reconciling True (InProgress) or Stalled True (Failed); rules for built-in kinds
+# only; then, for any other kind, a Ready condition (True: Current, False or Unknown:
+# InProgress; status.go checkReadyCondition); and with none of these, Current.
+KSTATUS = {
+    ("InferenceService", "healthy"): "Current",
+    ("InferenceService", "healthy_promoted"): "Current",
+    # The autoscaler's ScalingActive/ScalingLimited are not kstatus's business.
+    ("InferenceService", "autoscaled_at_max_metrics_frozen"): "Current",
+    ("InferenceService", "scaled_to_zero"): "Current",
+    ("InferenceService", "scaled_to_zero_autoscaled"): "Current",
+    ("InferenceService", "deleting"): "Terminating",
+    ("InferenceService", "generation_not_observed"): "InProgress",
+    # Before the operator's first status write there is nothing to read: cli-utils calls an
+    # object without observedGeneration or conditions Current (TestCRDGenericStatus
+    # crdNoStatus). Argo CD's check says Progressing.
+    ("InferenceService", "no_status"): "Current",
+    ("InferenceService", "rolling_update"): "InProgress",
+    ("InferenceService", "progressing_canary"): "InProgress",
+    ("InferenceService", "degraded_canary_pods_pending"): "InProgress",
+    # Paused waits for a person: Current once the held step's replicas are up (Argo CD:
+    # Suspended), InProgress until then.
+    ("InferenceService", "suspended_paused_rollout"): "Current",
+    ("InferenceService", "suspended_awaiting_promotion"): "Current",
+    ("InferenceService", "suspended_paused_while_scaling"): "InProgress",
+    # Pods wait for GPUs: InProgress until the Deployment's progress deadline stalls it.
+    ("InferenceService", "degraded_insufficient_gpus"): "InProgress",
+    # Stable serves and nothing will change by itself; Argo CD shows the Degraded reason.
+    ("InferenceService", "degraded_model_name_conflict"): "Current",
+    ("InferenceService", "degraded_rolled_back"): "Current",
+    ("InferenceService", "degraded_rollout_failed"): "Current",
+    ("InferenceService", "stalled_pool_missing"): "Failed",
+    ("GPUPool", "healthy"): "Current",
+    ("GPUPool", "generation_not_observed"): "InProgress",
+    ("GPUPool", "no_status"): "Current",
+    # GPUPool writes neither Reconciling nor Stalled: kstatus falls back to Ready.
+    ("GPUPool", "degraded_no_matching_nodes"): "InProgress",
+    # The pool itself is reconciled; the services it caps say so themselves.
+    ("GPUPool", "degraded_quota_exceeded"): "Current",
+}
+
+
+@pytest.mark.parametrize(("kind", "case"), list(KSTATUS), ids=[f"{k}-{c}" for k, c in KSTATUS])
+def test_kstatus_reads_the_same_cases(kind: str, case: str) -> None:
+    obj = yaml.safe_load((CHECKS / kind / "testdata" / f"{case}.yaml").read_text())
+    assert kstatus([obj]) == [KSTATUS[kind, case]]
 
 
 # ---- live objects, written by the real operator
