@@ -4,6 +4,7 @@ are chart values."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import re
 import shutil
@@ -162,6 +163,29 @@ def test_the_ttft_target_is_a_chart_value_read_at_its_exact_bucket(
         rendered.stdout, "namespace_inferenceservice:ladle_slo_latency_errors:ratio_rate1h"
     )
     assert f'ladle:time_to_first_token_seconds_bucket{{le="{le}"}}[1h]' in ratio
+
+
+def runtime_ttft_buckets() -> tuple[float, ...]:
+    """runtime/server/metrics.py's LATENCY_BUCKETS, read without importing the engine."""
+    source = (ROOT / "runtime" / "server" / "metrics.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [
+            "LATENCY_BUCKETS"
+        ]:
+            return tuple(float(x) for x in ast.literal_eval(node.value))
+    raise AssertionError("LATENCY_BUCKETS not found in runtime/server/metrics.py")
+
+
+def test_the_charts_ttft_bucket_edges_are_the_runtimes(helm_template: Any) -> None:
+    """ladle.ttftLe (charts/ladle/templates/_helpers.tpl) keeps a copy of the runtime's TTFT
+    buckets to refuse a target that is not an edge; Helm's own list must stay the runtime's."""
+    rendered = helm_template(
+        "monitoring.prometheusRule.enabled=true", "monitoring.slo.latency.ttftSeconds=0.7"
+    )
+    assert rendered.returncode != 0
+    listed = re.search(r"use one of \[([^\]]*)\]", rendered.stderr)
+    assert listed is not None, rendered.stderr
+    assert tuple(float(x) for x in listed.group(1).split()) == runtime_ttft_buckets()
 
 
 def test_objectives_are_chart_values(helm_template: Any) -> None:

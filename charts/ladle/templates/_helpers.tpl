@@ -87,7 +87,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/*
 The TTFT objective as the runtime's `le` label value. It must be a bucket edge (the share is
-then read exactly), written as Prometheus writes it: 1 is "1.0", 0.5 is "0.5".
+then read exactly), written as Prometheus writes it: 1 is "1.0", 0.5 is "0.5". The edges are
+runtime/server/metrics.py's LATENCY_BUCKETS (tests/monitoring/test_rules.py keeps them equal).
 */}}
 {{- define "ladle.ttftLe" -}}
 {{- $t := float64 .Values.monitoring.slo.latency.ttftSeconds -}}
