@@ -32,6 +32,7 @@ from ladle.operator.api import JSON, GPUPool, InferenceService
 from ladle.operator.quota import PoolPlan
 from ladle.operator.rollout import RolloutState, to_status
 from ladle.operator.store import NodeInfo, node_matches
+from ladle.words import plural
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -70,10 +71,6 @@ POOL_STATUS_FIELDS = (
 # image name to fix); others (an image pull, a crash loop) may pass and stall only at the
 # Deployment's progress deadline.
 STALLING_WAITS = frozenset({"CreateContainerConfigError", "InvalidImageName"})
-
-
-def plural(count: int, word: str, words: str | None = None) -> str:
-    return f"{count} {word if count == 1 else (words or word + 's')}"
 
 
 @dataclass(frozen=True)
@@ -480,8 +477,8 @@ def derive_pool_status(
             READY,
             True,
             "NodesAvailable",
-            f"{plural(len(schedulable), 'schedulable node')} "
-            f"{'offers' if len(schedulable) == 1 else 'offer'} {allocatable} {resource}",
+            f"{plural(len(schedulable), 'schedulable node offers', 'schedulable nodes offer')} "
+            f"{allocatable} {resource}",
         )
     elif matching:
         ready = Condition(
@@ -517,7 +514,7 @@ def derive_pool_status(
             (
                 "OverCommitted",
                 f"{plural(plan.claimed_gpus, 'GPU is', 'GPUs are')} claimed but only "
-                f"{allocatable} {'is' if allocatable == 1 else 'are'} allocatable",
+                f"{plural(allocatable, 'is', 'are')} allocatable",
             )
         )
     if facts.overlaps:
