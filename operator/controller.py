@@ -81,6 +81,11 @@ def _holding(pod: PodInfo | None) -> object:
     return None if pod is None else (pod.pool, pod.holds, tuple(pod.limits.items()))
 
 
+def _start_facts(pod: PodInfo | None) -> object:
+    """What of a pod its service's status reads."""
+    return (None, None) if pod is None else (pod.problem, pod.starting_since)
+
+
 def _held_since(isvc: InferenceService) -> bool:
     return bool((isvc.status.get("gateway") or {}).get("heldSince"))
 
@@ -287,8 +292,9 @@ class Controller:
                 if p is not None and p.pool:
                     self.pools.invalidate(p.pool)
         # Readiness reaches status through the Deployment; only a pod's own problem (the
-        # scheduler's or the kubelet's reason) is read from pods.
-        if (old.problem if old else None) != (new.problem if new else None):
+        # scheduler's or the kubelet's reason) is read from pods, and whether it waits to
+        # start (the reconcile then looks at its Events once it has waited a few seconds).
+        if _start_facts(old) != _start_facts(new):
             self.queue.add(WorkKey("isvc", pod.namespace, pod.owner))
 
     # ---- listing: priming a new term, and sweeping after re-lists

@@ -54,6 +54,8 @@ from ladle.operator.status import (
     VariantObservation,
     derive_isvc_status,
     read_rollout,
+    start_failure,
+    startup_look,
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store
@@ -259,10 +261,11 @@ class InferenceServiceReconciler:
         await self.canary.follow(isvc, decision)
 
         service = child_key(desired_service(isvc))
-        variants = [
-            await self._observe(isvc, variant, grant)
+        observed = [
+            await self._observe(isvc, variant, grant, now)
             for variant in plan_variants(isvc, state, grant.replicas)
         ]
+        variants = [v for v, _ in observed]
         status = derive_isvc_status(
             isvc,
             variants,
@@ -283,8 +286,10 @@ class InferenceServiceReconciler:
             if not decision.action_used:
                 self._refuse_action(isvc, measured.action, state)
             await self.canary.clear_action(isvc)
-        if decision.wake_in is not None:
-            self.requeue(key, decision.wake_in)
+        # The rollout's next step, or the next look at pods that wait to start.
+        wakes = [w for w in (decision.wake_in, *(w for _, w in observed)) if w is not None]
+        if wakes:
+            self.requeue(key, min(wakes))
         if result.errors:
             raise result.errors[0][1]  # the work queue retries with backoff
 
@@ -321,14 +326,16 @@ class InferenceServiceReconciler:
         )
 
     async def _observe(
-        self, isvc: InferenceService, variant: Variant, grant: Grant
-    ) -> VariantObservation:
+        self, isvc: InferenceService, variant: Variant, grant: Grant, now: float
+    ) -> tuple[VariantObservation, float | None]:
+        """One variant as status reads it, and when its waiting pods want another look."""
         name = variant_name(isvc.meta.name, variant.name)
         pods: list[PodInfo] = [
             p for p in self.store.by_index("Pod", "owner", isvc.key) if p.variant == variant.name
         ]
         source = variant.source
         stable = variant.name == STABLE
+        problems, wake_in = await self._pod_problems(isvc.meta.namespace, pods, now)
         return VariantObservation(
             name=variant.name,
             quantization=source.spec.quantization.label(),
@@ -338,14 +345,36 @@ class InferenceServiceReconciler:
             requested_replicas=isvc.requested_replicas if stable else variant.replicas,
             granted_replicas=variant.replicas,
             gpu_resource=grant.gpu_resource,
-            pod_problems=tuple(await self._pod_problems(isvc.meta.namespace, pods)),
+            pod_problems=tuple(problems),
             quota_note=grant.note if stable else None,
             weight=variant.weight,
             revision=revision_of(template_of(source.raw_spec, self.config.runtime_image)),
-        )
+        ), wake_in
 
-    async def _pod_problems(self, namespace: str, pods: list[PodInfo]) -> list[PodProblem]:
+    async def _pod_problems(
+        self, namespace: str, pods: list[PodInfo], now: float
+    ) -> tuple[list[PodProblem], float | None]:
+        """The pods' own reasons; and when to read the Events of those waiting to start."""
         problems = [PodProblem(p.name, *p.problem) for p in pods if p.problem is not None]
+        look = startup_look(
+            {p.name: p.starting_since for p in pods if p.starting_since is not None}, now
+        )
+        for pod in look.pods:
+            # A volume or sandbox failure is only in the pod's Events (its status says
+            # ContainerCreating): one small list per waiting pod, filtered by the API server.
+            events = await self.client.list(
+                resource_path("v1", "Event", namespace),
+                {"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
+            )
+            failure = start_failure(events)
+            if failure is not None:
+                problems.append(PodProblem(pod, *failure))
+        return await self._scheduler_words(namespace, problems), look.wake_in
+
+    async def _scheduler_words(
+        self, namespace: str, problems: list[PodProblem]
+    ) -> list[PodProblem]:
+        """Unschedulable pods in the scheduler's latest words (its reasoning is in Events)."""
         unschedulable = {p.pod for p in problems if p.reason == "Unschedulable"}
         if not unschedulable:
             return problems

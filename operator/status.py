@@ -31,7 +31,7 @@ from typing import Any
 from ladle.operator.api import JSON, GPUPool, InferenceService
 from ladle.operator.quota import PoolPlan
 from ladle.operator.rollout import RolloutState, to_status
-from ladle.operator.store import NodeInfo, node_matches
+from ladle.operator.store import NodeInfo, epoch_seconds, node_matches
 from ladle.words import plural
 
 READY = "Ready"
@@ -71,6 +71,31 @@ POOL_STATUS_FIELDS = (
 # image name to fix); others (an image pull, a crash loop) may pass and stall only at the
 # Deployment's progress deadline.
 STALLING_WAITS = frozenset({"CreateContainerConfigError", "InvalidImageName"})
+
+# Warning Events by which the kubelet (or the attach/detach controller) says why a pod it
+# accepted cannot leave ContainerCreating: a volume it cannot attach, map or mount (a missing
+# Secret or ConfigMap, a claim's volume that will not attach), or a sandbox it cannot create.
+# The pod's status says only ContainerCreating meanwhile. Preferred in this order when several
+# hold at once.
+START_FAILURE_EVENTS = (
+    "FailedMount",
+    "FailedAttachVolume",
+    "FailedMapVolume",
+    "FailedCreatePodSandBox",
+)
+# Events a pod posts once it is past its volumes and sandbox: older failures no longer hold.
+START_PROGRESS_EVENTS = frozenset({"Pulling", "Pulled", "Created", "Started"})
+# After two minutes the kubelet adds this summary of the mounts it is still waiting for; the
+# SetUp failure it keeps reporting names the missing object, so that one is preferred.
+MOUNT_TIMEOUT_PREFIX = "Unable to attach or mount volumes"
+# A pod may take this long to start before its Events are read: most start sooner, and cost
+# no API call at all.
+STARTUP_GRACE_SECONDS = 5.0
+# Then its Events are read again every half of its wait so far, within these bounds, for as
+# long as it waits (a failure may resolve while an image pull keeps it ContainerCreating).
+STARTUP_RECHECK_SECONDS = (5.0, 60.0)
+# Pods read per variant and reconcile, the longest waiting first: they share one template.
+STARTUP_LOOKUPS = 3
 
 
 @dataclass(frozen=True)
@@ -182,6 +207,82 @@ class PodProblem:
 
 
 @dataclass(frozen=True)
+class StartupLook:
+    """Which waiting pods to read the Events of now, and when to look again."""
+
+    pods: tuple[str, ...]
+    wake_in: float | None
+
+
+def startup_look(waiting: Mapping[str, float], now: float) -> StartupLook:
+    """For pods waiting to start (name → since when, seconds since the epoch): those past the
+    grace period, the longest waiting first, and the soonest moment another look is due."""
+    due = sorted(
+        (since, name) for name, since in waiting.items() if now - since >= STARTUP_GRACE_SECONDS
+    )
+    low, high = STARTUP_RECHECK_SECONDS
+    wakes = [
+        STARTUP_GRACE_SECONDS - (now - since)
+        if now - since < STARTUP_GRACE_SECONDS
+        else min(max((now - since) / 2, low), high)
+        for since in waiting.values()
+    ]
+    return StartupLook(
+        tuple(name for _, name in due[:STARTUP_LOOKUPS]), min(wakes) if wakes else None
+    )
+
+
+def _event_time(event: Mapping[str, Any]) -> float:
+    series = event.get("series") or {}
+    for stamp in (
+        series.get("lastObservedTime"),
+        event.get("lastTimestamp"),
+        event.get("eventTime"),
+        event.get("firstTimestamp"),
+    ):
+        when = epoch_seconds(stamp)
+        if when is not None:
+            return when
+    return 0.0
+
+
+def start_failure(events: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """Why a pod cannot start, in its own Events: a volume or sandbox failure (reason and the
+    kubelet's message) that no later event of its progress has superseded."""
+    progress = max(
+        (_event_time(e) for e in events if e.get("reason") in START_PROGRESS_EVENTS),
+        default=None,
+    )
+    current = [
+        e
+        for e in events
+        if e.get("type") == "Warning"
+        and e.get("reason") in START_FAILURE_EVENTS
+        and (progress is None or _event_time(e) > progress)
+    ]
+    if not current:
+        return None
+    best = min(
+        current,
+        key=lambda e: (
+            START_FAILURE_EVENTS.index(str(e.get("reason"))),
+            str(e.get("message") or "").startswith(MOUNT_TIMEOUT_PREFIX),
+            -_event_time(e),
+        ),
+    )
+    reason = str(best.get("reason"))
+    return reason, str(best.get("message") or reason)
+
+
+def _needs_someone(reason: str, message: str) -> bool:
+    """A wait that only a change by someone ends: a Secret or ConfigMap to create (whether the
+    pod reads it as environment or mounts it), an image name to fix."""
+    if reason in STALLING_WAITS:
+        return True
+    return reason in START_FAILURE_EVENTS and " not found" in message
+
+
+@dataclass(frozen=True)
 class VariantObservation:
     name: str
     quantization: str
@@ -249,7 +350,7 @@ def _pod_problems(v: VariantObservation) -> list[Problem]:
                 reason,
                 f"{plural(len(pods), 'pod')} of Deployment {v.deployment_name} cannot start: "
                 f"{reason}: {pods[0].message}",
-                stalls=reason in STALLING_WAITS,
+                stalls=_needs_someone(reason, pods[0].message),
             )
         )
     return problems
@@ -307,7 +408,13 @@ def derive_isvc_status(
     traffic = [v for v in variants if v.weight > 0] or list(variants)
     for v in variants:
         found = _pod_problems(v)
-        if v.rollout.stalled:
+        if v.rollout.stalled and found:
+            # The deadline only says that time ran out; the pods' own reason says why, so it
+            # stays the reason, and now stalls.
+            first, *rest = found
+            deadline = f"{first.message} (progress deadline exceeded: {v.rollout.stalled})"
+            found = [replace(p, stalls=True) for p in [replace(first, message=deadline), *rest]]
+        elif v.rollout.stalled:
             found.append(
                 Problem(
                     "ProgressDeadlineExceeded",

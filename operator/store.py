@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ladle.operator.api import (
@@ -30,7 +31,8 @@ Indexer = Callable[[Any], Iterable[Any]]
 
 # Kinds whose metadata.generation moves only when their spec does.
 GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget"})
-# Container waiting reasons that are part of a normal start.
+# Container waiting reasons that are part of a normal start. A pod whose volumes or sandbox
+# cannot be set up also waits in one of them: the kubelet says why only in the pod's Events.
 NORMAL_WAITS = frozenset({"ContainerCreating", "PodInitializing"})
 
 
@@ -89,6 +91,10 @@ class PodInfo:
     holds: bool
     # The scheduler's reason, or the first container's waiting reason, and its message.
     problem: tuple[str, str] | None
+    # Since when (seconds since the epoch) it waits on its node with no container started yet
+    # (every container in a normal wait): only its Events can tell a slow start from a
+    # volume that cannot be mounted.
+    starting_since: float | None = None
     # The runtime's HTTP address while the pod is Ready: the autoscaler reads its /metrics
     # there, and the canary analysis its metrics and its OpenAI API.
     base_url: str | None = None
@@ -113,6 +119,7 @@ class PodInfo:
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
             problem=None if deleting else _pod_problem(status),
+            starting_since=None if deleting else _starting_since(pod),
             base_url=None if deleting else _base_url(pod),
         )
 
@@ -160,6 +167,45 @@ def _pod_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
         reason = waiting.get("reason")
         if reason and reason not in NORMAL_WAITS:
             return str(reason), str(waiting.get("message") or reason)
+    return None
+
+
+def epoch_seconds(stamp: object) -> float | None:
+    """An RFC 3339 time (a Time or a MicroTime) as seconds since the epoch; None if unreadable."""
+    if not isinstance(stamp, str) or not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _starting_since(pod: Mapping[str, Any]) -> float | None:
+    """When a pod bound to a node began waiting to start, if no container of it has started
+    (the kubelet's startTime; the binding or creation time before the kubelet reports)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    if not (pod.get("spec") or {}).get("nodeName") or status.get("phase") not in (None, "Pending"):
+        return None
+    for container in [
+        *(status.get("initContainerStatuses") or ()),
+        *(status.get("containerStatuses") or ()),
+    ]:
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting is None or waiting.get("reason") not in NORMAL_WAITS:
+            return None  # it runs or ran, or waits for another reason (a problem of its own)
+    scheduled = next(
+        (
+            c.get("lastTransitionTime")
+            for c in status.get("conditions") or ()
+            if c.get("type") == "PodScheduled" and c.get("status") == "True"
+        ),
+        None,
+    )
+    for stamp in (status.get("startTime"), scheduled, meta.get("creationTimestamp")):
+        since = epoch_seconds(stamp)
+        if since is not None:
+            return since
     return None
 
 

@@ -1,8 +1,10 @@
 """What runtime pods really do, as a kubelet reports it: why a container cannot start, and the
 GPUs a pod holds until it is gone.
 
-kwok would report every pod Running at once, so these pods land on a node kwok leaves alone,
-and the test writes their status the way the kubelet does (the node agent will, for real).
+kwok would report every pod Running at once, so most pods here land on a node kwok leaves
+alone, and the test writes their status the way the kubelet does. The missing-Secret-volume
+test runs its pod for real on a local node (the node agent is its kubelet): that failure is
+only in the pod's Events, which a test playing the kubelet would have to invent.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from kube_harness import (
     pods_of,
     wait_for,
 )
+from kubernetes import client
+
+from ladle.operator.config import DEFAULT_RUNTIME_IMAGE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("operator")]
 
@@ -43,9 +48,13 @@ def scheduled(kube: Kube, namespace: str, name: str, count: int = 1) -> list[str
     )
 
 
-def test_a_missing_api_key_secret_reads_as_the_kubelet_reports_it(
+def test_a_container_config_error_reads_as_the_kubelet_reports_it(
     kube: Kube, k8s_namespace: str, manual_node: str
 ) -> None:
+    """A container waiting with a reason of its own (here CreateContainerConfigError, as for a
+    Secret read as environment) reaches the conditions in the kubelet's words. The API key
+    Secret is mounted as a volume, which a real kubelet reports as FailedMount instead: the
+    next test runs that for real."""
     pool = f"{k8s_namespace}-node"
     kube.apply(manual_pool_manifest(pool, manual_node))
     try:
@@ -79,6 +88,64 @@ def test_a_missing_api_key_secret_reads_as_the_kubelet_reports_it(
     finally:
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
+
+
+def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
+    kube: Kube, local_namespace: str
+) -> None:
+    """A real pod on a local node: the Secret volume cannot be mounted, so its container waits
+    in ContainerCreating and only a FailedMount Event says why. The operator reads it within
+    seconds, and creating the Secret lets the pod start and clears it."""
+    ns = local_namespace
+    kube.apply(
+        isvc_manifest(
+            "nokey",
+            runtime={"image": DEFAULT_RUNTIME_IMAGE},  # the node agent's image table has it
+            resources={"gpus": 0},
+            engine={"kvCacheMemory": "256Mi"},
+            apiKeySecret={"name": "nokey-key"},
+        ),
+        ns,
+    )
+    (pod,) = scheduled(kube, ns, "nokey")
+    started = time.monotonic()
+    obj = kube.wait_condition(ns, "nokey", "Degraded", "True", "FailedMount", timeout=30)
+    print(f"FailedMount surfaced {time.monotonic() - started:.1f}s after scheduling")
+    waiting = kube.core.read_namespaced_pod(pod, ns).status.container_statuses[0].state.waiting
+    assert waiting.reason == "ContainerCreating"  # the pod's status says no more than that
+    kubelet = next(m for t, r, m in kube.events(ns, pod) if (t, r) == ("Warning", "FailedMount"))
+    assert 'secret "nokey-key" not found' in kubelet
+    why = f"1 pod of Deployment nokey-stable cannot start: FailedMount: {kubelet}"
+    assert kube.condition(obj, "Degraded")["message"] == why
+    assert (kube.condition(obj, "Ready")["status"], kube.condition(obj, "Ready")["reason"]) == (
+        "False",
+        "FailedMount",
+    )
+    assert kube.condition(obj, "Stalled")["status"] == "True"  # someone must create it
+    row = kube.kubectl("get", "-n", ns, "lisvc", "nokey", "--no-headers").stdout
+    assert row.split()[4:7] == ["False", "True", "FailedMount"]
+    wait_for(
+        lambda: ("Warning", "FailedMount", why) in kube.events(ns, "nokey"),
+        "a FailedMount Event on the InferenceService",
+        timeout=15,
+    )
+
+    # The Secret appears: the node agent mounts it on its next try and the runtime starts.
+    kube.core.create_namespaced_secret(
+        ns,
+        client.V1Secret(
+            metadata=client.V1ObjectMeta(name="nokey-key"), string_data={"api-key": "k"}
+        ),
+    )
+    obj = kube.wait_condition(ns, "nokey", "Ready", reason="Available", timeout=180)
+    assert kube.condition(obj, "Degraded")["status"] == "False"
+    assert kube.condition(obj, "Stalled")["status"] == "False"
+    wait_for(
+        lambda: ("Normal", "Recovered", "No longer degraded") in kube.events(ns, "nokey"),
+        "a Recovered Event",
+        timeout=15,
+    )
+    kube.kubectl("delete", "-n", ns, "lisvc", "nokey", "--wait=false")
 
 
 def test_a_draining_pod_keeps_its_gpu_until_it_is_gone(

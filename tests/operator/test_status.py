@@ -11,6 +11,7 @@ from ladle.operator.api import InferenceService, parse_isvc, parse_pool
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.rollout import RolloutState
 from ladle.operator.status import (
+    STARTUP_GRACE_SECONDS,
     PodProblem,
     PoolFacts,
     Problem,
@@ -18,8 +19,10 @@ from ladle.operator.status import (
     derive_isvc_status,
     derive_pool_status,
     read_rollout,
+    start_failure,
+    startup_look,
 )
-from ladle.operator.store import NodeInfo
+from ladle.operator.store import NodeInfo, PodInfo, epoch_seconds
 
 Builder = Any
 NOW = "2026-03-01T12:00:00Z"
@@ -292,6 +295,155 @@ def test_stalled_rollout_stops_progressing(make_isvc: Builder, make_deployment: 
     }
 
 
+DEADLINE = {
+    "type": "Progressing",
+    "status": "False",
+    "reason": "ProgressDeadlineExceeded",
+    "message": 'ReplicaSet "chat-stable-1" has timed out progressing.',
+}
+MISSING_SECRET = 'MountVolume.SetUp failed for volume "api-key" : secret "chat-key" not found'
+
+
+def event(reason: str, at: str, message: str = "", type_: str = "Warning") -> dict[str, Any]:
+    return {"type": type_, "reason": reason, "message": message, "lastTimestamp": at}
+
+
+def test_a_pod_waiting_to_start_is_read_from_its_status_until_a_container_starts() -> None:
+    def pod(status: dict[str, Any], node: str | None = "n1") -> PodInfo:
+        return PodInfo.from_pod(
+            {
+                "metadata": {"name": "p", "namespace": "a", "labels": {}},
+                "spec": {"nodeName": node} if node else {},
+                "status": status,
+            }
+        )
+
+    creating = {"state": {"waiting": {"reason": "ContainerCreating"}}}
+    started = "2026-03-01T12:00:00Z"
+    waiting = pod({"phase": "Pending", "startTime": started, "containerStatuses": [creating]})
+    assert waiting.starting_since == epoch_seconds(started)
+    assert waiting.problem is None
+    # Bound, but the kubelet has not reported yet: since the binding.
+    bound = {"type": "PodScheduled", "status": "True", "lastTransitionTime": started}
+    assert pod({"phase": "Pending", "conditions": [bound]}).starting_since == epoch_seconds(started)
+    # Not bound; running; or waiting for a reason of its own: not "starting".
+    assert pod({"phase": "Pending"}, node=None).starting_since is None
+    running = {"state": {"running": {"startedAt": started}}}
+    assert (
+        pod(
+            {"phase": "Running", "startTime": started, "containerStatuses": [running]}
+        ).starting_since
+        is None
+    )
+    config = {"state": {"waiting": {"reason": "CreateContainerConfigError", "message": "m"}}}
+    refused = pod({"phase": "Pending", "startTime": started, "containerStatuses": [config]})
+    assert refused.starting_since is None
+    assert refused.problem == ("CreateContainerConfigError", "m")
+
+
+def test_waiting_pods_are_looked_at_after_a_grace_then_less_and_less_often() -> None:
+    now = 1000.0
+    assert startup_look({}, now).wake_in is None
+    # Just started: nothing to read yet, and a look is due when the grace period is over.
+    fresh = startup_look({"a": now - 1}, now)
+    assert fresh.pods == ()
+    assert fresh.wake_in == STARTUP_GRACE_SECONDS - 1
+    # Waited 5 s: read now, again in 5 s; waited 10 min: read now, again in a minute.
+    assert startup_look({"a": now - 5}, now) == type(fresh)(("a",), 5.0)
+    assert startup_look({"a": now - 600}, now).wake_in == 60.0
+    assert startup_look({"a": now - 40}, now).wake_in == 20.0
+    # The longest waiting first, at most three per look; the soonest wake of all of them.
+    many = startup_look(
+        {"a": now - 30, "b": now - 50, "c": now - 6, "d": now - 20, "e": now - 2}, now
+    )
+    assert many.pods == ("b", "a", "d")
+    assert many.wake_in == 3.0
+
+
+def test_a_pods_events_say_why_it_cannot_start_until_it_gets_past_them() -> None:
+    assert start_failure([]) is None
+    mount = event("FailedMount", "2026-03-01T12:00:02Z", MISSING_SECRET)
+    assert start_failure([mount]) == ("FailedMount", MISSING_SECRET)
+    scheduled = event("Scheduled", "2026-03-01T12:00:01Z", "assigned", "Normal")
+    assert start_failure([scheduled, mount]) == ("FailedMount", MISSING_SECRET)
+    # The kubelet's two-minute summary says less than the SetUp failure it keeps repeating.
+    summary = event(
+        "FailedMount",
+        "2026-03-01T12:02:02Z",
+        "Unable to attach or mount volumes: unmounted volumes=[api-key]: timed out",
+    )
+    assert start_failure([summary, mount]) == ("FailedMount", MISSING_SECRET)
+    assert start_failure([summary])[1].startswith("Unable to attach")  # type: ignore[index]
+    # Volumes before sandboxes, when both hold.
+    sandbox = event("FailedCreatePodSandBox", "2026-03-01T12:00:03Z", "no CNI")
+    assert start_failure([sandbox, mount]) == ("FailedMount", MISSING_SECRET)
+    assert start_failure([sandbox]) == ("FailedCreatePodSandBox", "no CNI")
+    # The Secret appeared: the image is pulled (same second counts) and the failure is over,
+    # though an image pull may keep the pod ContainerCreating a while longer.
+    pulled = event("Pulled", "2026-03-01T12:00:02Z", "already present", "Normal")
+    assert start_failure([mount, pulled]) is None
+    # Events the new API writes (series, eventTime) are read too.
+    later = {
+        "type": "Warning",
+        "reason": "FailedAttachVolume",
+        "message": 'AttachVolume.Attach failed for volume "pv-1" : timed out',
+        "eventTime": "2026-03-01T12:00:01.000000Z",
+        "series": {"count": 3, "lastObservedTime": "2026-03-01T12:00:09.500000Z"},
+    }
+    assert start_failure([pulled, later]) == ("FailedAttachVolume", later["message"])
+    assert start_failure([event("BackOff", "2026-03-01T12:00:09Z", "back-off")]) is None
+
+
+def test_a_volume_that_cannot_be_mounted_reads_degraded_in_the_kubelets_words(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    isvc = parse_isvc(make_isvc())
+    waiting = make_deployment(1, available=0, ready=0)
+    status = observe(isvc, waiting, pods=(PodProblem("p", "FailedMount", MISSING_SECRET),))
+    assert conditions(status)["Ready"] == ("False", "FailedMount")
+    assert conditions(status)["Degraded"] == ("True", "FailedMount")
+    # A missing Secret needs someone to create it, as for CreateContainerConfigError.
+    assert conditions(status)["Stalled"] == ("True", "FailedMount")
+    assert message(status, "Degraded") == (
+        f"1 pod of Deployment chat-stable cannot start: FailedMount: {MISSING_SECRET}"
+    )
+    # An attach that times out may still succeed: degraded, not stalled (until the deadline).
+    attach = PodProblem("p", "FailedAttachVolume", "AttachVolume.Attach failed: timed out")
+    slow = observe(isvc, waiting, pods=(attach,))
+    assert conditions(slow)["Ready"] == ("False", "FailedAttachVolume")
+    assert conditions(slow)["Stalled"] == ("False", "AsExpected")
+    assert conditions(slow)["Progressing"] == ("True", "RollingOut")
+
+
+def test_past_the_progress_deadline_the_pods_own_reason_stays_the_reason(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    isvc = parse_isvc(make_isvc())
+    stalled = make_deployment(1, available=0, ready=0, conditions=[DEADLINE])
+    for pod in (
+        PodProblem("p", "Unschedulable", INSUFFICIENT),
+        PodProblem("p", "CreateContainerConfigError", 'secret "chat-key" not found'),
+        PodProblem("p", "FailedMount", MISSING_SECRET),
+        PodProblem("p", "ImagePullBackOff", "Back-off pulling image"),
+    ):
+        status = observe(isvc, stalled, pods=(pod,))
+        reason = "InsufficientGPUs" if pod.reason == "Unschedulable" else pod.reason
+        assert conditions(status) == {
+            "Ready": ("False", reason),
+            "Progressing": ("False", reason),
+            "Reconciling": ("False", reason),
+            "Stalled": ("True", reason),
+            "Degraded": ("True", reason),
+        }, pod
+        for type_ in ("Ready", "Stalled", "Degraded"):
+            text = message(status, type_)
+            assert pod.message in text
+            assert text.endswith(
+                '(progress deadline exceeded: ReplicaSet "chat-stable-1" has timed out '
+                "progressing.)"
+            )
+
+
 def test_quota_capped_service_is_ready_at_its_grant_and_says_so_in_the_reason(
     make_isvc: Builder, make_deployment: Builder
 ) -> None:
@@ -461,7 +613,9 @@ rollouts = st.builds(
     rollout=st.one_of(st.none(), rollouts),
     requested=st.integers(0, 4),
     pods=st.lists(
-        st.sampled_from(["Unschedulable", "CreateContainerConfigError", "ImagePullBackOff"]),
+        st.sampled_from(
+            ["Unschedulable", "CreateContainerConfigError", "ImagePullBackOff", "FailedMount"]
+        ),
         max_size=2,
     ),
     blocked=st.sampled_from([None, "GPUPoolNotFound", "ApplyFailed", "ApplyFailedPassing"]),
