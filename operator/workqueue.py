@@ -76,9 +76,17 @@ class WorkQueue(Generic[K]):
             self._added.set()
 
     def add_after(self, key: K, delay: float) -> None:
-        if key in self._timers or key in self._queued:
+        """Queue after ``delay``. The soonest wake wins (as client-go's AddAfter): a later one
+        set before must not hold back a pod that wants another look in seconds. A failure's
+        backoff is never cut short."""
+        if key in self._queued or key in self._backing_off:
             return
         loop = asyncio.get_running_loop()
+        timer = self._timers.get(key)
+        if timer is not None:
+            if timer.when() <= loop.time() + delay:
+                return
+            timer.cancel()
         self._timers[key] = loop.call_later(delay, self._fire, key)
 
     def _fire(self, key: K) -> None:

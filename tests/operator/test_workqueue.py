@@ -97,3 +97,22 @@ async def test_urgent_only_workers_leave_the_backlog_alone() -> None:
     queue.add("spec", urgent=True)
     assert await asyncio.wait_for(reserved, timeout=1) == "spec"
     assert await queue.get() == "status"
+
+
+async def test_the_soonest_delayed_add_wins_but_never_cuts_a_backoff_short() -> None:
+    """A rollout's wake in minutes must not hold back a pod that wants another look in
+    seconds; a later wake changes nothing, and neither does one during a failure's backoff."""
+    queue: WorkQueue[str] = WorkQueue(base_delay=60)
+    loop = asyncio.get_running_loop()
+    queue.add_after("a", 300)
+    queue.add_after("a", 0.05)
+    queue.add_after("a", 600)
+    started = loop.time()
+    assert await asyncio.wait_for(queue.get(), timeout=2) == "a"
+    assert loop.time() - started < 1
+    queue.done("a")
+    queue.retry("b")
+    queue.add_after("b", 0.01)
+    await asyncio.sleep(0.1)
+    assert len(queue) == 0
+    queue.close()
