@@ -43,6 +43,7 @@ def test_up_status_down_leaves_other_clusters_alone(
     )  # fmt: skip
     assert up.returncode == 0, up.stdout + up.stderr
     assert re.search(r"cluster Ready in \d+\.\ds", up.stdout), up.stdout
+    assert ", 1 kwok GPU node, 1 local node\n" in up.stdout, up.stdout  # never "1 local nodes"
     kubeconfig = state_dir / "admin.kubeconfig"
     assert f"kubeconfig: {kubeconfig.resolve()}" in up.stdout
 

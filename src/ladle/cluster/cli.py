@@ -161,6 +161,7 @@ def _build(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from ladle.cluster.control_plane import Cluster, ClusterError
+    from ladle.words import plural
 
     cluster = Cluster(args.state_dir or default_state_dir())
     options = node_options(args)
@@ -172,8 +173,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"logs kept in {cluster.log_dir}", file=sys.stderr)
         return 1
     print(
-        f"cluster Ready in {seconds:.1f}s: {cluster.server}, {args.nodes} kwok GPU nodes, "
-        f"{args.local_nodes} local nodes"
+        f"cluster Ready in {seconds:.1f}s: {cluster.server}, "
+        f"{plural(args.nodes, 'kwok GPU node')}, {plural(args.local_nodes, 'local node')}"
     )
     print(f"kubeconfig: {cluster.kubeconfig}")
     print('the cluster\'s own kubectl and helm, first on PATH (or: eval "$(ladle cluster env)"):')

@@ -390,7 +390,8 @@ class Cluster:
                     f"{name} /healthz", functools.partial(self._healthy, ports[name]), deadline
                 )
             self._wait(
-                f"{opts.nodes} Ready kwok nodes and {len(local)} Ready local nodes",
+                f"{plural(opts.nodes, 'Ready kwok node')} and "
+                f"{plural(len(local), 'Ready local node')}",
                 lambda: self._nodes_ready(opts),
                 deadline,
             )

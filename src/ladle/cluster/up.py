@@ -26,6 +26,7 @@ import yaml
 from ladle.cluster import build
 from ladle.cluster.agent import images
 from ladle.cluster.control_plane import Cluster, ClusterError, Options
+from ladle.words import plural
 
 T = TypeVar("T")
 
@@ -150,7 +151,7 @@ class System:
         progress.done(str(model.host_path))
 
         nodes = options.local_nodes
-        progress.step(f"the cluster, with {nodes} local node{'' if nodes == 1 else 's'}")
+        progress.step(f"the cluster, with {plural(nodes, 'local node')}")
         if self._running():
             progress.done(f"already running in {self.cluster.state_dir}")
         else:
