@@ -15,7 +15,6 @@ the module 6 to 8.7 minutes with its cluster.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import json
 import os
 import re
@@ -182,17 +181,16 @@ def canary_weight(block: dict[str, Any]) -> int:
     )
 
 
-def split(gateway_url: str, n: int, clients: int = 1) -> collections.Counter[str]:
-    """Which variant served each of ``n`` requests, sent by ``clients`` clients at once (the
-    gateway draws each request's variant on its own, so they may overlap)."""
-
-    def one(_: int) -> str:
+def split(gateway_url: str, n: int) -> collections.Counter[str]:
+    """Which variant served each of ``n`` requests, sent one after another: beside the
+    background load, more clients at once push first tokens past the gateway's deadline on two
+    cores, and the breaker then opens (what it is for, but not what this measures)."""
+    served: collections.Counter[str] = collections.Counter()
+    for _ in range(n):
         reply = complete(gateway_url)
         assert reply.status_code == 200, reply.text
-        return reply.headers["x-ladle-variant"]
-
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        return collections.Counter(pool.map(one, range(n)))
+        served[reply.headers["x-ladle-variant"]] += 1
+    return served
 
 
 def mark() -> str:
@@ -335,7 +333,7 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
             columns = lisvc.stdout.splitlines()[1].split()
             assert columns[-3:-1] == ["Progressing", str(weight)], lisvc.stdout
             # 24 draws: a 25% canary goes unseen with probability 0.75^24, about 0.1%.
-            sample = split(gateway_url, 24, clients=4)
+            sample = split(gateway_url, 24)
             if weight == 100:
                 assert sample == {"canary": 24}, sample
             else:
