@@ -6,9 +6,10 @@ against the baseline of the same `ladle serve` started directly on the host, in 
 It starts a dedicated cluster with one local node (`ladle up`'s steps: the chart's operator as
 pods, the GPUPool), then alternates: apply examples/cpu.yaml and time each phase until a token
 streams from the pod's address, delete it; start `ladle serve` with the pod's flags on the host
-and time it to its first token, stop it. Both start cold (a fresh process, a fresh kernel
-cache folder, as a pod's emptyDir is); both read the same converted model, so the page cache
-favours neither. The default model must already be converted (`ladle up` does it).
+and time it to its first token, stop it. Both start cold (a fresh process, a fresh cache
+folder, as a pod's emptyDir is) with what the image bakes: the same converted model, so the
+page cache favours neither, and the same prebuilt CPU kernels. The default model must already
+be converted (`ladle up` does it).
 Prints the median and the range of each phase, and the runtime process's RSS, PSS and USS.
 """
 
@@ -128,6 +129,7 @@ def bare_run(args: list[str], model: str) -> dict[str, Any]:
             **os.environ,
             "XDG_CACHE_HOME": cache,
             "LADLE_DEFAULT_MODEL_DIR": str(images.DEFAULT_MODEL.host_path),
+            "LADLE_KERNELS_DIR": str(images.PREBUILT_KERNELS.host_path),
         }
         started = time.monotonic()
         proc = subprocess.Popen(

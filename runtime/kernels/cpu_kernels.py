@@ -4,8 +4,10 @@ in one call (``decode_step.c``, driven by ``decode_step.py``).
 
 The system C compiler builds them once per source, compiler and CPU (``-O3 -march=native
 -fopenmp``) into the cache folder, where later processes find them; ctypes calls them and
-releases the GIL meanwhile. Instruction sets are picked at build time from the compiler's
-predefined macros, so ``-march=native`` decides; tests build extra variants with flags such as
+releases the GIL meanwhile. An image ships them built for each x86-64 level instead
+(:mod:`ladle.runtime.kernels.prebuilt`), so that its pods start without a compiler run.
+Instruction sets are picked at build time from the compiler's predefined macros, so
+``-march=native`` (or the level) decides; tests build extra variants with flags such as
 ``-mno-avx512f`` to run the portable paths too. Without a working compiler, :func:`load` returns
 None and the engine keeps the plain torch path, which computes the same things.
 """
@@ -20,21 +22,17 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ladle.runtime.kernels import prebuilt
 from ladle.runtime.models.loader import cache_dir
 from ladle.runtime.quantization.formats import PANEL, GroupWeight, Int8Weight, check_group_size
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "quant_kernels.c", "decode_step.c")
-)
-HEADER = Path(__file__).with_name("kernels.h")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-march=native", *prebuilt.COMMON_FLAGS)
 
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -86,25 +84,29 @@ def _build(compiler: str, extra_flags: tuple[str, ...]) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
-    sources = [s.read_text() for s in (*SOURCES, HEADER)]
+    sources = [s.read_text() for s in (*prebuilt.SOURCES, prebuilt.HEADER)]
     key = hashlib.sha256(
         "\0".join([*sources, version, _cpu_flags(), *FLAGS, *extra_flags]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, *extra_flags, "-o", str(built), *map(str, SOURCES), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        os.replace(built, target)  # atomic: a concurrent builder finds a whole file or none
+    prebuilt.compile_library(compiler, (*FLAGS, *extra_flags), target)
     log.info("built the CPU kernels", extra={"path": str(target)})
     return target
+
+
+def _library(extra_flags: tuple[str, ...]) -> Path | None:
+    """The image's prebuilt library for this CPU, else one built here (None: no compiler)."""
+    if not extra_flags and (found := prebuilt.find()) is not None:
+        level, path = found
+        log.info("using the prebuilt CPU kernels", extra={"level": level, "path": str(path)})
+        return path
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found; the CPU path uses plain torch")
+        return None
+    return _build(compiler, extra_flags)
 
 
 @functools.cache
@@ -112,13 +114,12 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The kernel library, or None (with a warning saying why) when it cannot be built.
 
     ``extra_flags`` follow ``-march=native`` (``("-mno-avx512f",)`` builds the AVX2 path on an
-    AVX-512 machine); the engine always uses the plain build."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler found; the CPU path uses plain torch")
-        return None
+    AVX-512 machine); the engine always uses the plain build, or the image's prebuilt one."""
     try:
-        lib = ctypes.CDLL(str(_build(compiler, extra_flags)))
+        path = _library(extra_flags)
+        if path is None:
+            return None
+        lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", None) or str(err)
         log.warning(

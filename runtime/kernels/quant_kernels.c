@@ -96,7 +96,7 @@ static inline vf splat(float x) { return (vf){0} + x; }
  * widening each half of 16 codes to 32 bits crosses the 128-bit lanes three times per row.
  * Widening all 16 to 16 bits once and splitting them within lanes crosses them once, and leaves
  * outputs [0-3, 8-11] in the first vector and [4-7, 12-15] in the second. A GEMV keeps that
- * order from its scales to its sums (gemv_order), and its codes go through 1.4x faster
+ * order from its scales to its sums (gemv_order), and its codes go through 1.2x faster
  * (int4, one thread, a Zen 3 EPYC). A GEMM's dequantized tile needs output order. AVX-512
  * widens all 16 codes in one step, so both orders are the same there. */
 #if LADLE_ISA >= 1

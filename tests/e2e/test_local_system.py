@@ -194,6 +194,10 @@ def test_kubectl_logs_shows_the_runtimes_json_lines(
     ready = next(line for line in lines if line["message"] == "engine ready")
     assert ready["model"] == "/opt/ladle/models/SmolLM2-135M-Instruct"  # the baked model
     assert ready["device"] == "cpu"
+    # The image's kernels, built for this CPU's x86-64 level: the pod compiled nothing.
+    kernels = next(line for line in lines if line["message"] == "using the prebuilt CPU kernels")
+    assert kernels["path"].startswith("/opt/ladle/kernels/")
+    assert not any(line["message"] == "built the CPU kernels" for line in lines)
     assert all({"level", "logger", "time"} <= line.keys() for line in lines)
 
 

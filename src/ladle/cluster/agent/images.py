@@ -9,7 +9,9 @@ Content an image carries beyond the ``ladle`` wheel is an ``ImageFile``: the hos
 the container sees it, read-only, at the image's path. The runtime image bakes the converted
 default model at ``/opt/ladle/models/SmolLM2-135M-Instruct`` (``LADLE_DEFAULT_MODEL_DIR``
 points there), so a pod never converts the GGUF again: here that path is the host's converted
-cache, produced once by the image's ``prepare`` step, which the agent runs as its "pull".
+cache, produced once by the image's ``prepare`` step, which the agent runs as its "pull". The
+CPU kernels, built for each x86-64 level, are baked the same way at ``/opt/ladle/kernels``
+(``LADLE_KERNELS_DIR``), so a pod does not compile them either.
 
 The gateway runs from the operator image (the chart gives it ``command: [ladle, gateway]``),
 so it needs no entry. Adding an image is one more ``Image`` in ``IMAGES`` with its Dockerfile's
@@ -27,11 +29,13 @@ from pathlib import Path
 
 from ladle import __version__
 from ladle.cluster.build import cache_root
+from ladle.runtime.kernels import prebuilt
 
 REGISTRY = "ghcr.io/ladle-dev"
 # The folder name the runtime converts the default model into (runtime/models/loader.py).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 BAKED_MODEL_DIR = f"/opt/ladle/models/{DEFAULT_MODEL_NAME}"
+BAKED_KERNELS_DIR = "/opt/ladle/kernels"
 # What the python:3.11-slim base image puts on PATH, with the agent's environment first: that
 # is where ``ladle`` is installed, as /usr/local/bin is in the image.
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -111,6 +115,14 @@ DEFAULT_MODEL = ImageFile(
     marker="config.json",
     describe="converting the embedded default model (once per machine)",
 )
+_KERNELS_HOST_DIR = cache_root() / "kernels-prebuilt" / prebuilt.source_key()
+PREBUILT_KERNELS = ImageFile(
+    path=BAKED_KERNELS_DIR,
+    host_path=_KERNELS_HOST_DIR,
+    prepare=(sys.executable, "-m", "ladle.runtime.kernels.prebuilt", str(_KERNELS_HOST_DIR)),
+    marker=prebuilt.library_name(prebuilt.LEVELS[-1][0]),  # built last
+    describe="building the CPU kernels for each x86-64 level (once per machine and source)",
+)
 IMAGES: tuple[Image, ...] = (
     Image(
         repository=f"{REGISTRY}/ladle-runtime",
@@ -121,10 +133,11 @@ IMAGES: tuple[Image, ...] = (
             "HOME": "/tmp",
             "XDG_CACHE_HOME": "/var/cache/ladle",
             "LADLE_DEFAULT_MODEL_DIR": BAKED_MODEL_DIR,
+            prebuilt.ENV: BAKED_KERNELS_DIR,
         },
         user="10001:10001",
         dockerfile="Dockerfile.runtime",
-        files=(DEFAULT_MODEL,),
+        files=(DEFAULT_MODEL, PREBUILT_KERNELS),
     ),
     Image(
         repository=f"{REGISTRY}/ladle-operator",
