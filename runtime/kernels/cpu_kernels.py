@@ -100,7 +100,7 @@ def _library(extra_flags: tuple[str, ...]) -> Path | None:
     """The image's prebuilt library for this CPU, else one built here (None: no compiler)."""
     if not extra_flags and (found := prebuilt.find()) is not None:
         level, path = found
-        log.info("using the prebuilt CPU kernels", extra={"level": level, "path": str(path)})
+        log.info("using the prebuilt CPU kernels", extra={"target": level, "path": str(path)})
         return path
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
