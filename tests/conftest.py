@@ -22,3 +22,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         path = item.path
         group = "e2e" if path.is_relative_to(E2E) else str(path)
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist hands the group to its scheduler as a node-id suffix, which pytest 9.2 ignores
+    (pytest-xdist#1386): every module is then spread over both workers, sets up its models and
+    servers twice, and the suite runs minutes slower without failing."""
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple[:2] >= (9, 2):
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} breaks --dist loadgroup: install the pytest pinned in "
+            "constraints.txt (make setup)"
+        )

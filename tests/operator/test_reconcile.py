@@ -228,15 +228,13 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
         "the Service to be recreated again",
     )
     restored = "Recreated Service chat, which was deleted outside the operator"
-    events = wait_for(
-        lambda: (
-            [e for e in kube.event_objects(k8s_namespace, "chat") if e.message == restored]
-            if any(e.count == 2 for e in kube.event_objects(k8s_namespace, "chat"))
-            else None
-        ),
-        "the repeated event to be counted",
-        timeout=20,
-    )
+
+    def restored_events() -> list[Any] | None:
+        # Other events (Ready, RollingOut) repeat too; wait on this one's count.
+        found = [e for e in kube.event_objects(k8s_namespace, "chat") if e.message == restored]
+        return found if any(e.count == 2 for e in found) else None
+
+    events = wait_for(restored_events, "the repeated event to be counted", timeout=20)
     assert [e.count for e in events] == [2]
 
 
