@@ -24,7 +24,8 @@ Calibration runs the full-precision model once over the text and keeps, per line
 absolute input of each channel, the Gram matrix of each group's inputs (all tokens, for the
 clip search) and a fixed sample of input rows (for the scale search). Its result (scales and
 clip ratios, a few hundred KB) is cached per model and settings, so it is paid once: about a
-minute for SmolLM2-135M on two cores.
+minute for SmolLM2-135M on two cores. The runtime image bakes the default model's, for the
+settings ``--quantization int8`` and ``int4`` default to (``bake.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ladle.runtime.config import QuantizationConfig
 from ladle.runtime.models.llama import LayerWeights, LlamaModel
 from ladle.runtime.models.loader import cache_dir
 from ladle.runtime.models.scoring import hidden_states
+from ladle.runtime.quantization import bake
 from ladle.runtime.quantization.formats import fake_quantize_groups, quantize_int8
 from ladle.runtime.quantization.linear import DenseLinear, Linear
 
@@ -296,11 +298,28 @@ def _cache_key(model_path: Path, config: QuantizationConfig) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def calibration_for(model: LlamaModel, config: QuantizationConfig, model_path: Path) -> Calibration:
-    """The cached calibration for this model and settings, computed (and cached) if missing."""
-    path = cache_dir() / "calibration" / f"awq-{_cache_key(model_path, config)}.safetensors"
-    if path.is_file():
-        return Calibration.load(path)
+def calibration_file(model_path: Path, config: QuantizationConfig) -> str:
+    """The calibration's file name: the model's files and the settings are in it."""
+    return f"awq-{_cache_key(model_path, config)}.safetensors"
+
+
+def calibration_for(
+    model: LlamaModel, config: QuantizationConfig, model_path: Path, folder: Path | None = None
+) -> Calibration:
+    """The calibration for this model and settings: one an image baked
+    (``$LADLE_CALIBRATION_DIR``, read-only), else the one cached in ``folder`` (the cache's
+    ``calibration`` folder by default), else computed now and saved there. A pod's cache starts
+    empty, so only a baked one spares it the calibration at every start."""
+    name = calibration_file(model_path, config)
+    path = (folder or cache_dir() / "calibration") / name
+    baked = os.environ.get(bake.ENV)
+    for found, where in ([(Path(baked) / name, "baked")] if baked else []) + [(path, "cached")]:
+        if found.is_file():
+            log.info(
+                f"using the {where} AWQ calibration",
+                extra={"quantization": config.describe(), "path": str(found)},
+            )
+            return Calibration.load(found)
     from transformers import AutoTokenizer
 
     started = time.monotonic()

@@ -55,10 +55,12 @@ def test_image_table_matches_its_dockerfile(image: images.Image) -> None:
 
 def test_baked_model_is_where_the_runtime_converts_it() -> None:
     from ladle.runtime.models.loader import DEFAULT_MODEL_NAME
+    from ladle.runtime.quantization import bake
 
     assert images.DEFAULT_MODEL_NAME == DEFAULT_MODEL_NAME
     runtime = images.resolve(f"ghcr.io/ladle-dev/ladle-runtime:{__version__}")
     assert runtime.env["LADLE_DEFAULT_MODEL_DIR"] == images.DEFAULT_MODEL.path
+    assert runtime.env[bake.ENV] == images.BAKED_CALIBRATION.path
     assert images.DEFAULT_MODEL.host_path.name == DEFAULT_MODEL_NAME
 
 

@@ -140,12 +140,10 @@ def pytest_runtest_makereport(
 
 
 @pytest.fixture(scope="package")
-def default_model() -> Path:
-    """The converted default model on this machine (converted now if it never was)."""
-    model = images.DEFAULT_MODEL
-    if not model.present():
-        subprocess.run(model.prepare, check=True, timeout=900)
-    return model.host_path
+def default_model(k8s_cluster: KubeCluster) -> Path:
+    """The converted default model on this machine (``k8s_cluster`` pulled the runtime
+    image's files before the cluster started)."""
+    return images.DEFAULT_MODEL.host_path
 
 
 @pytest.fixture(scope="package")

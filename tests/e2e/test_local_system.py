@@ -198,6 +198,10 @@ def test_kubectl_logs_shows_the_runtimes_json_lines(
     kernels = next(line for line in lines if line["message"] == "using the prebuilt CPU kernels")
     assert kernels["path"].startswith("/opt/ladle/kernels/")
     assert not any(line["message"] == "built the CPU kernels" for line in lines)
+    # examples/cpu.yaml quantizes to int8 with AWQ: the image's calibration, none at start.
+    awq = next(line for line in lines if line["message"] == "using the baked AWQ calibration")
+    assert awq["path"].startswith("/opt/ladle/calibration/"), awq
+    assert not any(line["message"].startswith("calibrating AWQ") for line in lines)
     assert all({"level", "logger", "time"} <= line.keys() for line in lines)
 
 

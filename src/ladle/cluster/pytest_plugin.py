@@ -41,6 +41,7 @@ import pytest
 import yaml
 
 from ladle.cluster import build
+from ladle.cluster.agent import images
 from ladle.cluster.control_plane import Cluster
 from ladle.cluster.nodes import LOCAL_NODE_LABEL
 
@@ -197,6 +198,10 @@ def k8s_cluster(
     missing = build.missing()
     if missing:
         pytest.fail(f"cluster binaries not built ({', '.join(missing)}): run `make cluster-build`")
+    started = time.monotonic()
+    images.pull_ahead(images.RUNTIME, lambda what: print(f"\npulling {what}", flush=True))
+    if (pulled := time.monotonic() - started) > 1:
+        print(f"runtime image's files present after {pulled:.0f}s")
     cluster = Cluster(tmp_path_factory.mktemp("ladle-cluster"))
     seconds = cluster.up()
     print(f"\nlocal cluster Ready in {seconds:.1f}s at {cluster.server}")

@@ -1,7 +1,8 @@
 """``ladle up``: the whole system on this machine, from nothing to a token, in one command.
 
 The steps, each shown with its time: the Kubernetes binaries (built once, about 25 minutes
-cold), the default model (converted once, about 45 s), the cluster with its local nodes, the
+cold), the runtime image's files (once: the default model converted, about 45 s; the CPU
+kernels; the default model's AWQ calibrations, a few minutes), the cluster with its local nodes, the
 Helm chart with the operator running as pods on those nodes, a GPUPool and the default
 InferenceService from ``examples/``, and a Ready runtime pod that has answered one request.
 Every step is idempotent, so running ``ladle up`` again resumes or re-checks.
@@ -141,14 +142,12 @@ class System:
             build.build()
         progress.done(str(build.bin_dir()))
 
-        progress.step("the default model (converted once into the cache)")
-        model = images.DEFAULT_MODEL
-        if not model.present():
-            print("      first run: converting the GGUF takes about 45 s", flush=True)
-            result = subprocess.run(model.prepare, check=False)
-            if result.returncode != 0 or not model.present():
-                raise UpError("converting the default model failed (see the output above)")
-        progress.done(str(model.host_path))
+        progress.step("the runtime image's files (the default model, kernels, calibrations)")
+        try:
+            images.pull_ahead(images.RUNTIME, lambda what: print(f"      {what}", flush=True))
+        except subprocess.CalledProcessError as err:
+            raise UpError(f"preparing the runtime image's files failed ({err})") from None
+        progress.done(str(images.DEFAULT_MODEL.host_path))
 
         nodes = options.local_nodes
         progress.step(f"the cluster, with {plural(nodes, 'local node')}")

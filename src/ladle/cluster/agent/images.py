@@ -11,7 +11,9 @@ default model at ``/opt/ladle/models/SmolLM2-135M-Instruct`` (``LADLE_DEFAULT_MO
 points there), so a pod never converts the GGUF again: here that path is the host's converted
 cache, produced once by the image's ``prepare`` step, which the agent runs as its "pull". The
 CPU kernels, built for each x86-64 level, are baked the same way at ``/opt/ladle/kernels``
-(``LADLE_KERNELS_DIR``), so a pod does not compile them either.
+(``LADLE_KERNELS_DIR``), so a pod does not compile them either, and so are the default model's
+AWQ calibrations for int8 and int4 at ``/opt/ladle/calibration`` (``LADLE_CALIBRATION_DIR``),
+so a quantized pod does not calibrate.
 
 The gateway runs from the operator image (the chart gives it ``command: [ladle, gateway]``),
 so it needs no entry. Adding an image is one more ``Image`` in ``IMAGES`` with its Dockerfile's
@@ -21,21 +23,25 @@ that Dockerfile.
 
 from __future__ import annotations
 
+import fcntl
 import re
+import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladle import __version__
 from ladle.cluster.build import cache_root
 from ladle.runtime.kernels import prebuilt
+from ladle.runtime.quantization import bake
 
 REGISTRY = "ghcr.io/ladle-dev"
 # The folder name the runtime converts the default model into (runtime/models/loader.py).
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 BAKED_MODEL_DIR = f"/opt/ladle/models/{DEFAULT_MODEL_NAME}"
 BAKED_KERNELS_DIR = "/opt/ladle/kernels"
+BAKED_CALIBRATION_DIR = "/opt/ladle/calibration"
 # What the python:3.11-slim base image puts on PATH, with the agent's environment first: that
 # is where ``ladle`` is installed, as /usr/local/bin is in the image.
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -123,22 +129,32 @@ PREBUILT_KERNELS = ImageFile(
     marker=prebuilt.library_name(prebuilt.LEVELS[-1][0]),  # built last
     describe="building the CPU kernels for each x86-64 level (once per machine and source)",
 )
+_CALIBRATION_HOST_DIR = cache_root() / "calibration-baked" / bake.source_key()
+BAKED_CALIBRATION = ImageFile(
+    path=BAKED_CALIBRATION_DIR,
+    host_path=_CALIBRATION_HOST_DIR,
+    prepare=(sys.executable, "-m", "ladle.runtime.quantization.bake", str(_CALIBRATION_HOST_DIR)),
+    marker=bake.MARKER,
+    describe="calibrating AWQ for the default model's int8 and int4 (once per machine)",
+)
+RUNTIME = Image(
+    repository=f"{REGISTRY}/ladle-runtime",
+    entrypoint=("ladle", "serve"),
+    cmd=("--host", "0.0.0.0", "--port", "8000"),
+    env={
+        **PYTHON_ENV,
+        "HOME": "/tmp",
+        "XDG_CACHE_HOME": "/var/cache/ladle",
+        "LADLE_DEFAULT_MODEL_DIR": BAKED_MODEL_DIR,
+        prebuilt.ENV: BAKED_KERNELS_DIR,
+        bake.ENV: BAKED_CALIBRATION_DIR,
+    },
+    user="10001:10001",
+    dockerfile="Dockerfile.runtime",
+    files=(DEFAULT_MODEL, PREBUILT_KERNELS, BAKED_CALIBRATION),
+)
 IMAGES: tuple[Image, ...] = (
-    Image(
-        repository=f"{REGISTRY}/ladle-runtime",
-        entrypoint=("ladle", "serve"),
-        cmd=("--host", "0.0.0.0", "--port", "8000"),
-        env={
-            **PYTHON_ENV,
-            "HOME": "/tmp",
-            "XDG_CACHE_HOME": "/var/cache/ladle",
-            "LADLE_DEFAULT_MODEL_DIR": BAKED_MODEL_DIR,
-            prebuilt.ENV: BAKED_KERNELS_DIR,
-        },
-        user="10001:10001",
-        dockerfile="Dockerfile.runtime",
-        files=(DEFAULT_MODEL, PREBUILT_KERNELS),
-    ),
+    RUNTIME,
     Image(
         repository=f"{REGISTRY}/ladle-operator",
         entrypoint=("ladle", "operator"),
@@ -173,3 +189,18 @@ def resolve(reference: str, version: str = __version__) -> Image:
         f'Container image "{reference}" is not present on this local node: the ladle node '
         f"agent runs only ladle's own images as processes ({known})",
     )
+
+
+def pull_ahead(image: Image, say: Callable[[str], None]) -> None:
+    """Make ``image``'s files present now, as on a node whose image was pulled in advance, so
+    that a cold machine's first pod does not pull inside somebody's timeout. One process at a
+    time (a file lock): a concurrent caller waits, then finds the files there."""
+    lock = cache_root() / "image-files.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        for item in image.files:
+            if not item.present():
+                say(f"{image.repository}: {item.describe}")
+                subprocess.run(item.prepare, check=True, stdin=subprocess.DEVNULL)
+            item.make_readable()
