@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     verbs = cluster.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    p = verbs.add_parser("build", help="build the pinned binaries into the versioned cache")
+    p = verbs.add_parser(
+        "build",
+        help="build the pinned binaries into the versioned cache, and pull the runtime image's "
+        "files for the local nodes",
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.add_argument("--print-bin-dir", action="store_true", help="only print the bin folder")
     p.set_defaults(func=_build)
@@ -146,6 +151,7 @@ def node_options(args: argparse.Namespace) -> Any:
 
 def _build(args: argparse.Namespace) -> int:
     from ladle.cluster import build, sre_tools
+    from ladle.cluster.agent import images
 
     if args.print_bin_dir:
         print(build.bin_dir())
@@ -153,8 +159,16 @@ def _build(args: argparse.Namespace) -> int:
     try:
         build.build(force=args.force)
         sre_tools.build_missing(force=args.force)
+        # What a node image would have pre-pulled: no first pod waits on it.
+        images.pull_ahead(images.RUNTIME, lambda what: print(f"pulling {what}", flush=True))
     except build.BuildError as exc:
         print(f"ladle cluster build: {exc}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as exc:
+        print(
+            f"ladle cluster build: preparing the runtime image's files failed ({exc})",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
