@@ -8,7 +8,8 @@ pods, the GPUPool), then alternates: apply examples/cpu.yaml and time each phase
 streams from the pod's address, delete it; start `ladle serve` with the pod's flags on the host
 and time it to its first token, stop it. Both start cold (a fresh process, a fresh cache
 folder, as a pod's emptyDir is) with what the image bakes: the same converted model, so the
-page cache favours neither, and the same prebuilt CPU kernels. The default model must already
+page cache favours neither, the same prebuilt CPU kernels and the same baked AWQ
+calibrations. The default model must already
 be converted (`ladle up` does it).
 Prints the median and the range of each phase, and the runtime process's RSS, PSS and USS.
 """
@@ -130,6 +131,7 @@ def bare_run(args: list[str], model: str) -> dict[str, Any]:
             "XDG_CACHE_HOME": cache,
             "LADLE_DEFAULT_MODEL_DIR": str(images.DEFAULT_MODEL.host_path),
             "LADLE_KERNELS_DIR": str(images.PREBUILT_KERNELS.host_path),
+            "LADLE_CALIBRATION_DIR": str(images.BAKED_CALIBRATION.host_path),
         }
         started = time.monotonic()
         proc = subprocess.Popen(

@@ -2,7 +2,7 @@
 ladle.runtime.quantization.bake DIR``.
 
 A pod's cache folder starts empty, so a pod quantizing with AWQ calibrates at every start:
-about a minute of CPU for SmolLM2-135M on two cores, before it can serve. The runtime image
+6-19 s for SmolLM2-135M on two cores (int8, by CPU), before it can serve. The runtime image
 (``Dockerfile.runtime``) and the local node agent's image bake the calibrations for what
 ``--quantization int8`` and ``--quantization int4`` mean by default, into ``DIR``, which
 ``$LADLE_CALIBRATION_DIR`` then names. A calibration's file name carries the model's files and
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="where the calibrations go")
     args = parser.parse_args(argv)
-    # The calibration logs its progress (a few minutes for the two), as JSON lines.
+    # The calibration logs its progress as JSON lines (under a minute for the two).
     logs.configure("info")
     for path in bake(args.folder):
         print(path)

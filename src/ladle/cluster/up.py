@@ -2,9 +2,10 @@
 
 The steps, each shown with its time: the Kubernetes binaries (built once, about 25 minutes
 cold), the runtime image's files (once: the default model converted, about 45 s; the CPU
-kernels; the default model's AWQ calibrations, a few minutes), the cluster with its local nodes, the
-Helm chart with the operator running as pods on those nodes, a GPUPool and the default
-InferenceService from ``examples/``, and a Ready runtime pod that has answered one request.
+kernels; the default model's AWQ calibrations, under a minute), the cluster with its local
+nodes, the Helm chart with the operator running as pods on those nodes, a GPUPool and the
+default InferenceService from ``examples/``, and a Ready runtime pod that has answered one
+request.
 Every step is idempotent, so running ``ladle up`` again resumes or re-checks.
 """
 
