@@ -230,16 +230,29 @@ class LoadResult:
 class Load:
     """`ladle bench serve` through the gateway, in the background, until stopped. ``stop``
     sends SIGTERM, on which the benchmark sends nothing more, lets the requests in flight
-    finish, and writes its report: the returned `LoadResult`."""
+    finish, and writes its report: the returned `LoadResult`.
 
-    def __init__(self, gateway_url: str, model: str, concurrency: int, output_len: int) -> None:
+    Without ``rate`` it keeps ``concurrency`` requests in flight, back to back, which holds a
+    core busy for as long as it runs; with one it sends ``rate`` requests a second (Poisson),
+    still at most ``concurrency`` at once: enough traffic to judge and to lose, on a machine
+    that the rest of the suite shares."""
+
+    def __init__(
+        self,
+        gateway_url: str,
+        model: str,
+        concurrency: int,
+        output_len: int,
+        rate: float | None = None,
+    ) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="ladle-load-"))
         self.result_file = self.folder / "result.json"
+        pace = ("--request-rate", str(rate)) if rate else ()
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "ladle.cli", "bench", "serve",
                 "--base-url", gateway_url, "--model", model,
-                "--num-prompts", "100000", "--max-concurrency", str(concurrency),
+                "--num-prompts", "100000", "--max-concurrency", str(concurrency), *pace,
                 "--input-len", "16", "--output-len", str(output_len), "--ignore-eos",
                 "--result-file", str(self.result_file),
             ],

@@ -68,6 +68,10 @@ QUALITY_OFF = {"enabled": False}
 FAST_STEPS = [50, 100]
 FAST_INTERVAL = 10
 FAST: dict[str, Any] = {"steps": FAST_STEPS, "intervalSeconds": FAST_INTERVAL}
+# Requests a second of background load where a rollout only needs traffic to judge: a 25%
+# step sees about 15 in a 15 s interval (minRequests is 3), and the load leaves the two cores
+# to the pods starting and the rest of the suite.
+LOAD_RATE = 4.0
 
 
 def service(
@@ -301,7 +305,7 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
     )
     assert first["quality"]["result"] == "Pass"
     assert first["quality"]["top1Agreement"] >= 0.85
-    load = Load(gateway_url, MODEL, concurrency=4, output_len=4)
+    load = Load(gateway_url, MODEL, concurrency=4, output_len=4, rate=LOAD_RATE)
     try:
         for step, weight in enumerate(STEPS, 1):
             block = wait_until(
@@ -540,7 +544,7 @@ def test_pause_resume_a_leader_failover_and_manual_promotion(
     held = rollout(rollouts)
     assert (held["phase"], held["step"], canary_weight(held)) == ("Paused", 1, 50), held
     assert [r for r in reasons(rollouts, since) if r.startswith("Analysis")] == verdicts
-    load = Load(gateway_url, MODEL, concurrency=4, output_len=4)
+    load = Load(gateway_url, MODEL, concurrency=4, output_len=4, rate=LOAD_RATE)
     try:
         pause(rollouts, False)
         wait_rollout(rollouts, lambda b: b.get("phase") == "Progressing", "the resume", 30)
