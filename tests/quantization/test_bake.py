@@ -27,6 +27,13 @@ def tiny_llama(tiny_model: Callable[[str], Path], monkeypatch: pytest.MonkeyPatc
     return tiny_model("llama")
 
 
+@pytest.fixture
+def baked(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The calibrations ``bake`` made for the tiny model, in ``tmp_path / "baked"``."""
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path / "bake-cache"))
+    return bake.bake(tmp_path / "baked", str(tiny_llama))
+
+
 def greedy(model: Path, quantization: str) -> list[int]:
     llm = LLM(str(model), quantization=quantization, num_gpu_blocks_override=32, block_size=4)
     outputs = llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False)
@@ -39,14 +46,13 @@ def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_an_engine_loads_the_baked_calibration_and_quantizes_as_if_it_had_calibrated(
     tiny_llama: Path,
+    baked: list[Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path / "bake-cache"))
-    baked = tmp_path / "baked"
-    files = bake.bake(baked, str(tiny_llama))
-    listing = json.loads((baked / bake.MARKER).read_text())
+    files, baked_dir = baked, baked[0].parent
+    listing = json.loads((baked_dir / bake.MARKER).read_text())
     assert listing == {c.describe(): f.name for c, f in zip(bake.DEFAULTS, files, strict=True)}
     assert set(listing) == {"int8-awq", "int4-awq-g32"}  # int4 defaults to groups of 32
     assert all(f.is_file() for f in files)
@@ -55,12 +61,12 @@ def test_an_engine_loads_the_baked_calibration_and_quantizes_as_if_it_had_calibr
         # A pod: the image's folder, read-only, and an empty cache of its own.
         cache = tmp_path / f"pod-cache-{quantization}"
         monkeypatch.setenv("LADLE_CACHE_DIR", str(cache))
-        monkeypatch.setenv(bake.ENV, str(baked))
-        baked.chmod(0o555)
+        monkeypatch.setenv(bake.ENV, str(baked_dir))
+        baked_dir.chmod(0o555)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=awq.__name__):
             from_baked = greedy(tiny_llama, quantization)
-        baked.chmod(0o755)
+        baked_dir.chmod(0o755)
         assert messages(caplog) == ["using the baked AWQ calibration"], messages(caplog)
         assert not (cache / "calibration").exists()
         # The same tokens as an engine that calibrated itself from nothing.
@@ -74,18 +80,16 @@ def test_an_engine_loads_the_baked_calibration_and_quantizes_as_if_it_had_calibr
 
 def test_a_calibration_baked_for_other_model_files_is_not_taken(
     tiny_llama: Path,
+    baked: list[Path],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path / "bake-cache"))
-    baked = tmp_path / "baked"
-    bake.bake(baked, str(tiny_llama), bake.DEFAULTS[:1])
     # The same weights, written again: the files' times are part of the name.
     other = tmp_path / "other"
     shutil.copytree(tiny_llama, other, copy_function=shutil.copy)
     monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path / "pod-cache"))
-    monkeypatch.setenv(bake.ENV, str(baked))
+    monkeypatch.setenv(bake.ENV, str(baked[0].parent))
     with caplog.at_level(logging.INFO, logger=awq.__name__):
         greedy(other, "int8")
     assert "calibrating AWQ on the Python language reference" in messages(caplog)
