@@ -133,6 +133,14 @@ class GatewayApp:
                 out.error = "the client closed the connection"
                 task.cancel()
 
+        async def send_reply(message: Message) -> None:
+            # Once the last body piece is on its way, a hang-up (or the server's own
+            # http.disconnect after a complete response) no longer cuts the request short.
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
         try:
             key = self._authenticate(auth, loop.time())
             deadline = _deadline(timeout, arrival)
@@ -150,7 +158,7 @@ class GatewayApp:
                 key=key,
                 session_header=session,
             )
-            await self.router.handle(request, send, out)
+            await self.router.handle(request, send_reply, out)
         except GatewayError as exc:
             out.status = exc.status
             out.error = exc.message

@@ -10,6 +10,7 @@ Everything runs on one event loop, so none of it needs a lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -58,6 +59,8 @@ _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
 _RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_FALLBACK_HOPS = 3
 _USAGE = re.compile(rb'"usage":\s*\{')
+# The OpenAI stream's last event.
+_DONE = b"data: [DONE]\n\n"
 # The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
 # Outcomes of an attempt that say nothing against the pod.
@@ -673,6 +676,12 @@ async def _relay_events(
             if ready:
                 if out.captured is not None:
                     out.captured.append(ready)
+                if ready.endswith(_DONE):
+                    # The client may hang up as soon as it reads [DONE] (the openai package
+                    # does), so the reply ends here; the upstream's end is read afterwards.
+                    await send({"type": "http.response.body", "body": ready})
+                    await _drain(response, deadline)
+                    return None
                 await send({"type": "http.response.body", "body": ready, "more_body": True})
         try:
             piece = await response.read(deadline)
@@ -696,6 +705,14 @@ async def _relay_events(
             break
     await send({"type": "http.response.body", "body": b""})
     return failure
+
+
+async def _drain(response: Response, deadline: float) -> None:
+    """Read an upstream body to its end after the client's reply is complete, so that the
+    connection goes back to the pool; a failure now only costs the connection."""
+    with contextlib.suppress(UpstreamError, UpstreamTimeout):
+        while await response.read(deadline) is not None:
+            pass
 
 
 def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:

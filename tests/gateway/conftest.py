@@ -47,6 +47,8 @@ class FakePod:
     delay: float = 0.0
     chunks: int = 3
     chunk_gap: float = 0.0
+    # Seconds between the [DONE] event and the body's end.
+    done_gap: float = 0.0
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
     port: int = 0
@@ -153,7 +155,10 @@ class _PodProtocol(asyncio.Protocol):
                 data = f"data: {event}\n\n".encode()
                 self.write(b"%x\r\n%s\r\n" % (len(data), data))
             done = b"data: [DONE]\n\n"
-            self.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+            self.write(b"%x\r\n%s\r\n" % (len(done), done))
+            if pod.done_gap:
+                await asyncio.sleep(pod.done_gap)
+            self.write(b"0\r\n\r\n")
             return
         payload = json.dumps(
             {"model": model, "choices": [{"index": 0, "text": "hi"}], "usage": usage}

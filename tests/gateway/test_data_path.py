@@ -370,6 +370,44 @@ async def test_a_client_that_leaves_mid_stream_closes_the_pod_connection(
     )
 
 
+async def test_a_client_that_hangs_up_after_done_was_served_in_full(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    # The openai package closes the connection as soon as it reads [DONE]; the pod's body ends
+    # later. That is a complete answer, not a 499.
+    pod = await fake_pods(mode="stream", done_gap=0.5)
+    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [pod.url]}])
+    body = {"model": "m", "prompt": "x", "stream": True}
+    async with httpx.AsyncClient() as client:
+        for hang_up in (True, False):
+            started = time.monotonic()
+            async with client.stream("POST", gw.url + "/v1/completions", json=body) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if hang_up and line == "data: [DONE]":
+                        break
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+            if not hang_up:
+                # The reply itself ends at [DONE], not when the pod's body does.
+                assert time.monotonic() - started < pod.done_gap
+    await asyncio.sleep(pod.done_gap + 0.3)
+    codes = {
+        code: sample(
+            gw.gateway,
+            "ladle_gateway_requests_total",
+            namespace="default",
+            service="chat",
+            variant="stable",
+            code=code,
+        )
+        for code in ("200", "499")
+    }
+    assert codes == {"200": 2, "499": 0}
+    # The gateway read the pod's body to its end and kept the connection.
+    assert pod.disconnects == 0
+
+
 KEYS = """
 keys:
   - name: team-a
