@@ -61,6 +61,8 @@ MAX_FALLBACK_HOPS = 3
 _USAGE = re.compile(rb'"usage":\s*\{')
 # The OpenAI stream's last event.
 _DONE = b"data: [DONE]\n\n"
+# Seconds a pod has to end its body once the client's reply is complete.
+_DRAIN = 1.0
 # The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
 # Outcomes of an attempt that say nothing against the pod.
@@ -709,9 +711,12 @@ async def _relay_events(
 
 async def _drain(response: Response, deadline: float) -> None:
     """Read an upstream body to its end after the client's reply is complete, so that the
-    connection goes back to the pool; a failure now only costs the connection."""
+    connection goes back to the pool. The request counts as in flight until then (the
+    autoscaler reads that), so the pod gets at most ``_DRAIN`` seconds; one that misses
+    them, or fails now, only costs its connection."""
+    until = min(deadline, asyncio.get_running_loop().time() + _DRAIN)
     with contextlib.suppress(UpstreamError, UpstreamTimeout):
-        while await response.read(deadline) is not None:
+        while await response.read(until) is not None:
             pass
 
 

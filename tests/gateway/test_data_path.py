@@ -408,6 +408,29 @@ async def test_a_client_that_hangs_up_after_done_was_served_in_full(
     assert pod.disconnects == 0
 
 
+async def test_a_pod_that_holds_its_body_open_after_done_is_let_go(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(mode="stream", done_gap=30.0)
+    gw = await run_gateway([{"name": "chat", "model": "m", "endpoints": [pod.url]}])
+    async with httpx.AsyncClient() as client:
+        reply = await client.post(
+            gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "stream": True}
+        )
+    assert reply.text.endswith("data: [DONE]\n\n")
+    # Still in flight (the autoscaler's demand) until the gateway gives up on the pod's end.
+    in_flight = {"namespace": "default", "service": "chat", "variant": "stable"}
+    assert sample(gw.gateway, "ladle_gateway_in_flight_requests", **in_flight) == 1
+    ok = {**in_flight, "code": "200"}
+    for _ in range(40):
+        if sample(gw.gateway, "ladle_gateway_requests_total", **ok):
+            break
+        await asyncio.sleep(0.05)
+    assert sample(gw.gateway, "ladle_gateway_requests_total", **ok) == 1
+    assert sample(gw.gateway, "ladle_gateway_in_flight_requests", **in_flight) == 0
+    assert pod.disconnects == 1
+
+
 KEYS = """
 keys:
   - name: team-a
