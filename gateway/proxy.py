@@ -716,8 +716,7 @@ async def _drain(response: Response, deadline: float) -> None:
     them, or fails now, only costs its connection."""
     until = min(deadline, asyncio.get_running_loop().time() + _DRAIN)
     with contextlib.suppress(UpstreamError, UpstreamTimeout):
-        while await response.read(until) is not None:
-            pass
+        await response.read_all(until)
 
 
 def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:
