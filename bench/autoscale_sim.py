@@ -5,7 +5,8 @@ A queueing simulator of model replicas replays each trace's requests (the same r
 the same seed, for every policy) and runs each policy on what it would observe:
 
 - **ladle**: ``ladle.operator.scaling.decide``, the operator's own code, every 2 s on the pods'
-  running/waiting counts and the gateway's in-flight and held counts; scales to zero.
+  running/waiting counts and the gateway's in-flight and held counts, starting from the state the
+  operator's loop starts from on a running service (``resumed``); scales to zero.
 - **hpa**: the Kubernetes HPA's average-utilisation rule on per-pod concurrency every 15 s:
   ``ceil(ready * average / target)`` with its 10% tolerance, scale-up limited to
   max(100%, 4 pods) per period, and the 300 s scale-down stabilisation; minReplicas 1 (an HPA
@@ -57,6 +58,7 @@ from ladle.operator.scaling import (
     ScalerState,
     ScalingPolicy,
     decide,
+    resumed,
 )
 
 STEP = 0.1  # seconds of simulated time per step
@@ -336,9 +338,12 @@ class LadlePolicy:
         self.policy = policy
         self.min_replicas = policy.min_replicas
         self.capacity = capacity
-        self.state = ScalerState()
+        self.state: ScalerState | None = None
 
     def decide(self, view: View) -> int:
+        if self.state is None:
+            # As the operator's loop does when it takes over a running service.
+            self.state = resumed(view.time, view.replicas, self.policy)
         pods = tuple(
             PodMetrics(
                 f"r{i}",
