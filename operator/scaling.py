@@ -11,7 +11,7 @@ count when that is larger (requests on their way to a pod), plus the requests th
 because no pod is ready. A target per replica turns demand into replicas; with a KV-cache target
 too, the larger answer wins.
 
-Three rules come from the field's failures rather than from Knative:
+These rules come from the field's failures rather than from Knative:
 
 - Unknown data never scales down. A failed scrape, a stale sample, NaN or a negative value is not
   zero load (knative#8610, kubeai#67): the decision holds the current count, says why, and may
@@ -20,9 +20,10 @@ Three rules come from the field's failures rather than from Knative:
   windows say.
 - Scale-down waits for the larger of the decisions over ``scale_down_delay``, and for the
   scale-to-zero grace period without any demand.
-- A rise in the panic window that is past the current count's tolerance and three standard
-  deviations of the noise before it scales up at once (reason ``Rising``), before the stable mean
-  or the 2x panic threshold shows it; only the stable window scales down.
+- A rise in the panic window that is past the current count's tolerance, 20% above the load
+  before it and three standard deviations beyond that load's noise scales up at once (reason
+  ``Rising``), before the stable mean or the 2x panic threshold shows it; only the stable window
+  scales down.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ AT_MAX = "AtMaxReplicas"
 TOLERANCE = 0.1
 # How far above the noise the panic window must rise to scale up before the stable window does.
 RISE_DEVIATIONS = 3.0
+# And how far above the mean before it: the stable mean lags a ramp by half a window, so this
+# separates the ramps it cannot follow in time (with the default windows, a load growing by more
+# than about 45% a minute) from the slow ones it can, where an early rise only buys replicas
+# early.
+RISE_OVER_STABLE = 0.2
 
 
 @dataclass(frozen=True)
@@ -231,10 +237,12 @@ def _rising(
 
     The stable mean lags a ramp by half a window, and panic waits for twice the capacity, so
     without this a load that grows by half in a minute would queue for both. The panic window
-    is short and noisy, so it only counts above the current count's tolerance band and beyond
-    ``RISE_DEVIATIONS`` standard deviations of the load the stable window saw before it (the
-    samples' own, not their mean's: successive scrapes of the same requests are correlated);
-    the stable window alone decides when to come back down. Too little history proves nothing.
+    is short and noisy, so it only counts above the current count's tolerance band, more than
+    ``RISE_OVER_STABLE`` above the mean load the stable window saw before it, and beyond
+    ``RISE_DEVIATIONS`` standard deviations of that load (the samples' own, not their mean's:
+    successive scrapes of the same requests are correlated). A slower rise is the stable
+    window's to follow. Only the stable window comes back down. Too little history proves
+    nothing.
     """
     earlier = [
         load_in_replicas(policy, d, kv) for t, d, kv in window if t <= now - policy.panic_window
@@ -245,6 +253,8 @@ def _rising(
     if len(earlier) < 2 or not recent:
         return 0
     load = sum(recent) / len(recent)
+    if load <= (1.0 + RISE_OVER_STABLE) * statistics.fmean(earlier):
+        return 0
     noise = statistics.pstdev(earlier)
     proven = min(load - RISE_DEVIATIONS * noise, load / (1.0 + TOLERANCE))
     wanted = math.ceil(proven)

@@ -94,8 +94,9 @@ def test_a_burst_panics_and_scales_within_one_tick() -> None:
 
 def test_a_ramp_scales_up_before_the_stable_mean_or_panic_would() -> None:
     """2 replicas' worth with 2% noise for two minutes, then a ramp to 6 over a minute. The
-    stable mean lags it by half a window and panic waits for 4; the rise is past the noise
-    within a few ticks."""
+    stable mean lags it by half a window and panic waits for 4; the rise is past the noise and
+    20% above the load before it within a few ticks, while the stable mean is still inside the
+    two replicas' tolerance band."""
     policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
     base = [20.0 * (1.02 if tick % 2 else 0.98) for tick in range(60)]
     ramp = [20.0 + 40.0 * tick / 30 for tick in range(1, 31)]
@@ -104,8 +105,21 @@ def test_a_ramp_scales_up_before_the_stable_mean_or_panic_would() -> None:
     first = next(i for i, d in enumerate(decisions) if d.replicas > 2)
     assert decisions[first].reason == RISING
     assert "rises past the noise of the last 60 s" in decisions[first].message
-    assert (base + ramp)[first] < 26  # a third of the way to panic's 40
+    assert decisions[first].stable_demand < 2 * 10 * 1.1
+    assert (base + ramp)[first] < 28  # panic waits for 40
     assert not any(d.panicking for d in decisions[: first + 1])
+
+
+def test_a_slow_ramp_is_the_stable_windows_to_follow() -> None:
+    """A load growing 10% a minute crosses the band long before the stable mean does, by a
+    little; scaling on the panic window there only starts replicas early."""
+    policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
+    base = [20.0 * (1.02 if tick % 2 else 0.98) for tick in range(60)]
+    ramp = [20.0 * 1.1 ** (tick / 30) for tick in range(1, 300)]
+    decisions = run(policy, base + ramp, start_replicas=2)
+    ups = [d for a, d in itertools.pairwise(decisions) if d.replicas > a.replicas]
+    assert len(ups) >= 3
+    assert {d.reason for d in ups} == {STABLE}
 
 
 @pytest.mark.parametrize(("noise", "scales"), [(0.01, True), (0.2, False)])
