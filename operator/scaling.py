@@ -52,7 +52,7 @@ TOLERANCE = 0.1
 RISE_DEVIATIONS = 3.0
 # And how far above the mean before it: the stable mean lags a ramp by half a window, so this
 # separates the ramps it cannot follow in time (with the default windows, a load growing by more
-# than about 45% a minute) from the slow ones it can, where an early rise only buys replicas
+# than about 40% a minute) from the slow ones it can, where an early rise only buys replicas
 # early.
 RISE_OVER_STABLE = 0.2
 

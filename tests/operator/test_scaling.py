@@ -111,8 +111,8 @@ def test_a_ramp_scales_up_before_the_stable_mean_or_panic_would() -> None:
 
 
 def test_a_slow_ramp_is_the_stable_windows_to_follow() -> None:
-    """A load growing 10% a minute crosses the band long before the stable mean does, by a
-    little; scaling on the panic window there only starts replicas early."""
+    """A load growing 10% a minute: the panic window leaves the band a little before the
+    stable mean does, and scaling on it there would only start replicas early."""
     policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
     base = [20.0 * (1.02 if tick % 2 else 0.98) for tick in range(60)]
     ramp = [20.0 * 1.1 ** (tick / 30) for tick in range(1, 300)]
