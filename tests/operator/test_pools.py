@@ -206,8 +206,7 @@ def test_a_pool_in_use_outlives_its_deletion_and_overlaps_are_reported(
             "the pool to say what its deletion waits for",
         )
         assert f"{k8s_namespace}/chat" in blocked["message"]
-        warnings = [(t, r) for t, r, _ in kube.events("default", pool)]
-        assert ("Warning", "DeletionBlocked") in warnings
+        kube.wait_event("default", pool, "Warning", "DeletionBlocked")
         # Its service keeps running meanwhile.
         assert kube.condition(kube.isvc(k8s_namespace, "chat"), "Ready")["status"] == "True"
 

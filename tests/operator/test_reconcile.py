@@ -132,7 +132,7 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     }  # fmt: skip
     assert (columns["DEGRADED"], columns["REASON"]) == ("False", "Available")
 
-    assert ("Normal", "Ready") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "chat")]
+    kube.wait_event(k8s_namespace, "chat", "Normal", "Ready")
     assert operator.metric("ladle_operator_reconcile_total", kind="isvc", result="ok")
 
 
@@ -180,7 +180,7 @@ def test_a_spec_edit_rolls_out_without_ready_dropping(kube: Kube, k8s_namespace:
     new = [(ready, progressing) for gen, ready, progressing in seen if gen == generation]
     assert ("True", "True") in new
     assert new[-1] == ("True", "False")
-    assert "RollingOut" in [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
+    kube.wait_event(k8s_namespace, "chat", "Normal", "RollingOut")
 
 
 def test_hand_edits_are_reverted_and_deleted_children_restored(
@@ -216,9 +216,8 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
         "the deleted children to be recreated",
     )
     kube.wait_condition(k8s_namespace, "chat", "Ready")
-    reasons = [reason for _, reason, _ in kube.events(k8s_namespace, "chat")]
-    assert "Reverted" in reasons
-    assert reasons.count("Restored") >= 3
+    kube.wait_event(k8s_namespace, "chat", "Normal", "Reverted")
+    kube.wait_event(k8s_namespace, "chat", "Normal", "Restored", at_least=3)
 
     # The same deletion again is the same event again: counted, not repeated.
     uid = kube.core.read_namespaced_service("chat", k8s_namespace).metadata.uid
@@ -322,14 +321,13 @@ def test_missing_gpus_say_degraded_in_the_schedulers_words(kube: Kube, k8s_names
     assert "Insufficient example.com/missing-gpu" in degraded
     assert kube.condition(obj, "Ready")["status"] == "False"
     assert kube.condition(obj, "Ready")["reason"] == "InsufficientGPUs"
-    warnings = [(t, r) for t, r, _ in kube.events(k8s_namespace, "huge")]
-    assert ("Warning", "InsufficientGPUs") in warnings
+    kube.wait_event(k8s_namespace, "huge", "Warning", "InsufficientGPUs")
 
     # Asking for what fits (running on CPU) heals it.
     kube.apply(isvc_manifest("huge", gpuPool=pool, resources={"gpus": 0}), k8s_namespace)
     obj = kube.wait_condition(k8s_namespace, "huge", "Ready")
     assert kube.condition(obj, "Degraded")["status"] == "False"
-    assert ("Normal", "Recovered") in [(t, r) for t, r, _ in kube.events(k8s_namespace, "huge")]
+    kube.wait_event(k8s_namespace, "huge", "Normal", "Recovered")
     kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "huge", "--wait=false")
     kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
