@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import heapq
+import itertools
 import json
 import math
 import random
@@ -180,6 +181,7 @@ def arrivals(trace: Trace, rate_per_replica: float, seed: int) -> list[float]:
 
 @dataclass
 class Replica:
+    name: str  # as a pod's, unique in a run
     ready_at: float
     draining: bool = False
     # The replica's token clock: how many tokens each running sequence has had time to make.
@@ -187,6 +189,10 @@ class Replica:
     # (clock value at which the sequence finishes, request index, admitted at, its TTFT)
     finishing: list[tuple[float, int, float, float]] = field(default_factory=list)
     waiting: deque[int] = field(default_factory=deque)
+    # ``ladle:inter_token_latency_seconds``'s sum and count: every running sequence makes a
+    # token each ``tpot(batch)``.
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
 
     def ready(self, now: float) -> bool:
         return now >= self.ready_at and not self.draining
@@ -235,7 +241,8 @@ def simulate(
     initial: int,
 ) -> Result:
     """Run one policy over one trace's requests; deterministic for given inputs."""
-    replicas: list[Replica] = [Replica(0.0) for _ in range(initial)]
+    serials = itertools.count()
+    replicas: list[Replica] = [Replica(f"r{next(serials)}", 0.0) for _ in range(initial)]
     target = initial
     gateway: deque[int] = deque()  # requests held while no replica is ready
     waits: list[float] = []
@@ -280,7 +287,10 @@ def simulate(
                 tokens = ttft / profile.tpot(batch) + profile.output_tokens - 1
                 heapq.heappush(r.finishing, (r.clock + tokens, index, now, ttft))
             if r.finishing:
-                r.clock += STEP / profile.tpot(r.running)
+                tpot = profile.tpot(r.running)
+                r.clock += STEP / tpot
+                r.itl_count += r.running * STEP / tpot
+                r.itl_sum += r.running * STEP
                 while r.finishing and r.finishing[0][0] <= r.clock:
                     _, _, admitted, ttft = heapq.heappop(r.finishing)
                     tpots.append((now - admitted - ttft) / (profile.output_tokens - 1))
@@ -298,7 +308,7 @@ def simulate(
                 target = wanted
             live = [r for r in replicas if not r.draining]
             for _ in range(target - len(live)):
-                replicas.append(Replica(now + profile.start_delay))
+                replicas.append(Replica(f"r{next(serials)}", now + profile.start_delay))
             if len(live) > target:
                 # Starting replicas go first, then the least busy.
                 live.sort(key=lambda r: (r.ready_at <= now, r.running + len(r.waiting)))
@@ -346,12 +356,14 @@ class LadlePolicy:
             self.state = resumed(view.time, view.replicas, self.policy)
         pods = tuple(
             PodMetrics(
-                f"r{i}",
+                r.name,
                 running=r.running,
                 waiting=len(r.waiting),
                 kv_usage=min(1.0, r.running / self.capacity),
+                itl_sum=r.itl_sum,
+                itl_count=r.itl_count,
             )
-            for i, r in enumerate(view.ready)
+            for r in view.ready
         )
         obs = Observation(
             time=view.time,

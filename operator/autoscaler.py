@@ -102,6 +102,7 @@ def autoscaling_status(
         "message": decision.message,
         "panicking": decision.panicking,
         "metricsFrozen": decision.frozen,
+        "paced": decision.paced,
         "demand": f"{decision.stable_demand:.1f}",
     }
     if last_scale_time is not None:

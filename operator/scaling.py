@@ -33,6 +33,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ladle.operator.pace import Pace, at_target
 from ladle.words import plural
 
 # Reasons, as status and Events show them.
@@ -95,6 +96,9 @@ class PodMetrics:
     waiting: float = 0.0
     kv_usage: float = 0.0
     error: str | None = None
+    # ``ladle:inter_token_latency_seconds``'s sum and count, for the pace (None: not exposed).
+    itl_sum: float | None = None
+    itl_count: float | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,7 @@ class ScalerState:
     last_active: float | None = None
     # (until, replicas): no decision below this count before then.
     floor: tuple[float, int] | None = None
+    pace: Pace = field(default_factory=Pace)
 
 
 def resumed(now: float, replicas: int, policy: ScalingPolicy) -> ScalerState:
@@ -153,6 +158,8 @@ class Decision:
     frozen: bool = False
     stable_demand: float = 0.0
     panic_demand: float = 0.0
+    # Whether demand is counted at the target's pace (``pace``) rather than as it runs.
+    paced: bool = False
     # What the signals asked for before maxReplicas capped it.
     wanted: int = field(default=0)
 
@@ -190,15 +197,27 @@ def _valid(pod: PodMetrics) -> bool:
     )
 
 
-def _demand(obs: Observation) -> tuple[float, float, float]:
-    """(demand, KV usage sum, held requests) from the valid parts of an observation."""
+def _demand(
+    obs: Observation, target: float | None, line: tuple[float, float] | None
+) -> tuple[float, float, float]:
+    """(demand, KV usage sum, held requests) from the valid parts of an observation.
+
+    With a pace ``line``, a pod's running count is taken at the target's pace. A pod with a
+    queue is full: its batch says what it can serve, not what comes, so it counts as it is.
+    The gateway's in-flight count (the same requests, and those on their way) is scaled as the
+    pods' total was."""
     pods = [p for p in obs.pods if _valid(p)]
-    demand = sum(p.running + p.waiting for p in pods)
+    raw = sum(p.running + p.waiting for p in pods)
+    demand = raw
+    if line is not None and target is not None:
+        demand = sum(
+            p.running + p.waiting if p.waiting else at_target(p.running, target, line) for p in pods
+        )
     kv = sum(p.kv_usage for p in pods)
     held = 0.0
     gateway = obs.gateway
     if gateway is not None and gateway.error is None and not _bad(gateway.in_flight):
-        demand = max(demand, gateway.in_flight)
+        demand = max(demand, gateway.in_flight * (demand / raw if raw else 1.0))
         if not _bad(gateway.held):
             held = gateway.held
     return demand + held, kv, held
@@ -219,13 +238,23 @@ def replicas_for(policy: ScalingPolicy, demand: float, kv_usage: float) -> int:
     return math.ceil(load_in_replicas(policy, demand, kv_usage))
 
 
-def _with_tolerance(policy: ScalingPolicy, demand: float, kv: float, current: int) -> int:
+def _with_tolerance(
+    policy: ScalingPolicy, demand: float, kv: float, current: int, paced: bool
+) -> int:
+    """The count for a stable demand, moved only once it leaves the tolerance band.
+
+    Coming down, a count taken as it runs keeps the band as headroom: pods below the target
+    are quicker than at it, so their count understates the traffic, and going straight to it
+    undershoots and comes back (in the simulator, twice the scale events). A count at the
+    target's pace has no such bias, and goes where it says, as the HPA does."""
     wanted = replicas_for(policy, demand, kv)
     if wanted > current:
         up = 1.0 + TOLERANCE
         return max(current, replicas_for(policy, demand / up, kv / up))
     if wanted < current:
         down = 1.0 - TOLERANCE
+        if paced:
+            return wanted if load_in_replicas(policy, demand, kv) < down * current else current
         return min(current, replicas_for(policy, demand / down, kv / down))
     return wanted
 
@@ -278,7 +307,14 @@ def decide(
     """One tick of the scaler: the replica count to run, and the state for the next tick."""
     now = obs.time
     problems = _problems(obs)
-    demand, kv, held = _demand(obs)
+    target = policy.target_concurrency
+    pace = state.pace
+    if target is not None:
+        # An unreadable pod drops out of the pace's memory: when it is back, the gaps it
+        # stalled for are not its pace.
+        pace = pace.observe(now, [p for p in obs.pods if _valid(p)], target)
+    line = pace.line
+    demand, kv, held = _demand(obs, target, line)
     last_active = state.last_active if state.last_active is not None else now
     if demand > 0:
         last_active = now
@@ -297,14 +333,16 @@ def decide(
             "holding at the current count, metrics are unknown: " + "; ".join(problems),
             panicking=state.panic_since is not None,
             frozen=True,
+            paced=line is not None,
             wanted=wanted,
         )
-        return decision, replace(state, last_active=last_active)
+        return decision, replace(state, last_active=last_active, pace=pace)
 
     window = (*(s for s in state.window if s[0] > now - policy.stable_window), (now, demand, kv))
     stable_demand, stable_kv = _mean(window, now - policy.stable_window)
     panic_demand, panic_kv = _mean(window, now - policy.panic_window)
-    stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas)
+    paced = line is not None
+    stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, paced)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
     rising = _rising(policy, window, now, obs.current_replicas)
     stable_reason = RISING if rising > stable_wanted else STABLE
@@ -345,7 +383,7 @@ def decide(
     replicas = _clamp(desired, policy.min_replicas, policy.max_replicas)
     if wanted > policy.max_replicas:
         reason = AT_MAX
-    message = _message(policy, reason, replicas, wanted, stable_demand, panic_demand, held)
+    message = _message(policy, reason, replicas, wanted, stable_demand, panic_demand, held, paced)
     decision = Decision(
         replicas,
         reason,
@@ -353,9 +391,11 @@ def decide(
         panicking=panic_since is not None,
         stable_demand=stable_demand,
         panic_demand=panic_demand,
+        paced=paced,
         wanted=wanted,
     )
-    return decision, ScalerState(window, panic_since, max_panic, recent, last_active, floor)
+    state = ScalerState(window, panic_since, max_panic, recent, last_active, floor, pace)
+    return decision, state
 
 
 def _message(
@@ -366,6 +406,7 @@ def _message(
     stable: float,
     panic: float,
     held: float,
+    paced: bool,
 ) -> str:
     if reason == ACTIVATING:
         waiting = plural(held, "request is", "requests are")
@@ -383,6 +424,8 @@ def _message(
         )
     else:
         window = f"demand {stable:.1f} over {policy.stable_window:g} s"
+    if paced:
+        window += " at the target's pace"
     targets = []
     if policy.target_concurrency is not None:
         targets.append(plural(policy.target_concurrency, "request"))

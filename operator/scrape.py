@@ -21,6 +21,7 @@ from ladle.operator.scaling import GatewayMetrics, PodMetrics
 RUNNING = "ladle:num_requests_running"
 WAITING = "ladle:num_requests_waiting"
 KV_USAGE = "ladle:kv_cache_usage_perc"
+ITL = "ladle:inter_token_latency_seconds"
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
 GATEWAY_HELD = "ladle_gateway_held_requests"
 SCRAPE_TIMEOUT_SECONDS = 1.0
@@ -44,11 +45,14 @@ def _samples(text: str, names: Iterable[str]) -> dict[str, list[tuple[Mapping[st
 
 
 def parse_pod(name: str, text: str) -> PodMetrics:
-    """One runtime pod's gauges; a missing gauge is an error, not a zero."""
+    """One runtime pod's gauges; a missing gauge is an error, not a zero. The inter-token
+    histogram's totals are for the pace, and a runtime without them is only not paced."""
     try:
-        found = _samples(text, (RUNNING, WAITING, KV_USAGE))
+        found = _samples(text, (RUNNING, WAITING, KV_USAGE, ITL + "_sum", ITL + "_count"))
     except ValueError as err:
         return PodMetrics(name, error=f"unreadable metrics: {err}")
+    totals = [found.pop(ITL + suffix) for suffix in ("_sum", "_count")]
+    itl_sum, itl_count = (sum(v for _, v in t) if t else None for t in totals)
     missing = sorted(metric for metric, samples in found.items() if not samples)
     if missing:
         return PodMetrics(name, error=f"metrics lack {', '.join(missing)}")
@@ -56,7 +60,14 @@ def parse_pod(name: str, text: str) -> PodMetrics:
     waiting = sum(v for _, v in found[WAITING])
     # One engine per pod; should a pod serve several models, the fullest cache speaks for it.
     kv_usage = max(v for _, v in found[KV_USAGE])
-    return PodMetrics(name, running=running, waiting=waiting, kv_usage=kv_usage)
+    return PodMetrics(
+        name,
+        running=running,
+        waiting=waiting,
+        kv_usage=kv_usage,
+        itl_sum=itl_sum,
+        itl_count=itl_count,
+    )
 
 
 def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float]:

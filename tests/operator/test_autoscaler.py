@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from ladle.operator.api import parse_isvc
 from ladle.operator.autoscaler import autoscaling_status, policy_for
@@ -16,8 +16,11 @@ from ladle.operator.scaling import (
 from ladle.operator.scrape import gateway_metrics, parse_gateway, parse_pod
 
 
-def runtime_exposition(running: float, waiting: float, kv: float) -> str:
-    """What a runtime pod's /metrics holds, rendered by prometheus_client as the server does."""
+def runtime_exposition(
+    running: float, waiting: float, kv: float, gaps: tuple[float, ...] | None = None
+) -> str:
+    """What a runtime pod's /metrics holds, rendered by prometheus_client as the server does;
+    ``gaps`` are the inter-token latencies it observed (None: an exposition without them)."""
     registry = CollectorRegistry()
     for name, value in (
         ("ladle:num_requests_running", running),
@@ -25,6 +28,10 @@ def runtime_exposition(running: float, waiting: float, kv: float) -> str:
         ("ladle:kv_cache_usage_perc", kv),
     ):
         Gauge(name, name, ["model_name"], registry=registry).labels("m").set(value)
+    if gaps is not None:
+        itl = Histogram("ladle:inter_token_latency_seconds", "x", ["model_name"], registry=registry)
+        for gap in gaps:
+            itl.labels("m").observe(gap)
     return generate_latest(registry).decode()
 
 
@@ -50,6 +57,13 @@ def test_a_pods_gauges_are_read_and_a_missing_one_is_an_error_not_zero() -> None
     assert broken.error is not None
     assert "ladle:kv_cache_usage_perc" in broken.error
     assert parse_pod("p", "garbage{").error is not None
+
+
+def test_a_pods_inter_token_totals_are_read_for_the_pace_and_optional() -> None:
+    pod = parse_pod("p", runtime_exposition(3, 0, 0.1, gaps=(0.25, 0.5, 0.25)))
+    assert (pod.itl_sum, pod.itl_count, pod.error) == (1.0, 3.0, None)
+    without = parse_pod("p", runtime_exposition(3, 0, 0.1))
+    assert (without.itl_sum, without.itl_count, without.error) == (None, None, None)
 
 
 def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paced_pods import PacedPod
 
 from ladle.operator.scaling import (
     ACTIVATING,
@@ -36,13 +39,31 @@ def pods(count: int, per_pod: float, kv: float = 0.1) -> tuple[PodMetrics, ...]:
     return tuple(PodMetrics(f"p{i}", running=per_pod, kv_usage=kv) for i in range(count))
 
 
+class Fleet:
+    """Pods that share the load evenly (with none ready, the gateway holds it). With a pace
+    ``(a, k)`` they also report the inter-token totals of pods whose gap is ``a + k * batch``;
+    without, none, and demand is counted as it runs."""
+
+    def __init__(self, pace: tuple[float, float] | None = None) -> None:
+        self.pace = pace
+        self.paced: dict[str, PacedPod] = {}
+
+    def observe(self, time: float, replicas: int, load: float, held: float = 0.0) -> Observation:
+        if replicas == 0:
+            return Observation(time, 0, 0, (), GatewayMetrics(held=load + held))
+        each = load / replicas
+        scraped = tuple(self._pod(f"p{i}", each) for i in range(replicas))
+        return Observation(time, replicas, replicas, scraped, GatewayMetrics(load, held))
+
+    def _pod(self, name: str, running: float) -> PodMetrics:
+        if self.pace is None:
+            return PodMetrics(name, running=running, kv_usage=0.1)
+        total, count = self.paced.setdefault(name, PacedPod(*self.pace)).step(running, TICK)
+        return PodMetrics(name, running=running, kv_usage=0.1, itl_sum=total, itl_count=count)
+
+
 def observe(time: float, replicas: int, load: float, held: float = 0.0) -> Observation:
-    """Pods share the load evenly; with none ready, the gateway holds it."""
-    if replicas == 0:
-        return Observation(time, 0, 0, (), GatewayMetrics(held=load + held))
-    return Observation(
-        time, replicas, replicas, pods(replicas, load / replicas), GatewayMetrics(load, held)
-    )
+    return Fleet().observe(time, replicas, load, held)
 
 
 def run(
@@ -52,14 +73,16 @@ def run(
     start_replicas: int = 1,
     state: ScalerState | None = None,
     gateway_held: list[float] | None = None,
+    fleet: Fleet | None = None,
 ) -> list[Decision]:
     """Replay per-tick total demand; pods start at once and share the demand evenly."""
     state = state or ScalerState()
+    fleet = fleet or Fleet()
     replicas = start_replicas
     decisions = []
     for tick, load in enumerate(demand):
         held = gateway_held[tick] if gateway_held else 0.0
-        decision, state = decide(policy, state, observe(tick * TICK, replicas, load, held))
+        decision, state = decide(policy, state, fleet.observe(tick * TICK, replicas, load, held))
         decisions.append(decision)
         replicas = decision.replicas
     return decisions
@@ -264,37 +287,52 @@ policies = st.builds(
     scale_to_zero_grace=st.sampled_from([0.0, 30.0]),
 )
 loads = st.lists(st.floats(0, 500), min_size=1, max_size=80)
+# How much slower a pod's tokens come at the target than alone (None: pods without the
+# histogram, counted as they run).
+slowdowns = st.one_of(st.none(), st.floats(0.1, 4.0))
+
+
+def fleet_for(policy: ScalingPolicy, slowdown: float | None) -> Fleet:
+    if slowdown is None or policy.target_concurrency is None:
+        return Fleet()
+    return Fleet((0.01, 0.01 * slowdown / policy.target_concurrency))
 
 
 @settings(max_examples=150, deadline=None)
-@given(policies, loads, st.integers(0, 40))
-def test_bounds_are_always_respected(policy: ScalingPolicy, load: list[float], start: int) -> None:
-    for decision in run(policy, load, start_replicas=start):
+@given(policies, loads, st.integers(0, 40), slowdowns)
+def test_bounds_are_always_respected(
+    policy: ScalingPolicy, load: list[float], start: int, slowdown: float | None
+) -> None:
+    for decision in run(policy, load, start_replicas=start, fleet=fleet_for(policy, slowdown)):
         assert policy.min_replicas <= decision.replicas <= policy.max_replicas
 
 
 @settings(max_examples=150, deadline=None)
-@given(policies, loads, st.floats(0, 500), st.floats(0, 500))
+@given(policies, loads, st.floats(0, 500), st.floats(0, 500), slowdowns)
 def test_more_load_never_means_fewer_replicas(
-    policy: ScalingPolicy, history: list[float], low: float, extra: float
+    policy: ScalingPolicy, history: list[float], low: float, extra: float, slowdown: float | None
 ) -> None:
     state = ScalerState()
+    fleet = fleet_for(policy, slowdown)
     replicas = 1
     for tick, load in enumerate(history):
-        decision, state = decide(policy, state, observe(tick * TICK, replicas, load))
+        decision, state = decide(policy, state, fleet.observe(tick * TICK, replicas, load))
         replicas = decision.replicas
     now = len(history) * TICK
 
     def next_decision(load: float) -> int:
-        return decide(policy, state, observe(now, replicas, load))[0].replicas
+        probe = copy.deepcopy(fleet)  # the same pods, each probe's totals its own
+        return decide(policy, state, probe.observe(now, replicas, load))[0].replicas
 
     assert next_decision(low + extra) >= next_decision(low)
 
 
 @settings(max_examples=150, deadline=None)
-@given(policies, loads)
-def test_no_scale_down_while_panicking(policy: ScalingPolicy, load: list[float]) -> None:
-    decisions = run(policy, load)
+@given(policies, loads, slowdowns)
+def test_no_scale_down_while_panicking(
+    policy: ScalingPolicy, load: list[float], slowdown: float | None
+) -> None:
+    decisions = run(policy, load, fleet=fleet_for(policy, slowdown))
     for before, after in itertools.pairwise(decisions):
         if before.panicking and after.panicking:
             assert after.replicas >= before.replicas
@@ -311,8 +349,10 @@ steady_policies = st.builds(
 
 
 @settings(max_examples=40, deadline=None)
-@given(steady_policies, st.floats(5, 20))
-def test_no_flapping_on_a_steady_noisy_load(policy: ScalingPolicy, level: float) -> None:
+@given(steady_policies, st.floats(5, 20), slowdowns)
+def test_no_flapping_on_a_steady_noisy_load(
+    policy: ScalingPolicy, level: float, slowdown: float | None
+) -> None:
     """A level of 5-20 replicas' worth with 20% noise per tick, over the defaults' ranges of
     windows and delays. The noise comes from fixed seeds: hypothesis searches policies and
     levels, not for the one noise sequence in thousands that crosses a boundary four times.
@@ -322,7 +362,8 @@ def test_no_flapping_on_a_steady_noisy_load(policy: ScalingPolicy, level: float)
         rng = random.Random(seed)
         mean = level * (policy.target_concurrency or 1)
         noisy = [max(0.0, rng.gauss(mean, 0.2 * mean)) for _ in range(900)]  # 30 minutes
-        counts = [d.replicas for d in run(policy, noisy)][300:]  # after ten minutes to settle
+        paced = fleet_for(policy, slowdown)
+        counts = [d.replicas for d in run(policy, noisy, fleet=paced)][300:]  # settled
         steps = [b - a for a, b in itertools.pairwise(counts) if b != a]
         reversals += sum(1 for a, b in itertools.pairwise(steps) if (a > 0) != (b > 0))
     assert reversals <= 3
@@ -336,3 +377,85 @@ def test_a_resumed_scaler_keeps_the_count_for_a_stable_window() -> None:
     assert counts[:10] == [4] * 10  # the first 20 s
     assert counts[-1] == 1
     assert resumed(0.0, 1, policy) == ScalerState()
+
+
+# -- demand at the target's pace --------------------------------------------------------------
+
+# Tokens come three times slower at the target of 16 than alone: g(b) = 0.01 + 0.00125 b.
+PACE = (0.01, 0.01 * 2 / 16)
+
+
+def paced_state(policy: ScalingPolicy, fleet: Fleet) -> ScalerState:
+    """A scaler that has learned the fleet's pace from a sweep of loads, and nothing else."""
+    state = ScalerState()
+    for tick in range(60):
+        load = 8.0 * (tick % 20)
+        _, state = decide(policy, state, fleet.observe(tick * TICK, 2, load))
+    assert state.pace.line == pytest.approx(PACE)
+    return ScalerState(pace=state.pace)
+
+
+def test_crowded_pods_ask_for_what_their_traffic_needs_not_for_their_count() -> None:
+    """Four pods at twice the target: counted as they run, that is a panic to 8 replicas; at
+    the target's pace each pod's 32 requests are 19.2 (they are slow from crowding), so 5."""
+    policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
+    fleet = Fleet(PACE)
+    paced, _ = decide(policy, paced_state(policy, fleet), fleet.observe(200.0, 4, 128.0))
+    raw, _ = decide(policy, ScalerState(), observe(200.0, 4, 128.0))
+    assert (raw.replicas, raw.reason) == (8, PANIC)
+    assert (paced.replicas, paced.reason, paced.paced) == (5, STABLE, True)
+    assert paced.stable_demand == pytest.approx(4 * 32 * 3 / 5)
+    assert "at the target's pace" in paced.message
+
+
+def test_at_the_target_the_pace_changes_nothing() -> None:
+    policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
+    fleet = Fleet(PACE)
+    paced, _ = decide(policy, paced_state(policy, fleet), fleet.observe(200.0, 4, 64.0))
+    raw, _ = decide(policy, ScalerState(), observe(200.0, 4, 64.0))
+    assert paced.stable_demand == pytest.approx(raw.stable_demand)
+    assert paced.replicas == raw.replicas == 4
+
+
+def test_a_paced_count_comes_down_without_the_headroom() -> None:
+    """Ten pods whose traffic is 8.5 replicas' worth at the target's pace: that is past the
+    tolerance, and the pace has no bias to allow for, so 9. The same 8.5 counted as it runs
+    keeps the band as headroom (8.5 / 0.9 needs 10)."""
+    policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
+    a, k = PACE
+    share = 8.5 * 16 / 10  # each pod's share at the target's pace, and the batch that makes it
+    batch = share * a / (a + k * 16 - share * k)
+    fleet = Fleet(PACE)
+    paced, _ = decide(policy, paced_state(policy, fleet), fleet.observe(200.0, 10, 10 * batch))
+    raw, _ = decide(policy, ScalerState(), observe(200.0, 10, 8.5 * 16))
+    assert paced.stable_demand == pytest.approx(raw.stable_demand)
+    assert (paced.replicas, raw.replicas) == (9, 10)
+
+
+def test_a_pod_with_a_queue_counts_as_it_runs() -> None:
+    """A queue says the pod is full: its batch is what it can serve, not what arrives."""
+    policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
+    fleet = Fleet(PACE)
+    state = paced_state(policy, fleet)
+    crowded = fleet.observe(200.0, 2, 64.0)
+    queued = (replace(crowded.pods[0], waiting=4.0), crowded.pods[1])
+    obs = replace(crowded, pods=queued, gateway=GatewayMetrics(68.0))
+    decision, _ = decide(policy, state, obs)
+    assert decision.stable_demand == pytest.approx(32 + 4 + 32 * 3 / 5)
+
+
+def test_a_pod_that_stalled_does_not_teach_its_stall_as_its_pace() -> None:
+    """A stopped process answers no scrape; when it is back, the gaps it stalled for end up in
+    its histogram. It comes back as a pod seen for the first time."""
+    policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
+    fleet = Fleet(PACE)
+    state = paced_state(policy, fleet)
+    stuck = fleet.observe(200.0, 2, 32.0)
+    hung = (replace(stuck.pods[0], error="no answer within 1 s"), stuck.pods[1])
+    frozen, state = decide(policy, state, replace(stuck, pods=hung))
+    assert (frozen.frozen, frozen.paced) == (True, True)
+    back = fleet.observe(202.0, 2, 32.0)
+    total, count = back.pods[0].itl_sum or 0.0, back.pods[0].itl_count or 0.0
+    stalled = (replace(back.pods[0], itl_sum=total + 30.0 * 16, itl_count=count + 16), back.pods[1])
+    _, state = decide(policy, state, replace(back, pods=stalled))
+    assert state.pace.line == pytest.approx(PACE)
