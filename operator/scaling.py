@@ -9,7 +9,9 @@ Demand is the number of requests that want a replica: what the runtime pods run 
 (``ladle:num_requests_running`` + ``ladle:num_requests_waiting``), or the gateway's in-flight
 count when that is larger (requests on their way to a pod), plus the requests the gateway holds
 because no pod is ready. A target per replica turns demand into replicas; with a KV-cache target
-too, the larger answer wins.
+too, the larger answer wins. Once the scaler has learned how the pods' pace slows with their
+batch (``pace``), running requests are counted at the target's pace: a crowded pod's requests
+are slow, not more traffic.
 
 These rules come from the field's failures rather than from Knative:
 
