@@ -5,7 +5,8 @@ A queueing simulator of model replicas replays each trace's requests (the same r
 the same seed, for every policy) and runs each policy on what it would observe:
 
 - **ladle**: ``ladle.operator.scaling.decide``, the operator's own code, every 2 s on the pods'
-  running/waiting counts and the gateway's in-flight and held counts, starting from the state the
+  running/waiting counts and inter-token histogram totals (from which it learns their pace) and
+  the gateway's in-flight and held counts, starting from the state the
   operator's loop starts from on a running service (``resumed``); scales to zero.
 - **hpa**: the Kubernetes HPA's average-utilisation rule on per-pod concurrency every 15 s:
   ``ceil(ready * average / target)`` with its 10% tolerance, scale-up limited to
