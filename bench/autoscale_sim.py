@@ -6,8 +6,8 @@ the same seed, for every policy) and runs each policy on what it would observe:
 
 - **ladle**: ``ladle.operator.scaling.decide``, the operator's own code, every 2 s on the pods'
   running/waiting counts and inter-token histogram totals (from which it learns their pace) and
-  the gateway's in-flight and held counts, starting from the state the
-  operator's loop starts from on a running service (``resumed``); scales to zero.
+  the gateway's in-flight and held counts, starting from the state the operator's loop starts
+  from on a running service (``resumed``); scales to zero.
 - **hpa**: the Kubernetes HPA's average-utilisation rule on per-pod concurrency every 15 s:
   ``ceil(ready * average / target)`` with its 10% tolerance, scale-up limited to
   max(100%, 4 pods) per period, and the 300 s scale-down stabilisation; minReplicas 1 (an HPA
