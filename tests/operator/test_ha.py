@@ -88,6 +88,7 @@ def test_killing_the_active_operator_fails_over_without_rewriting_anything(
         kube.wait_condition(k8s_namespace, "before", "Ready")
         kube.wait_condition(k8s_namespace, "stuck", "Degraded", reason="InsufficientGPUs")
         time.sleep(1)  # the pool's status settles too
+        kube.wait_event(k8s_namespace, "stuck", "Warning", "InsufficientGPUs")  # posted after
         settled = {
             name: kube.isvc(k8s_namespace, name)["metadata"]["resourceVersion"]
             for name in ("before", "stuck")
