@@ -14,7 +14,7 @@ import re
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,22 @@ def events(api: ApiClient, namespace: str, name: str) -> list[tuple[str, str]]:
         .items
     )
     return [(e.reason, e.message) for e in items]
+
+
+def wait_events(
+    api: ApiClient,
+    namespace: str,
+    name: str,
+    ok: Callable[[list[tuple[str, str]]], bool],
+    what: str,
+) -> None:
+    """Wait until a pod's Events show ``what``: the agent posts them in the background, after
+    the status that the test has just seen."""
+
+    def shown() -> bool:
+        return ok(events(api, namespace, name))
+
+    wait_until(shown, what, 15)
 
 
 # -- the nodes --------------------------------------------------------------------------------
@@ -433,11 +449,18 @@ def test_status_and_events_are_what_a_kubelet_reports(
     assert main["containerID"].startswith("ladle://")
     assert "startedAt" in main["state"]["running"]
     assert status["startTime"]
-    seen = events(k8s_api, namespace, pod["metadata"]["name"])
-    assert ("Created", "Created container: main") in seen
-    assert ("Started", "Started container main") in seen
-    # The exec readiness probe failed until the script wrote /tmp/ready.
-    assert any(reason == "Unhealthy" and "Readiness probe failed" in msg for reason, msg in seen)
+    wait_events(
+        k8s_api,
+        namespace,
+        pod["metadata"]["name"],
+        lambda seen: (
+            ("Created", "Created container: main") in seen
+            and ("Started", "Started container main") in seen
+            # The exec readiness probe failed until the script wrote /tmp/ready.
+            and any(r == "Unhealthy" and "Readiness probe failed" in m for r, m in seen)
+        ),
+        "Created, Started and Unhealthy (readiness) Events",
+    )
 
 
 def test_kubectl_logs_goes_through_the_kubelet_endpoint(
@@ -479,7 +502,13 @@ def test_crash_loop_restarts_with_back_off_and_keeps_the_last_state(
     assert pod["status"]["phase"] == "Running"
     previous = k8s_cluster.run_kubectl("logs", "-n", namespace, "crash", "--previous")
     assert previous.stdout.strip() == "crashing", previous.stderr
-    assert any(r == "BackOff" for r, _ in events(k8s_api, namespace, "crash"))
+    wait_events(
+        k8s_api,
+        namespace,
+        "crash",
+        lambda seen: any(r == "BackOff" for r, _ in seen),
+        "a BackOff Event",
+    )
 
 
 def test_liveness_failure_kills_and_restarts_the_container(
@@ -499,11 +528,18 @@ def test_liveness_failure_kills_and_restarts_the_container(
         timeout=30,
     )
     assert container_status(pod)["lastState"]["terminated"]["exitCode"] == 143  # SIGTERM
-    seen = events(k8s_api, namespace, "unlive")
-    assert ("Killing", "Container main failed liveness probe, will be restarted") in seen
-    assert any(
-        r == "Unhealthy" and "Liveness probe failed: dial tcp" in m and "refused" in m
-        for r, m in seen
+    wait_events(
+        k8s_api,
+        namespace,
+        "unlive",
+        lambda seen: (
+            ("Killing", "Container main failed liveness probe, will be restarted") in seen
+            and any(
+                r == "Unhealthy" and "Liveness probe failed: dial tcp" in m and "refused" in m
+                for r, m in seen
+            )
+        ),
+        "Killing and Unhealthy (liveness, connection refused) Events",
     )
 
 
