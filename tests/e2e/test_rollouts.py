@@ -222,6 +222,18 @@ def reasons(system: System, since: str = "") -> list[str]:
     ]
 
 
+def reasons_with(system: System, wanted: tuple[str, ...], since: str = "") -> list[str]:
+    """``reasons`` once all of ``wanted`` are among them: the operator posts its Events in the
+    background, after the status that the test has just read."""
+
+    def posted() -> list[str] | None:
+        events = reasons(system, since)
+        return events if set(wanted) <= set(events) else None
+
+    found: list[str] = wait_until(posted, f"the Events {', '.join(wanted)}", 30)
+    return found
+
+
 def show(system: System, since: str) -> None:
     """Print what a user would look at (run with -s to see it): ``kubectl get lisvc``, the
     service's Events since ``since``, and ``status.rollout`` without its templates."""
@@ -374,15 +386,9 @@ def test_an_int8_canary_is_promoted_through_every_step(rollouts: System, gateway
     analysis = done["lastAnalysis"]
     assert analysis["result"] == "Pass"
     assert {g["gate"] for g in analysis["gates"]} >= {"errorRate", "ttftP95", "tpotP95"}
-    events = reasons(rollouts)
-    for reason in (
-        "RolloutStarted",
-        "QualityGatePassed",
-        "AnalysisPassed",
-        "Promoting",
-        "Promoted",
-    ):
-        assert reason in events, events
+    events = reasons_with(
+        rollouts, ("RolloutStarted", "QualityGatePassed", "AnalysisPassed", "Promoting", "Promoted")
+    )
     assert events.count("StepStarted") == len(STEPS), events
     assert events.count("RolloutResumed") == len(STEPS), events
     # The stable Deployment now runs int8, and the canary's is gone.
@@ -426,7 +432,7 @@ def test_a_canary_that_damages_the_output_rolls_back_on_the_quality_gate(
     assert rollouts.condition(isvc, "Degraded") == "True"
     degraded = next(c for c in isvc["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "QualityGateFailed"
-    assert "RolledBack" in reasons(rollouts)
+    reasons_with(rollouts, ("RolledBack",))
     # Every request was served, and by stable: no user traffic ever reached the canary.
     assert answers, "the prober sent nothing"
     assert {code for code, _ in answers} == {200}, collections.Counter(answers)
@@ -492,9 +498,7 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     degraded = next(c for c in isvc["status"]["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "SLOGateFailed")
     assert "error rate" in degraded["message"]
-    events = reasons(rollouts, since)
-    for reason in ("RolloutStarted", "StepStarted", "AnalysisFailed", "RolledBack"):
-        assert reason in events, events
+    reasons_with(rollouts, ("RolloutStarted", "StepStarted", "AnalysisFailed", "RolledBack"), since)
     # Traffic is back on stable, and the canary is gone.
     assert split(gateway_url, 8) == {"stable": 8}
     wait_until(lambda: list(deployments(rollouts)) == [f"{NAME}-stable"], "the canary removed", 60)
@@ -580,12 +584,10 @@ def test_pause_resume_a_leader_failover_and_manual_promotion(
     assert steps_seen == sorted(steps_seen), steps_seen
     assert waiting["revisions"]["canary"] == canary_revision
     assert (waiting["phase"], waiting["step"], canary_weight(waiting)) == ("Paused", 2, 100)
-    events = reasons(rollouts, since)
+    events = reasons_with(rollouts, ("RolloutPaused", "RolloutResumed", "AwaitingPromotion"), since)
     assert events.count("RolloutStarted") == 1, events
     assert "RolloutRestarted" not in events, events
     assert events.count("StepStarted") == len(FAST_STEPS), events
-    for reason in ("RolloutPaused", "RolloutResumed", "AwaitingPromotion"):
-        assert reason in events, events
 
     # The manual gate: nothing happens until the annotation, which the operator then removes.
     act(rollouts, "promote")
@@ -593,9 +595,7 @@ def test_pause_resume_a_leader_failover_and_manual_promotion(
     print(f"\npaused, failed over and promoted by hand in {time.monotonic() - started:.0f}s")
     assert done["revisions"]["stable"] == canary_revision
     assert ACTION not in rollouts.isvc(NAME)["metadata"].get("annotations", {})
-    events = reasons(rollouts, since)
-    for reason in ("PromotionApproved", "Promoting", "Promoted"):
-        assert reason in events, events
+    events = reasons_with(rollouts, ("PromotionApproved", "Promoting", "Promoted"), since)
     # Removed once, right after it was acted on: never read again and refused.
     assert "RolloutActionIgnored" not in events, events
     wait_until(lambda: list(deployments(rollouts)) == [f"{NAME}-stable"], "the canary removed", 60)
@@ -631,8 +631,7 @@ def test_abort_sends_traffic_back_to_stable_and_removes_the_canary(
     assert rollouts.condition(isvc, "Ready") == "True"
     degraded = next(c for c in isvc["status"]["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "Aborted")
-    events = reasons(rollouts, since)
-    assert "RolledBack" in events, events
+    events = reasons_with(rollouts, ("RolledBack",), since)
     assert "RolloutActionIgnored" not in events, events
     assert split(gateway_url, 8) == {"stable": 8}
     wait_until(lambda: list(deployments(rollouts)) == [f"{NAME}-stable"], "the canary removed", 60)
