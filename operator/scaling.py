@@ -316,6 +316,7 @@ def decide(
         # stalled for are not its pace.
         pace = pace.observe(now, [p for p in obs.pods if _valid(p)], target)
     line = pace.line
+    paced = line is not None
     demand, kv, held = _demand(obs, target, line)
     last_active = state.last_active if state.last_active is not None else now
     if demand > 0:
@@ -335,7 +336,7 @@ def decide(
             "holding at the current count, metrics are unknown: " + "; ".join(problems),
             panicking=state.panic_since is not None,
             frozen=True,
-            paced=line is not None,
+            paced=paced,
             wanted=wanted,
         )
         return decision, replace(state, last_active=last_active, pace=pace)
@@ -343,7 +344,6 @@ def decide(
     window = (*(s for s in state.window if s[0] > now - policy.stable_window), (now, demand, kv))
     stable_demand, stable_kv = _mean(window, now - policy.stable_window)
     panic_demand, panic_kv = _mean(window, now - policy.panic_window)
-    paced = line is not None
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, paced)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
     rising = _rising(policy, window, now, obs.current_replicas)

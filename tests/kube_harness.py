@@ -229,18 +229,12 @@ class Kube:
     ) -> list[str]:
         """The messages of one object's Events of this type and reason, once ``at_least`` are
         listed: the operator posts Events in the background, after the status it reports."""
-        return wait_for(
-            lambda: (
-                len(
-                    found := [
-                        m for t, r, m in self.events(namespace, name) if (t, r) == (type_, reason)
-                    ]
-                )
-                >= at_least
-                and found
-            ),
-            f"{at_least} {type_} {reason} event(s) about {namespace}/{name}",
-        )
+
+        def posted() -> list[str] | None:
+            found = [m for t, r, m in self.events(namespace, name) if (t, r) == (type_, reason)]
+            return found if len(found) >= at_least else None
+
+        return wait_for(posted, f"{at_least} {type_} {reason} event(s) about {namespace}/{name}")
 
     def event_objects(self, namespace: str, name: str) -> list[Any]:
         """The Events about one object, as the API returns them (count included)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
@@ -11,16 +10,9 @@ from hypothesis import strategies as st
 from paced_pods import PacedPod
 
 from ladle.operator.pace import HALF_LIFE_SECONDS, Pace, at_target
+from ladle.operator.scaling import PodMetrics
 
 TICK = 2.0
-
-
-@dataclass(frozen=True)
-class Scrape:
-    name: str
-    running: float
-    itl_sum: float | None
-    itl_count: float | None
 
 
 def learn(pods: dict[str, PacedPod], batches: list[list[float]], pace: Pace | None = None) -> Pace:
@@ -28,10 +20,10 @@ def learn(pods: dict[str, PacedPod], batches: list[list[float]], pace: Pace | No
     pace = pace or Pace()
     for row in batches:
         now = 0.0 if pace.time is None else pace.time + TICK
-        scrapes = [
-            Scrape(name, b, *pod.step(b, TICK))
-            for (name, pod), b in zip(pods.items(), row, strict=True)
-        ]
+        scrapes = []
+        for (name, pod), b in zip(pods.items(), row, strict=True):
+            total, count = pod.step(b, TICK)
+            scrapes.append(PodMetrics(name, running=b, itl_sum=total, itl_count=count))
         pace = pace.observe(now, scrapes, target=32)
     return pace
 
@@ -61,17 +53,21 @@ def test_a_gap_that_does_not_grow_with_the_batch_is_no_fit() -> None:
     assert pace.line is None
 
 
+def scrape(running: float, total: float | None, count: float | None) -> PodMetrics:
+    return PodMetrics("a", running=running, itl_sum=total, itl_count=count)
+
+
 def test_new_restarted_idle_and_nonsensical_pods_add_no_sample() -> None:
-    pace = Pace().observe(0.0, [Scrape("a", 4, 1.0, 100.0)], target=32)
+    pace = Pace().observe(0.0, [scrape(4, 1.0, 100.0)], target=32)
     assert pace.weight == 0  # first sight: nothing to take a difference from
-    for scrape in (
-        Scrape("a", 4, 0.5, 10.0),  # restarted: its totals went back
-        Scrape("a", 0, 1.0, 100.0),  # no token since
-        Scrape("a", 4, math.nan, 200.0),
-        Scrape("a", 4, None, None),  # an old runtime without the histogram
+    for later in (
+        scrape(4, 0.5, 10.0),  # restarted: its totals went back
+        scrape(0, 1.0, 100.0),  # no token since
+        scrape(4, math.nan, 200.0),
+        scrape(4, None, None),  # an old runtime without the histogram
     ):
-        assert pace.observe(TICK, [scrape], target=32).weight == 0, scrape
-    assert pace.observe(TICK, [Scrape("a", 4, 1.5, 150.0)], target=32).weight == 1
+        assert pace.observe(TICK, [later], target=32).weight == 0, later
+    assert pace.observe(TICK, [scrape(4, 1.5, 150.0)], target=32).weight == 1
 
 
 def test_a_line_holds_once_the_batches_settle() -> None:
