@@ -135,11 +135,6 @@ def test_sustained_load_scales_up_within_the_panic_window_and_a_pod_start(
         )  # fmt: skip
         assert events.stdout.strip(), "no Scaled event"
         assert condition(scaler, "ScalingActive")["status"] == "True"
-        # The pods' inter-token latency, at the batches this load gave them, told the pace.
-        wait_until(
-            lambda: autoscaling(scaler).get("paced"), "demand counted at the target's pace", 60
-        )
-        assert "at the target's pace" in autoscaling(scaler)["message"]
     finally:
         load.stop()
 

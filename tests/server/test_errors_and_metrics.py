@@ -8,6 +8,9 @@ from typing import Any
 import httpx
 import pytest
 
+from ladle.operator.pace import Pace
+from ladle.operator.scrape import parse_pod
+
 from .conftest import Server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -237,3 +240,22 @@ def test_request_log_lines(server: Server) -> None:
     assert record["sampling_params"] == {"max_tokens": 2, "temperature": 0.5, "top_k": 3}
     assert "prompt" not in record
     assert all("secret prompt text" not in line for line in server.log_lines())
+
+
+def test_the_autoscaler_reads_a_runtimes_load_and_its_pace_samples(server: Server) -> None:
+    """The operator's scraper on a real runtime's /metrics: its gauges, and inter-token totals
+    whose change between two scrapes is one sample for the pace."""
+    scraped = [parse_pod("p", httpx.get(f"{server.url}/metrics", timeout=30).text)]
+    body = {"prompt": "Count on", "max_tokens": 6, "ignore_eos": True}
+    tokens = post(server, "/v1/completions", body).json()["usage"]["completion_tokens"]
+    scraped.append(parse_pod("p", httpx.get(f"{server.url}/metrics", timeout=30).text))
+    before, after = scraped
+    assert (after.error, after.running, after.waiting) == (None, 0, 0)
+    assert before.itl_count is not None
+    assert after.itl_count is not None
+    assert before.itl_sum is not None
+    assert after.itl_sum is not None
+    assert after.itl_count - before.itl_count == tokens - 1
+    assert after.itl_sum > before.itl_sum
+    pace = Pace().observe(0.0, [before], target=4).observe(2.0, [after], target=4)
+    assert pace.weight == 1
