@@ -29,6 +29,9 @@ STABLE_WINDOW = 10
 SCALE_DOWN_DELAY = 4
 GRACE = 6
 TARGET = 4  # requests per replica: 8 in flight want 2 replicas
+# When the step-up test stopped its load, for the scale-down test that follows it: the
+# benchmark stops sending then, and its last requests drain while ``stop`` waits for them.
+LOAD_STOPPED: dict[str, float] = {}
 
 
 def service(min_replicas: int) -> dict[str, Any]:
@@ -136,11 +139,12 @@ def test_sustained_load_scales_up_within_the_panic_window_and_a_pod_start(
         assert events.stdout.strip(), "no Scaled event"
         assert condition(scaler, "ScalingActive")["status"] == "True"
     finally:
+        LOAD_STOPPED["at"] = time.monotonic()
         load.stop()
 
 
 def test_without_load_it_scales_back_down_after_the_window_and_the_delay(scaler: System) -> None:
-    stopped = time.monotonic()
+    stopped = LOAD_STOPPED.get("at", time.monotonic())
     wait_until(
         lambda: autoscaling(scaler).get("desiredReplicas") == 1,
         "the autoscaler to come back to 1 replica",
