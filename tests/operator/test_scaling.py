@@ -349,10 +349,8 @@ steady_policies = st.builds(
 
 
 @settings(max_examples=40, deadline=None)
-@given(steady_policies, st.floats(5, 20), slowdowns)
-def test_no_flapping_on_a_steady_noisy_load(
-    policy: ScalingPolicy, level: float, slowdown: float | None
-) -> None:
+@given(steady_policies, st.floats(5, 20))
+def test_no_flapping_on_a_steady_noisy_load(policy: ScalingPolicy, level: float) -> None:
     """A level of 5-20 replicas' worth with 20% noise per tick, over the defaults' ranges of
     windows and delays. The noise comes from fixed seeds: hypothesis searches policies and
     levels, not for the one noise sequence in thousands that crosses a boundary four times.
@@ -362,8 +360,7 @@ def test_no_flapping_on_a_steady_noisy_load(
         rng = random.Random(seed)
         mean = level * (policy.target_concurrency or 1)
         noisy = [max(0.0, rng.gauss(mean, 0.2 * mean)) for _ in range(900)]  # 30 minutes
-        paced = fleet_for(policy, slowdown)
-        counts = [d.replicas for d in run(policy, noisy, fleet=paced)][300:]  # settled
+        counts = [d.replicas for d in run(policy, noisy)][300:]  # after ten minutes to settle
         steps = [b - a for a, b in itertools.pairwise(counts) if b != a]
         reversals += sum(1 for a, b in itertools.pairwise(steps) if (a > 0) != (b > 0))
     assert reversals <= 3
