@@ -30,6 +30,7 @@ These rules come from the field's failures rather than from Knative:
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
@@ -241,24 +242,40 @@ def replicas_for(policy: ScalingPolicy, demand: float, kv_usage: float) -> int:
 
 
 def _with_tolerance(
-    policy: ScalingPolicy, demand: float, kv: float, current: int, paced: bool
+    policy: ScalingPolicy, demand: float, kv: float, current: int, noise: float | None
 ) -> int:
     """The count for a stable demand, moved only once it leaves the tolerance band.
 
     Coming down, a count taken as it runs keeps the band as headroom: pods below the target
     are quicker than at it, so their count understates the traffic, and going straight to it
     undershoots and comes back (in the simulator, twice the scale events). A count at the
-    target's pace has no such bias, and goes where it says, as the HPA does."""
+    target's pace (``noise`` given) has no such bias, and goes where it says, as the HPA does,
+    but one standard error of the window's mean above it: without that, a steady load whose
+    noise spans the band's 10% steps down and back up every few minutes."""
     wanted = replicas_for(policy, demand, kv)
     if wanted > current:
         up = 1.0 + TOLERANCE
         return max(current, replicas_for(policy, demand / up, kv / up))
     if wanted < current:
         down = 1.0 - TOLERANCE
-        if paced:
-            return wanted if load_in_replicas(policy, demand, kv) < down * current else current
+        if noise is not None:
+            load = load_in_replicas(policy, demand, kv)
+            return min(current, math.ceil(load + noise)) if load < down * current else current
         return min(current, replicas_for(policy, demand / down, kv / down))
     return wanted
+
+
+def _noise(policy: ScalingPolicy, window: Sequence[tuple[float, float, float]]) -> float:
+    """The standard error of a window's mean load, in replicas, from its successive
+    differences (von Neumann's estimate): a trend through the window, such as the fall it is
+    there to follow, is not noise. The window is the earlier ticks', so that the newest
+    sample moves the decision only through the mean, and more load never means fewer
+    replicas."""
+    loads = [load_in_replicas(policy, d, kv) for _, d, kv in window]
+    if len(loads) < 3:
+        return 0.0
+    squares = sum((b - a) ** 2 for a, b in itertools.pairwise(loads))
+    return math.sqrt(squares / (len(loads) - 1) / 2 / len(loads))
 
 
 def _rising(
@@ -341,10 +358,12 @@ def decide(
         )
         return decision, replace(state, last_active=last_active, pace=pace)
 
-    window = (*(s for s in state.window if s[0] > now - policy.stable_window), (now, demand, kv))
+    earlier = tuple(s for s in state.window if s[0] > now - policy.stable_window)
+    window = (*earlier, (now, demand, kv))
     stable_demand, stable_kv = _mean(window, now - policy.stable_window)
     panic_demand, panic_kv = _mean(window, now - policy.panic_window)
-    stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, paced)
+    noise = _noise(policy, earlier) if paced else None
+    stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
     rising = _rising(policy, window, now, obs.current_replicas)
     stable_reason = RISING if rising > stable_wanted else STABLE
