@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -226,12 +226,13 @@ class Autoscaler:
             p for p in self.store.by_index("Pod", "owner", isvc.key) if p.metrics_url
         ]
         targets = [Target(p.name, p.metrics_url) for p in pods if p.metrics_url]
+        scraped = zip(pods, await scrape_pods(session, targets), strict=True)
         namespace, name = isvc.key
         obs = Observation(
             time=now,
             current_replicas=current,
             ready_replicas=len(targets),
-            pods=await scrape_pods(session, targets),
+            pods=[replace(m, replica_set=p.replica_set) for p, m in scraped],
             gateway=None if expositions is None else gateway_metrics(expositions, namespace, name),
         )
         decision, tracked.state = decide(policy, tracked.state, obs)

@@ -14,6 +14,10 @@ request's time), fitted by exponentially-weighted least squares to each pod's me
 two scrapes (the change in ``ladle:inter_token_latency_seconds``'s sum over its count) against
 its batch meanwhile. Until the pods have been seen at a spread of batches there is no fit, and
 running counts are taken as they are.
+
+Pods of one ReplicaSet (one pod template) share a line, and no others do (``Paces``): during a
+canary the stable and canary pods run different weights or quantizations, whose paces differ,
+and one line through both would fit neither.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class PodPace(Protocol):
 
     @property
     def name(self) -> str: ...
+    @property
+    def replica_set(self) -> str: ...
     @property
     def running(self) -> float: ...
     @property
@@ -97,6 +103,40 @@ class Pace:
                 a = mean_g - k * mean_b
                 line = (a, k) if k > 0 and a > 0 else None
         return Pace(w, b, g, bb, bg, now, tuple(last), line)
+
+
+@dataclass(frozen=True)
+class Paces:
+    """One ``Pace`` per ReplicaSet, by name."""
+
+    by_replica_set: tuple[tuple[str, Pace], ...] = ()
+
+    def observe(
+        self, now: float, pods: Iterable[PodPace], target: float, valid: Iterable[PodPace]
+    ) -> Paces:
+        """Fold in one tick: ``pods`` are all the pods scraped, ``valid`` those whose numbers
+        can teach. A ReplicaSet with no pod left is forgotten once another has pods (a
+        rollout replaced it, or its canary ended); with no pod anywhere (scaled to zero, or
+        every pod restarting) every line is kept for the pods' return."""
+        present = {p.replica_set for p in pods}
+        teaching = list(valid)
+        known = dict(self.by_replica_set)
+        names = sorted(present) if present else sorted(known)
+        return Paces(
+            tuple(
+                (
+                    name,
+                    known.get(name, Pace()).observe(
+                        now, [p for p in teaching if p.replica_set == name], target
+                    ),
+                )
+                for name in names
+            )
+        )
+
+    def lines(self) -> dict[str, tuple[float, float]]:
+        """The ReplicaSets whose pace is known, and its line."""
+        return {name: pace.line for name, pace in self.by_replica_set if pace.line is not None}
 
 
 def _counted(value: float) -> bool:

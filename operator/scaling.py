@@ -9,9 +9,9 @@ Demand is the number of requests that want a replica: what the runtime pods run 
 (``ladle:num_requests_running`` + ``ladle:num_requests_waiting``), or the gateway's in-flight
 count when that is larger (requests on their way to a pod), plus the requests the gateway holds
 because no pod is ready. A target per replica turns demand into replicas; with a KV-cache target
-too, the larger answer wins. Once the scaler has learned how the pods' pace slows with their
-batch (``pace``), running requests are counted at the target's pace: a crowded pod's requests
-are slow, not more traffic.
+too, the larger answer wins. Once the scaler has learned how a ReplicaSet's pods slow with
+their batch (``pace``), their running requests are counted at the target's pace: a crowded
+pod's requests are slow, not more traffic.
 
 These rules come from the field's failures rather than from Knative:
 
@@ -33,10 +33,10 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ladle.operator.pace import Pace, at_target
+from ladle.operator.pace import Paces, at_target
 from ladle.words import plural
 
 # Reasons, as status and Events show them.
@@ -102,6 +102,8 @@ class PodMetrics:
     # ``ladle:inter_token_latency_seconds``'s sum and count, for the pace (None: not exposed).
     itl_sum: float | None = None
     itl_count: float | None = None
+    # Its ReplicaSet: pods of one template share a pace, and only they do.
+    replica_set: str = ""
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ class ScalerState:
     last_active: float | None = None
     # (until, replicas): no decision below this count before then.
     floor: tuple[float, int] | None = None
-    pace: Pace = field(default_factory=Pace)
+    paces: Paces = field(default_factory=Paces)
 
 
 def resumed(now: float, replicas: int, policy: ScalingPolicy) -> ScalerState:
@@ -201,21 +203,19 @@ def _valid(pod: PodMetrics) -> bool:
 
 
 def _demand(
-    obs: Observation, target: float | None, line: tuple[float, float] | None
+    obs: Observation, target: float | None, lines: Mapping[str, tuple[float, float]]
 ) -> tuple[float, float, float]:
     """(demand, KV usage sum, held requests) from the valid parts of an observation.
 
-    With a pace ``line``, a pod's running count is taken at the target's pace. A pod with a
-    queue is full: its batch says what it can serve, not what comes, so it counts as it is.
-    The gateway's in-flight count (the same requests, and those on their way) is scaled as the
-    pods' total was."""
+    A pod whose ReplicaSet has a pace line has its running count taken at the target's pace.
+    A pod with a queue is full: its batch says what it can serve, not what comes, so it counts
+    as it is. The gateway's in-flight count (the same requests, and those on their way) is
+    scaled as the pods' total was."""
     pods = [p for p in obs.pods if _valid(p)]
     raw = sum(p.running + p.waiting for p in pods)
     demand = raw
-    if line is not None and target is not None:
-        demand = sum(
-            p.running + p.waiting if p.waiting else at_target(p.running, target, line) for p in pods
-        )
+    if target is not None:
+        demand = sum(_worth(p, target, lines.get(p.replica_set)) for p in pods)
     kv = sum(p.kv_usage for p in pods)
     held = 0.0
     gateway = obs.gateway
@@ -224,6 +224,12 @@ def _demand(
         if not _bad(gateway.held):
             held = gateway.held
     return demand + held, kv, held
+
+
+def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
+    if line is None or pod.waiting:
+        return pod.running + pod.waiting
+    return at_target(pod.running, target, line)
 
 
 def load_in_replicas(policy: ScalingPolicy, demand: float, kv_usage: float) -> float:
@@ -327,14 +333,17 @@ def decide(
     now = obs.time
     problems = _problems(obs)
     target = policy.target_concurrency
-    pace = state.pace
+    paces = state.paces
+    valid = [p for p in obs.pods if _valid(p)]
     if target is not None:
         # An unreadable pod drops out of the pace's memory: when it is back, the gaps it
         # stalled for are not its pace.
-        pace = pace.observe(now, [p for p in obs.pods if _valid(p)], target)
-    line = pace.line
-    paced = line is not None
-    demand, kv, held = _demand(obs, target, line)
+        paces = paces.observe(now, obs.pods, target, valid)
+    lines = paces.lines()
+    # Paced only when every pod is: a pod still counted as it runs (a new canary's, before
+    # its pace is known) keeps the headroom such counts need.
+    paced = bool(lines) and all(p.replica_set in lines for p in valid)
+    demand, kv, held = _demand(obs, target, lines)
     last_active = state.last_active if state.last_active is not None else now
     if demand > 0:
         last_active = now
@@ -356,7 +365,7 @@ def decide(
             paced=paced,
             wanted=wanted,
         )
-        return decision, replace(state, last_active=last_active, pace=pace)
+        return decision, replace(state, last_active=last_active, paces=paces)
 
     earlier = tuple(s for s in state.window if s[0] > now - policy.stable_window)
     window = (*earlier, (now, demand, kv))
@@ -415,7 +424,7 @@ def decide(
         paced=paced,
         wanted=wanted,
     )
-    state = ScalerState(window, panic_since, max_panic, recent, last_active, floor, pace)
+    state = ScalerState(window, panic_since, max_panic, recent, last_active, floor, paces)
     return decision, state
 
 

@@ -98,6 +98,8 @@ class PodInfo:
     # The runtime's HTTP address while the pod is Ready: the autoscaler reads its /metrics
     # there, and the canary analysis its metrics and its OpenAI API.
     base_url: str | None = None
+    # The ReplicaSet that owns it ("" if none): the autoscaler learns a pace per pod template.
+    replica_set: str = ""
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -121,6 +123,14 @@ class PodInfo:
             problem=None if deleting else _pod_problem(status),
             starting_since=None if deleting else _starting_since(pod),
             base_url=None if deleting else _base_url(pod),
+            replica_set=next(
+                (
+                    str(ref.get("name"))
+                    for ref in meta.get("ownerReferences") or ()
+                    if ref.get("kind") == "ReplicaSet"
+                ),
+                "",
+            ),
         )
 
     def gpus(self, resource: str) -> int:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
-from ladle.operator.pace import HALF_LIFE_SECONDS, Pace, at_target
+from ladle.operator.pace import HALF_LIFE_SECONDS, Pace, Paces, at_target
 from ladle.operator.scaling import PodMetrics
 
 TICK = 2.0
@@ -89,11 +89,58 @@ def test_old_samples_fade_so_a_new_pace_takes_over() -> None:
     assert line == pytest.approx((0.005, 1e-4), rel=0.1)
 
 
+def learn_replica_sets(
+    pods: dict[tuple[str, str], PacedPod], batches: list[list[float]], paces: Paces
+) -> Paces:
+    """``learn`` for pods named by (ReplicaSet, pod), into one ``Paces``."""
+    for t, row in enumerate(batches):
+        scrapes = []
+        for ((replica_set, name), pod), b in zip(pods.items(), row, strict=True):
+            total, count = pod.step(b, TICK)
+            scrapes.append(
+                PodMetrics(name, running=b, itl_sum=total, itl_count=count, replica_set=replica_set)
+            )
+        paces = paces.observe(t * TICK, scrapes, 32, scrapes)
+    return paces
+
+
+def test_each_replica_set_learns_its_own_pace() -> None:
+    """A canary of another quantization beside the stable pods: one line through both fits
+    neither, so each ReplicaSet has its own."""
+    stable, canary = (0.010, 2e-4), (0.004, 4e-5)
+    pods = {
+        ("chat-stable-1", "s1"): PacedPod(*stable),
+        ("chat-stable-1", "s2"): PacedPod(*stable),
+        ("chat-canary-2", "c1"): PacedPod(*canary),
+    }
+    sweep = [[b, 2 * b, 64 - b] for b in range(0, 40, 2)]
+    lines = learn_replica_sets(pods, sweep, Paces()).lines()
+    assert lines["chat-stable-1"] == pytest.approx(stable, rel=1e-6)
+    assert lines["chat-canary-2"] == pytest.approx(canary, rel=1e-6)
+    one = {f"p{i}": PacedPod(*pace) for i, pace in enumerate((stable, stable, canary))}
+    mixed = learn(one, sweep)
+    assert mixed.line is None or mixed.line != pytest.approx(stable, rel=0.1)
+
+
+def test_a_replaced_replica_set_is_forgotten_but_none_is_at_zero() -> None:
+    sweep = [[float(b)] for b in range(0, 64, 2)]
+    paces = learn_replica_sets({("old", "o1"): PacedPod(0.010, 2e-4)}, sweep, Paces())
+    # Scaled to zero: no pod anywhere, and the line waits for the pods' return.
+    at_zero = paces.observe(100.0, [], 32, [])
+    assert set(at_zero.lines()) == {"old"}
+    # A rollout's first pod: the old ReplicaSet's pace goes with it.
+    new_pod = PodMetrics("n1", running=4, itl_sum=1.0, itl_count=100.0, replica_set="new")
+    rolled = at_zero.observe(102.0, [new_pod], 32, [new_pod])
+    assert [name for name, _ in rolled.by_replica_set] == ["new"]
+    assert rolled.lines() == {}
+
+
 @given(
     st.floats(1e-3, 0.1),
     st.floats(0.05, 5.0),
     st.floats(1, 128),
-    st.floats(0, 512),
+    # A subnormal count underflows to zero; no pod runs 5e-324 requests.
+    st.floats(0, 512, allow_subnormal=False),
     st.floats(0, 512),
 )
 def test_at_the_targets_pace_a_count_keeps_its_order_and_is_itself_at_the_target(

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from kube_harness import Kube, OperatorProcess, gone, isvc_manifest, pool_manifest, wait_for
 
+from ladle.operator.store import PodInfo
+
 # Every test here needs the module's operator running, whether or not it reads from it.
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("operator")]
 
@@ -104,6 +106,12 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
     pods = kube.core.list_namespaced_pod(k8s_namespace, label_selector=status["selector"]).items
     assert len(pods) == 2
     assert all(p.spec.node_name and p.spec.node_name.startswith("ladle-gpu-") for p in pods)
+    # The autoscaler learns a pace per pod template: each pod names the ReplicaSet it runs in.
+    (replica_set,) = kube.apps.list_namespaced_replica_set(
+        k8s_namespace, label_selector=status["selector"]
+    ).items
+    serialize = kube.core.api_client.sanitize_for_serialization
+    assert {PodInfo.from_pod(serialize(p)).replica_set for p in pods} == {replica_set.metadata.name}
     service = kube.core.read_namespaced_service("chat", k8s_namespace)
     assert service.spec.selector == {"ladle.dev/inferenceservice": "chat"}
     pdb = kube.policy.read_namespaced_pod_disruption_budget("chat-stable", k8s_namespace)

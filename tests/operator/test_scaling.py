@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
+from ladle.operator.pace import Pace, Paces, at_target
 from ladle.operator.scaling import (
     ACTIVATING,
     AT_MAX,
@@ -264,6 +265,22 @@ def test_frozen_may_still_rise_on_what_readable_pods_prove() -> None:
     assert decision.replicas == 5
 
 
+def test_a_pod_whose_replica_set_has_no_pace_yet_counts_as_it_runs() -> None:
+    """A canary's first minutes: its pods count as they run until their own pace is known,
+    and with them in the fleet the count is not called paced (a scale-down keeps headroom)."""
+    policy = ScalingPolicy(target_concurrency=32, max_replicas=10)
+    line = (0.010, 2e-4)
+    state = ScalerState(paces=Paces((("chat-stable-1", Pace(line=line)),)))
+    stable = PodMetrics("s1", running=10, replica_set="chat-stable-1")
+    canary = PodMetrics("c1", running=10, replica_set="chat-canary-2")
+    alone, _ = decide(policy, state, Observation(0.0, 2, 1, pods=(stable,)))
+    assert alone.paced
+    assert alone.stable_demand == pytest.approx(at_target(10, 32, line))
+    both, _ = decide(policy, state, Observation(0.0, 2, 2, pods=(stable, canary)))
+    assert not both.paced
+    assert both.stable_demand == pytest.approx(at_target(10, 32, line) + 10)
+
+
 def test_max_replicas_caps_and_says_so() -> None:
     policy = ScalingPolicy(target_concurrency=1, max_replicas=3)
     decision = run(policy, [10.0] * 3)[-1]
@@ -399,8 +416,8 @@ def paced_state(policy: ScalingPolicy, fleet: Fleet) -> ScalerState:
     for tick in range(60):
         load = 8.0 * (tick % 20)
         _, state = decide(policy, state, fleet.observe(tick * TICK, 2, load))
-    assert state.pace.line == pytest.approx(PACE)
-    return ScalerState(pace=state.pace)
+    assert state.paces.lines() == {"": pytest.approx(PACE)}
+    return ScalerState(paces=state.paces)
 
 
 def test_crowded_pods_ask_for_what_their_traffic_needs_not_for_their_count() -> None:
@@ -466,4 +483,4 @@ def test_a_pod_that_stalled_does_not_teach_its_stall_as_its_pace() -> None:
     total, count = back.pods[0].itl_sum or 0.0, back.pods[0].itl_count or 0.0
     stalled = (replace(back.pods[0], itl_sum=total + 30.0 * 16, itl_count=count + 16), back.pods[1])
     _, state = decide(policy, state, replace(back, pods=stalled))
-    assert state.pace.line == pytest.approx(PACE)
+    assert state.paces.lines() == {"": pytest.approx(PACE)}
