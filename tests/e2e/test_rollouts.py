@@ -450,8 +450,10 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     """The canary's engine runs one sequence at a time and lets one more wait: real settings
     (``--max-num-seqs``, ``--max-waiting-requests``), too tight for the load, so it answers 429
     to what it cannot queue, and its pods count those refusals. Stable refuses nothing. Step 1
-    sends half of eight concurrent requests to a canary that holds two, so it fails there;
-    with four, the canary's share sometimes fit and step 1 passed."""
+    sends half of eight requests a second to a canary that holds two, so it fails there. The
+    load is open (a rate, not clients back to back): with eight clients in a closed loop, a
+    slow stable held most of them, the quick canary never saw three at once, and step 1
+    passed."""
     started = time.monotonic()
     since = mark()
     stable_revision = rollout(rollouts)["revisions"]["stable"]
@@ -467,7 +469,7 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     )
     # The load starts with step 1: the canary's pod starts faster without it.
     wait_rollout(rollouts, lambda b: b.get("step") == 1, "step 1", 240)
-    load = Load(gateway_url, MODEL, concurrency=8, output_len=4)
+    load = Load(gateway_url, MODEL, concurrency=32, output_len=4, rate=2 * LOAD_RATE)
     try:
         done = wait_rollout(rollouts, rolled_back, "the rollback on the SLO gate", 180)
     finally:
