@@ -293,13 +293,14 @@ def _rising(
     without this a load that grows by half in a minute would queue for both. The panic window
     is short and noisy, so it only counts above the current count's tolerance band, more than
     ``RISE_OVER_STABLE`` above the mean load the stable window saw before it, and beyond
-    ``RISE_DEVIATIONS`` standard deviations of that load (the samples' own, not their mean's:
-    successive scrapes of the same requests are correlated). A slower rise is the stable
+    ``RISE_DEVIATIONS`` times that load's scatter (``_scatter``). A slower rise is the stable
     window's to follow. Only the stable window comes back down. Too little history proves
     nothing.
     """
     earlier = [
-        load_in_replicas(policy, d, kv) for t, d, kv in window if t <= now - policy.panic_window
+        (t, load_in_replicas(policy, d, kv))
+        for t, d, kv in window
+        if t <= now - policy.panic_window
     ]
     recent = [
         load_in_replicas(policy, d, kv) for t, d, kv in window if t > now - policy.panic_window
@@ -307,12 +308,27 @@ def _rising(
     if len(earlier) < 2 or not recent:
         return 0
     load = sum(recent) / len(recent)
-    if load <= (1.0 + RISE_OVER_STABLE) * statistics.fmean(earlier):
+    if load <= (1.0 + RISE_OVER_STABLE) * statistics.fmean(y for _, y in earlier):
         return 0
-    noise = statistics.pstdev(earlier)
+    noise = _scatter(earlier)
     proven = min(load - RISE_DEVIATIONS * noise, load / (1.0 + TOLERANCE))
     wanted = math.ceil(proven)
     return wanted if wanted > current else 0
+
+
+def _scatter(points: Sequence[tuple[float, float]]) -> float:
+    """The standard deviation of (time, load) samples about their least-squares line: the
+    samples' own, not their mean's (successive scrapes of the same requests are correlated),
+    and about the trend, so that a rise already under way when the panic window begins does not
+    count as noise and raise its own bar (in the simulated bursts it held ``Rising`` back 6 s).
+    Fewer than four samples fit no useful line, and give their plain standard deviation."""
+    loads = [y for _, y in points]
+    if len(points) < 4:
+        return statistics.pstdev(loads)
+    times = [t for t, _ in points]
+    slope, intercept = statistics.linear_regression(times, loads)
+    squares = sum((y - intercept - slope * t) ** 2 for t, y in points)
+    return math.sqrt(squares / (len(points) - 2))
 
 
 def _mean(window: Sequence[tuple[float, float, float]], since: float) -> tuple[float, float]:

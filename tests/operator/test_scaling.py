@@ -116,22 +116,41 @@ def test_a_burst_panics_and_scales_within_one_tick() -> None:
     assert decisions[-1].replicas == 20
 
 
+# 2 replicas' worth (at a target of 10) with 2% noise for two minutes, then a ramp to 6 over a
+# minute: the ramp starts at tick 60.
+STEADY_THEN_RAMP = (
+    *(20.0 * (1.02 if tick % 2 else 0.98) for tick in range(60)),
+    *(20.0 + 40.0 * tick / 30 for tick in range(1, 31)),
+)
+
+
 def test_a_ramp_scales_up_before_the_stable_mean_or_panic_would() -> None:
-    """2 replicas' worth with 2% noise for two minutes, then a ramp to 6 over a minute. The
-    stable mean lags it by half a window and panic waits for 4; the rise is past the noise and
-    20% above the load before it within a few ticks, while the stable mean is still inside the
-    two replicas' tolerance band."""
+    """The stable mean lags the ramp by half a window and panic waits for 4; the rise is past
+    the noise and 20% above the load before it within a few ticks, while the stable mean is
+    still inside the two replicas' tolerance band."""
     policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
-    base = [20.0 * (1.02 if tick % 2 else 0.98) for tick in range(60)]
-    ramp = [20.0 + 40.0 * tick / 30 for tick in range(1, 31)]
-    decisions = run(policy, base + ramp, start_replicas=2)
+    decisions = run(policy, list(STEADY_THEN_RAMP), start_replicas=2)
     assert {d.replicas for d in decisions[:60]} == {2}
     first = next(i for i, d in enumerate(decisions) if d.replicas > 2)
     assert decisions[first].reason == RISING
     assert "rises past the noise of the last 60 s" in decisions[first].message
     assert decisions[first].stable_demand < 2 * 10 * 1.1
-    assert (base + ramp)[first] < 28  # panic waits for 40
+    assert STEADY_THEN_RAMP[first] < 28  # panic waits for 40
     assert not any(d.panicking for d in decisions[: first + 1])
+
+
+def test_a_rise_under_way_before_the_panic_window_is_not_its_noise() -> None:
+    """The same ramp onto 3 replicas, a third more than the load needs: the panic window leaves
+    their band about 10 ticks into it, when the ramp already fills the ticks before it.
+    Their scatter about the trend is the noise a rise must clear, not their spread, which the
+    ramp itself widened: with the spread the rise never counted, and the stable window scaled
+    up 9 ticks later."""
+    policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
+    decisions = run(policy, list(STEADY_THEN_RAMP), start_replicas=3)
+    assert {d.replicas for d in decisions[:60]} == {3}
+    first = next(i for i, d in enumerate(decisions) if d.replicas > 3)
+    assert decisions[first].reason == RISING
+    assert first - 59 <= 15, f"scaled up {first - 59} ticks into the ramp"
 
 
 def test_a_slow_ramp_is_the_stable_windows_to_follow() -> None:
