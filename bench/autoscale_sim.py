@@ -480,6 +480,10 @@ class FixedPolicy:
         return self.replicas
 
 
+def _instant_name(headroom: float) -> str:
+    return INSTANT if headroom == 1.0 else f"{INSTANT}+{headroom - 1:.0%}"
+
+
 class InstantPolicy:
     """A reference: the fleet sized to the trace's true load every 2 s, times ``headroom``."""
 
@@ -490,7 +494,7 @@ class InstantPolicy:
         self.trace = trace
         self.max_replicas = max_replicas
         self.headroom = headroom
-        self.name = INSTANT if headroom == 1.0 else f"{INSTANT}+{headroom - 1:.0%}"
+        self.name = _instant_name(headroom)
 
     def decide(self, view: View) -> int:
         wanted = math.ceil(self.headroom * self.trace.load(view.time) - 1e-9)
@@ -575,7 +579,7 @@ def _unreachable(median: Medians, their_wait: float, smooth: Medians) -> str:
     bare = median[INSTANT][1]
     if _no_worse(bare, their_wait, STEP):
         return ""
-    roomy = f"{INSTANT}+{HEADROOM - 1:.0%}"
+    roomy = _instant_name(HEADROOM)
     lag_free = f"sized to the true load every 2 s, no lag, it waits {bare:.1f} s (the pod start)"
     if not _no_worse(median[roomy][1], their_wait, STEP):
         return (

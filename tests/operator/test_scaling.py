@@ -6,6 +6,7 @@ import copy
 import itertools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -69,7 +70,7 @@ def observe(time: float, replicas: int, load: float, held: float = 0.0) -> Obser
 
 def run(
     policy: ScalingPolicy,
-    demand: list[float],
+    demand: Sequence[float],
     *,
     start_replicas: int = 1,
     state: ScalerState | None = None,
@@ -129,7 +130,7 @@ def test_a_ramp_scales_up_before_the_stable_mean_or_panic_would() -> None:
     the noise and 20% above the load before it within a few ticks, while the stable mean is
     still inside the two replicas' tolerance band."""
     policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
-    decisions = run(policy, list(STEADY_THEN_RAMP), start_replicas=2)
+    decisions = run(policy, STEADY_THEN_RAMP, start_replicas=2)
     assert {d.replicas for d in decisions[:60]} == {2}
     first = next(i for i, d in enumerate(decisions) if d.replicas > 2)
     assert decisions[first].reason == RISING
@@ -146,7 +147,7 @@ def test_a_rise_under_way_before_the_panic_window_is_not_its_noise() -> None:
     ramp itself widened: with the spread the rise never counted, and the stable window scaled
     up 9 ticks later."""
     policy = ScalingPolicy(target_concurrency=10, max_replicas=20)
-    decisions = run(policy, list(STEADY_THEN_RAMP), start_replicas=3)
+    decisions = run(policy, STEADY_THEN_RAMP, start_replicas=3)
     assert {d.replicas for d in decisions[:60]} == {3}
     first = next(i for i, d in enumerate(decisions) if d.replicas > 3)
     assert decisions[first].reason == RISING
