@@ -68,9 +68,9 @@ POOL_STATUS_FIELDS = (
 )
 
 # Container waiting reasons that need a change by someone (a Secret or ConfigMap to create, an
-# image name to fix); others (an image pull, a crash loop) may pass and stall only at the
-# Deployment's progress deadline.
-STALLING_WAITS = frozenset({"CreateContainerConfigError", "InvalidImageName"})
+# image name to fix, a memory limit the engine does not fit in); others (an image pull, a
+# crash loop) may pass and stall only at the Deployment's progress deadline.
+STALLING_WAITS = frozenset({"CreateContainerConfigError", "InvalidImageName", "OOMKilled"})
 
 # Warning Events by which the kubelet (or the attach/detach controller) says why a pod it
 # accepted cannot leave ContainerCreating: a volume it cannot attach, map or mount (a missing

@@ -25,6 +25,7 @@ from ladle.operator.api import (
     GPUPoolSpec,
 )
 from ladle.operator.quantity import quantity_to_int
+from ladle.words import plural
 
 ObjKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds
 Indexer = Callable[[Any], Iterable[Any]]
@@ -120,7 +121,7 @@ class PodInfo:
             pool=labels.get(LABEL_POOL),
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
-            problem=None if deleting else _pod_problem(status),
+            problem=None if deleting else _pod_problem(pod),
             starting_since=None if deleting else _starting_since(pod),
             base_url=None if deleting else _base_url(pod),
             replica_set=next(
@@ -159,7 +160,8 @@ def _base_url(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _pod_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
+def _pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
+    status = pod.get("status") or {}
     if status.get("phase") not in (None, "Pending", "Running"):
         return None
     for cond in status.get("conditions") or ():
@@ -175,9 +177,37 @@ def _pod_problem(status: Mapping[str, Any]) -> tuple[str, str] | None:
     ]:
         waiting = (container.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason")
+        if reason == "CrashLoopBackOff" and _oom_killed(container):
+            return "OOMKilled", _oom_message(pod, container)
         if reason and reason not in NORMAL_WAITS:
             return str(reason), str(waiting.get("message") or reason)
     return None
+
+
+def _oom_killed(container: Mapping[str, Any]) -> bool:
+    """The kernel killed the container's last run for exceeding its memory limit."""
+    terminated = (container.get("lastState") or {}).get("terminated") or {}
+    return terminated.get("reason") == "OOMKilled"
+
+
+def _oom_message(pod: Mapping[str, Any], container: Mapping[str, Any]) -> str:
+    """What an OOM loop means for a runtime pod, and what to change: the limit is the service's
+    ``resources.memory``, and the engine's KV cache is most of what it holds."""
+    name = container.get("name")
+    limit = next(
+        (
+            ((spec.get("resources") or {}).get("limits") or {}).get("memory")
+            for spec in (pod.get("spec") or {}).get("containers") or ()
+            if spec.get("name") == name
+        ),
+        None,
+    )
+    within = f"its memory limit ({limit})" if limit else "the node's memory"
+    restarts = plural(int(container.get("restartCount") or 0), "restart")
+    return (
+        f"container {name} was killed by the kernel for exceeding {within}, {restarts} so "
+        "far: raise resources.memory, or lower engine.kvCacheMemory or engine.maxNumSeqs"
+    )
 
 
 def epoch_seconds(stamp: object) -> float | None:

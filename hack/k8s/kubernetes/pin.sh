@@ -15,7 +15,7 @@ modfile=$(go mod download -json "k8s.io/kubernetes@${version}" | sed -n 's/.*"Go
   echo "go 1.26.0"
   echo
   echo "tool ("
-  for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
     echo "	k8s.io/kubernetes/cmd/${cmd}"
   done
   echo ")"

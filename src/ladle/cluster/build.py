@@ -50,6 +50,8 @@ class Tool:
     version_module: str
     xflags: tuple[str, ...] = field(default=())
     tags: tuple[str, ...] = field(default=())
+    # runc's nsenter is C, and seccomp needs libseccomp: the one binary built with cgo.
+    cgo: bool = False
 
 
 def _kube_xflags() -> tuple[str, ...]:
@@ -64,7 +66,42 @@ TOOLS = (
         Tool(
             name, "kubernetes", f"k8s.io/kubernetes/cmd/{name}", "k8s.io/kubernetes", _kube_xflags()
         )
-        for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+        for name in (
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+            "kubectl",
+            "kubelet",
+            "kube-proxy",
+        )
+    ),
+    *(
+        Tool(
+            name,
+            "containerd",
+            f"github.com/containerd/containerd/v2/cmd/{name}",
+            "github.com/containerd/containerd/v2",
+            ("github.com/containerd/containerd/v2/version.Version",),
+        )
+        for name in ("containerd", "containerd-shim-runc-v2", "ctr")
+    ),
+    Tool(
+        "runc",
+        "runc",
+        "github.com/opencontainers/runc",
+        "github.com/opencontainers/runc",
+        ("main.version",),
+        ("seccomp",),
+        cgo=True,
+    ),
+    # Ladle's own fake NVIDIA device plugin for the local nodes' kubelets.
+    Tool("gpu-plugin", "gpu-plugin", "ladle.local/hack/k8s/gpu-plugin", "k8s.io/kubelet"),
+    Tool(
+        "crictl",
+        "cri-tools",
+        "sigs.k8s.io/cri-tools/cmd/crictl",
+        "sigs.k8s.io/cri-tools",
+        ("sigs.k8s.io/cri-tools/pkg/version.Version",),
     ),
     Tool("etcd", "etcd", "go.etcd.io/etcd/server/v3", "go.etcd.io/etcd/server/v3"),
     Tool("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok", "sigs.k8s.io/kwok"),
@@ -139,10 +176,10 @@ def find_go() -> str:
     return go
 
 
-def _go_env() -> dict[str, str]:
+def _go_env(cgo: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
-        CGO_ENABLED="0",
+        CGO_ENABLED="1" if cgo else "0",
         # Never fetch a different toolchain behind our back; use the one we were given.
         GOTOOLCHAIN="local",
         GOFLAGS="-mod=readonly -buildvcs=false",
@@ -200,7 +237,7 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def _run_build(cmd: list[str], cwd: Path, label: str) -> None:
+def _run_build(cmd: list[str], cwd: Path, label: str, cgo: bool = False) -> None:
     """Run ``go build -v`` and report how many packages it has compiled every 30 s."""
     tail: deque[str] = deque(maxlen=60)
     count = 0
@@ -208,7 +245,7 @@ def _run_build(cmd: list[str], cwd: Path, label: str) -> None:
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=_go_env(),
+        env=_go_env(cgo),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -259,7 +296,7 @@ def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -
     target.mkdir(parents=True, exist_ok=True)
     total = steps or len(tools)
     names = ", ".join(tool.name for tool in tools)
-    _log(f"building {names} into {target} (CGO_ENABLED=0, {total} steps)")
+    _log(f"building {names} into {target} ({total} steps)")
     downloaded: set[str] = set()
     for index, tool in enumerate(tools, 1):
         if tool.module_dir not in downloaded:
@@ -279,7 +316,7 @@ def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -
         cmd += ["-o", str(partial), tool.package]
         _log(f"[{index}/{total}] {tool.name} ({tool.version_module} {version})")
         t0 = time.monotonic()
-        _run_build(cmd, HACK_DIR / tool.module_dir, tool.name)
+        _run_build(cmd, HACK_DIR / tool.module_dir, tool.name, tool.cgo)
         partial.replace(target / tool.name)
         size = (target / tool.name).stat().st_size / 2**20
         _log(f"      {tool.name} built in {time.monotonic() - t0:.0f}s ({size:.0f} MiB)")

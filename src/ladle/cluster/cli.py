@@ -1,5 +1,5 @@
 """``ladle cluster build|up|down|status``: a real local Kubernetes with fake GPU nodes (kwok)
-and local nodes whose pods run as processes (the node agent).
+and local nodes (a real kubelet and containerd each) that run Ladle's images.
 
 Imports only the standard library at import time (see ``ladle.cli``); the work happens in
 ``ladle.cluster.build`` and ``ladle.cluster.control_plane``, imported by the handlers.
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from ladle.settings import Default, integer, memory, seconds
+from ladle.settings import Default, integer, seconds
 
 
 def default_state_dir() -> Path:
@@ -29,16 +28,21 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "cluster",
         help="a local Kubernetes (control plane, kwok GPU nodes, local nodes with real pods)",
         description="Build and run a real local Kubernetes control plane with fake GPU nodes "
-        "(kwok) and local nodes that run pods as processes (the ladle node agent).",
+        "(kwok) and local nodes (kubelet, containerd and runc) that run Ladle's images.",
     )
     verbs = cluster.add_subparsers(dest="verb", metavar="VERB", required=True)
 
     p = verbs.add_parser(
         "build",
-        help="build the pinned binaries into the versioned cache, and pull the runtime image's "
-        "files for the local nodes",
+        help="build the pinned binaries into the versioned cache, and Ladle's images (buildah) "
+        "for the local nodes",
     )
-    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--force", action="store_true", help="rebuild the binaries even if cached")
+    p.add_argument(
+        "--no-images",
+        action="store_true",
+        help="build the binaries only (a cluster without local nodes needs no images)",
+    )
     p.add_argument("--print-bin-dir", action="store_true", help="only print the bin folder")
     p.set_defaults(func=_build)
 
@@ -76,18 +80,6 @@ def add_state_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _cpu(text: str) -> str:
-    from ladle.operator.quantity import parse_quantity
-    from ladle.settings import Invalid
-
-    try:
-        if parse_quantity(text) > 0:
-            return text.strip()
-    except ValueError:
-        pass
-    raise Invalid("expected a positive CPU quantity such as 8 or 7500m")
-
-
 def add_node_args(parser: argparse.ArgumentParser, *, kwok_nodes: int) -> None:
     """Flags shaping the cluster's nodes (shared by `ladle cluster up` and `ladle up`)."""
     parser.add_argument(
@@ -103,17 +95,7 @@ def add_node_args(parser: argparse.ArgumentParser, *, kwok_nodes: int) -> None:
         "--local-nodes",
         type=integer(0),
         default=2,
-        help="local nodes whose pods run as processes (0 for kwok only)",
-    )
-    parser.add_argument(
-        "--local-cpu", type=_cpu, default="8", help="CPU each local node advertises"
-    )
-    parser.add_argument(
-        "--local-memory",
-        type=memory,
-        default=Default(0, "the machine's"),
-        metavar="SIZE",
-        help="memory each local node advertises, a quantity such as 16Gi",
+        help="local nodes, a kubelet and containerd each (0 for kwok only)",
     )
     parser.add_argument(
         "--local-gpus", type=integer(0), default=4, help="fake nvidia.com/gpu per local node"
@@ -127,9 +109,9 @@ def add_node_args(parser: argparse.ArgumentParser, *, kwok_nodes: int) -> None:
     parser.add_argument(
         "--timeout",
         type=seconds(above=0),
-        default=180.0,
+        default=300.0,
         metavar="SECONDS",
-        help="seconds to wait for Ready",
+        help="seconds to wait for Ready (local nodes import the images first)",
     )
 
 
@@ -142,16 +124,13 @@ def node_options(args: argparse.Namespace) -> Any:
         gpu_product=args.gpu_product,
         timeout=args.timeout,
         local_nodes=args.local_nodes,
-        local_cpu=args.local_cpu,
-        local_memory=args.local_memory,
         local_gpus=args.local_gpus,
         local_taint=args.local_taint,
     )
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ladle.cluster import build, sre_tools
-    from ladle.cluster.agent import images
+    from ladle.cluster import build, images, sre_tools
 
     if args.print_bin_dir:
         print(build.bin_dir())
@@ -159,16 +138,12 @@ def _build(args: argparse.Namespace) -> int:
     try:
         build.build(force=args.force)
         sre_tools.build_missing(force=args.force)
-        # What a node image would have pre-pulled: no first pod waits on it.
-        images.pull_ahead(images.RUNTIME, lambda what: print(f"pulling {what}", flush=True))
+        if not args.no_images:
+            for built in images.build_all():
+                size = built.size / 2**30
+                print(f"{built.reference}: {built.image_id[:12]}, {size:.2f} GiB", flush=True)
     except build.BuildError as exc:
         print(f"ladle cluster build: {exc}", file=sys.stderr)
-        return 1
-    except subprocess.CalledProcessError as exc:
-        print(
-            f"ladle cluster build: preparing the runtime image's files failed ({exc})",
-            file=sys.stderr,
-        )
         return 1
     return 0
 

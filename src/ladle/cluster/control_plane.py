@@ -1,11 +1,12 @@
-"""Start, check and stop a local control plane: etcd, kube-apiserver, controller-manager,
-scheduler, kwok and the node agent, all on loopback with ports picked free so that clusters
-never clash.
+"""Start, check and stop a local cluster: etcd, kube-apiserver, controller-manager, scheduler
+and kwok on the host, and local nodes (containerd, the kubelet and kube-proxy) in a network
+namespace of the cluster's own, with ports picked free so that clusters never clash.
 
 Processes run in their own sessions and outlive ``ladle cluster up``; their pids and start
-times go into ``state.json`` so that ``down`` stops exactly those processes and nothing else.
-The node agent's local nodes live on a loopback subnet of their own, 127.B.0.0/16 with B picked
-free: node i answers on 127.B.0.(i+1) and its pods get 127.B.(i+1).0/24.
+times go into ``state.json`` so that ``down`` stops exactly those processes and nothing else,
+then removes what they leave: pods (through the CRI), mounts, cgroups and the namespace.
+Without local nodes the API server listens on loopback; with them, on the host's end of the
+cluster's veth (``ladle.cluster.network``), where pods reach it too.
 """
 
 from __future__ import annotations
@@ -15,18 +16,18 @@ import contextlib
 import functools
 import json
 import os
-import random
 import shlex
 import shutil
 import socket
 import ssl
 import subprocess
-import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,18 @@ from typing import Any
 import psutil
 import yaml
 
-from ladle.cluster import build, nodes, pki
-from ladle.cluster.agent import podnet
-from ladle.cluster.agent.config import KUBELET_PORT, AgentConfig, NodeConfig
-from ladle.cluster.agent.containers import stop_all
+from ladle.cluster import build, images, network, nodes, pki
+from ladle.cluster.node import (
+    LocalNode,
+    NodeError,
+    NodeSpec,
+    private_run_root,
+    release_run_root,
+)
 from ladle.words import plural
 
 HOST = "127.0.0.1"
+# The Service range of a cluster without local nodes (with them, the network plan's).
 SERVICE_CIDR = "10.96.0.0/16"
 # kube-controller-manager's client rate limit. Its default (20 requests/s per controller) is
 # sized for a shared production API server; here it throttled the Deployment controller so
@@ -48,15 +54,6 @@ SERVICE_CIDR = "10.96.0.0/16"
 CONTROLLER_API_QPS = 200
 POD_CIDR = "10.244.0.1/16"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
-# Stop order: dependents first, so nothing logs a storm of errors about a vanished apiserver.
-STOP_ORDER = (
-    "node-agent",
-    "kwok",
-    "kube-scheduler",
-    "kube-controller-manager",
-    "kube-apiserver",
-    "etcd",
-)
 PORT_NAMES = (
     "etcd",
     "etcd-peer",
@@ -66,12 +63,12 @@ PORT_NAMES = (
     "kwok",
 )
 NODE_LEASE_SECONDS = 40  # what kubelets use
-# The CPU a local node advertises. Requests are scheduling facts here (nothing enforces them),
-# and examples ask for 2 CPUs a replica on a 2-core machine; 8 fits several replicas per node.
-LOCAL_CPU = "8"
 LOCAL_GPUS = 4
-# How long `down` gives containers between SIGTERM and SIGKILL.
-CONTAINER_STOP_SECONDS = 10.0
+# What a local node's images are: the pod sandbox and Ladle's two.
+NODE_IMAGES = (images.PAUSE, *(image.reference for image in images.IMAGES))
+
+
+_SAVING = threading.Lock()
 
 
 class ClusterError(RuntimeError):
@@ -83,59 +80,27 @@ class Options:
     nodes: int = 2
     gpus_per_node: int = 8
     gpu_product: str = "NVIDIA-H200"
-    timeout: float = 180.0
-    # Local nodes: real pods, run as processes by the node agent.
+    timeout: float = 300.0
+    # Local nodes: a real kubelet and containerd each, running Ladle's images.
     local_nodes: int = 2
-    local_cpu: str = LOCAL_CPU
-    # Bytes; 0 means the machine's memory (each node advertises all of it).
-    local_memory: int = 0
     local_gpus: int = LOCAL_GPUS
-    # Taint local nodes NoSchedule, so that only pods that tolerate it become processes. None:
-    # only when kwok nodes run beside them (the tests' cluster, whose kwok pods must stay fake).
+    # Taint local nodes NoSchedule, so that only pods that tolerate it run there. None: only
+    # when kwok nodes run beside them (the tests' cluster, whose kwok pods must stay fake).
     local_taint: bool | None = None
 
     def tainted(self) -> bool:
         return self.nodes > 0 if self.local_taint is None else self.local_taint
 
 
-def used_loopback_subnets() -> set[int]:
-    """Second octets of 127.x.y.z addresses something listens on (from /proc/net/tcp)."""
-    used = set()
-    for table in ("/proc/net/tcp", "/proc/net/udp"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                local = line.split()[1].split(":")[0]
-                octets = [int(local[i : i + 2], 16) for i in (6, 4, 2, 0)]
-                if octets[0] == 127:
-                    used.add(octets[1])
-    return used
-
-
-def pick_subnet() -> int:
-    """A second octet B for 127.B.0.0/16 that nothing on this machine listens in."""
-    free = [b for b in range(16, 255) if b not in used_loopback_subnets()]
-    if not free:
-        raise ClusterError("no free 127.B.0.0/16 subnet left for local nodes")
-    return random.choice(free)
-
-
-def local_node_configs(opts: Options, subnet: int) -> list[NodeConfig]:
-    memory = opts.local_memory or psutil.virtual_memory().total
-    taints = (
-        [{"key": nodes.LOCAL_NODE_LABEL, "value": "true", "effect": "NoSchedule"}]
-        if opts.tainted()
-        else []
-    )
+def local_node_specs(opts: Options, net: network.Plan) -> list[NodeSpec]:
+    taints = (f"{nodes.LOCAL_NODE_LABEL}=true:NoSchedule",) if opts.tainted() else ()
     return [
-        NodeConfig(
+        NodeSpec(
+            index=index,
             name=f"{nodes.LOCAL_NODE_PREFIX}{index}",
-            ip=f"127.{subnet}.0.{index + 1}",
-            pod_cidr=f"127.{subnet}.{index + 1}.0/24",
-            cpu=opts.local_cpu,
-            memory_bytes=memory,
-            gpus=opts.local_gpus,
-            gpu_product=opts.gpu_product,
-            gpu_memory_mib=nodes.H200_MEMORY_MIB,
+            ip=net.node_ip(index),
+            pod_cidr=net.pod_cidr(index),
+            labels=nodes.local_labels(opts.gpu_product, opts.local_gpus),
             taints=taints,
         )
         for index in range(opts.local_nodes)
@@ -221,10 +186,6 @@ class Cluster:
     def state_file(self) -> Path:
         return self.state_dir / "state.json"
 
-    @property
-    def agent_dir(self) -> Path:
-        return self.state_dir / "agent"
-
     def state(self) -> dict[str, Any]:
         if not self.state_file.is_file():
             raise ClusterError(f"no cluster in {self.state_dir} (no state.json)")
@@ -236,9 +197,10 @@ class Cluster:
         return str(self.state()["server"])
 
     def _save(self, state: dict[str, Any]) -> None:
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.replace(self.state_file)
+        with _SAVING:  # nodes start on threads of their own
+            tmp = self.state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state, indent=2))
+            tmp.replace(self.state_file)
 
     # -- processes -----------------------------------------------------------------------------
     def _live(self, record: dict[str, Any]) -> psutil.Process | None:
@@ -258,7 +220,13 @@ class Cluster:
         processes: dict[str, dict[str, Any]] = self.state().get("processes", {})
         return {name: self._live(rec) is not None for name, rec in processes.items()}
 
-    def _start(self, state: dict[str, Any], name: str, argv: list[str]) -> None:
+    def _start(
+        self,
+        state: dict[str, Any],
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with (self.log_dir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
@@ -267,12 +235,14 @@ class Cluster:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.state_dir,
+                env=env,
                 start_new_session=True,
             )
         state["processes"][name] = {
             "pid": proc.pid,
             "create_time": psutil.Process(proc.pid).create_time(),
             "argv": argv,
+            "env": env,
         }
         self._save(state)
 
@@ -335,12 +305,12 @@ class Cluster:
         return "\n".join(parts)
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def up(self, options: Options | None = None) -> float:
+    def up(self, options: Options | None = None, *, start_local: bool = True) -> float:
         """Start everything and wait until the cluster is Ready; returns the seconds it took.
 
         Ready means: the API server's /readyz passes, the controller-manager and scheduler are
-        healthy, every fake node is Ready without the not-ready taint (so node-lifecycle runs),
-        and the ``default`` ServiceAccount exists (so the serviceaccount controller runs).
+        healthy, every node is Ready without the not-ready taint (so node-lifecycle runs), and
+        the ``default`` ServiceAccount exists (so the serviceaccount controller runs).
         """
         opts = options or Options()
         start = time.monotonic()
@@ -348,40 +318,42 @@ class Cluster:
         if self.state_file.is_file():
             if any(self.running().values()):
                 raise ClusterError(f"a cluster already runs from {self.state_dir}; `down` first")
-            shutil.rmtree(self.state_dir)
+            self.down()
         bins = build.bin_dir()
         if missing := build.missing():
             raise ClusterError(f"not built: {', '.join(missing)}; run `ladle cluster build`")
         if opts.local_nodes:
             self._check_local_nodes()
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        cluster_id = uuid.uuid4().hex[:12]
+        net = network.plan(cluster_id) if opts.local_nodes else None
         ports = dict(zip(PORT_NAMES, free_ports(len(PORT_NAMES)), strict=True))
-        server = f"https://{HOST}:{ports['kube-apiserver']}"
-        local = local_node_configs(opts, pick_subnet()) if opts.local_nodes else []
+        server = f"https://{net.host_ip if net else HOST}:{ports['kube-apiserver']}"
+        specs = local_node_specs(opts, net) if net else []
         state: dict[str, Any] = {
             "server": server,
             "ports": ports,
             "bin_dir": str(bins),
             "options": vars(opts),
-            "cluster_id": uuid.uuid4().hex[:12],
-            "local_nodes": [node.name for node in local],
+            "cluster_id": cluster_id,
+            "network": {"block": net.block, "name": net.name} if net else None,
+            "local_nodes": [spec.name for spec in specs],
             "processes": {},
         }
         self._save(state)
         try:
-            self._write_pki(server, [node.ip for node in local])
+            self._write_pki(server, net, specs)
+            if net:
+                network.create(net, len(specs))
             self._start(state, "etcd", self._etcd_argv(bins, ports))
-            self._start(state, "kube-apiserver", self._apiserver_argv(bins, ports))
+            self._start(state, "kube-apiserver", self._apiserver_argv(bins, ports, net))
             self._wait(
                 "kube-apiserver /readyz", lambda: self.api("GET", "/readyz") == "ok", deadline
             )
             for index in range(opts.nodes):
                 node = nodes.gpu_node(index, gpus=opts.gpus_per_node, product=opts.gpu_product)
                 self.api("POST", "/api/v1/nodes", node)
-            if local:
-                self._write_agent_config(state, local)
-                self._start(state, "node-agent", self._agent_argv())
-            self._start(state, "kube-controller-manager", self._kcm_argv(bins, ports))
+            self._start(state, "kube-controller-manager", self._kcm_argv(bins, ports, net))
             self._start(state, "kube-scheduler", self._scheduler_argv(bins, ports))
             if opts.nodes:
                 self._start(state, "kwok", self._kwok_argv(bins, ports))
@@ -390,9 +362,8 @@ class Cluster:
                     f"{name} /healthz", functools.partial(self._healthy, ports[name]), deadline
                 )
             self._wait(
-                f"{plural(opts.nodes, 'Ready kwok node')} and "
-                f"{plural(len(local), 'Ready local node')}",
-                lambda: self._nodes_ready(opts),
+                plural(opts.nodes, "Ready kwok node"),
+                lambda: self._nodes_ready("kwok", opts.nodes),
                 deadline,
             )
             self._wait(
@@ -400,62 +371,188 @@ class Cluster:
                 lambda: bool(self.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")),
                 deadline,
             )
+            if start_local:
+                self.start_local_nodes(deadline - time.monotonic())
         except BaseException:
             self.stop_processes()
             raise
         elapsed = time.monotonic() - start
+        state = self.state()
         state["ready_seconds"] = round(elapsed, 2)
         self._save(state)
         return elapsed
 
+    def start_local_nodes(self, timeout: float = 300.0) -> float:
+        """Start the local nodes (containerd with the images imported, the kubelets and
+        kube-proxy) and wait until they are Ready; returns the seconds it took. A cluster can be
+        started without them (``up(start_local=False)``) and given them when first needed."""
+        start = time.monotonic()
+        deadline = start + timeout
+        state = self.state()
+        local = self.local_nodes()
+        if all(self.running().get(f"kubelet-{node.spec.name}") for node in local):
+            return 0.0
+        bins = build.bin_dir()
+        opts = Options(**state["options"])
+        net = self.network_plan()
+        assert net is not None
+        private_run_root(state["cluster_id"])
+        with ThreadPoolExecutor(len(local)) as pool:
+            list(pool.map(functools.partial(self._start_runtime, state), local))
+        state = self.state()
+        for node in local:
+            name = node.spec.name
+            kubeconfig = self.pki_dir / f"kubelet-{name}.kubeconfig"
+            self._start(
+                state, f"kubelet-{name}", node.kubelet_argv(bins, kubeconfig), node.env(bins)
+            )
+            gpus = node.gpu_plugin_argv(bins, opts.local_gpus)
+            self._start(state, f"gpu-plugin-{name}", gpus)
+        self._start(state, "kube-proxy", self._kube_proxy_argv(bins, net, local[0].spec))
+        for node in local:
+            self._wait(
+                f"{node.spec.name} to register",
+                functools.partial(self._register_local_node, node.spec, opts),
+                deadline,
+            )
+        self._wait(
+            plural(len(local), "Ready local node"),
+            lambda: self._nodes_ready("local", len(local)),
+            deadline,
+        )
+        return time.monotonic() - start
+
     @staticmethod
     def _check_local_nodes() -> None:
-        """What the node agent needs, said before anything starts."""
+        """What local nodes need, said before anything starts."""
         if os.geteuid() != 0:
             raise ClusterError(
-                "local nodes need root: the node agent gives every container a private mount "
-                "namespace; run as root, or pass --local-nodes 0 for kwok's nodes only"
+                "local nodes need root (network namespaces, cgroups, containerd); run as root, "
+                "or pass --local-nodes 0 for kwok's nodes only"
+            )
+        for tool, package in (("nsenter", "util-linux"), ("ip", "iproute2")):
+            if shutil.which(tool) is None:
+                raise ClusterError(f"local nodes need {tool}: install Debian's {package} package")
+        if not (LocalNode_cni := Path("/usr/lib/cni/ptp")).is_file():
+            raise ClusterError(
+                f"local nodes need the CNI plugins ({LocalNode_cni} is missing): install "
+                "Debian's containernetworking-plugins package"
             )
         try:
-            podnet.build()
-        except podnet.ShimError as err:
-            raise ClusterError(f"{err}; or pass --local-nodes 0 for kwok's nodes only") from err
+            for reference in NODE_IMAGES:
+                images.manifest_descriptor(reference)
+        except (build.BuildError, OSError) as err:
+            raise ClusterError(f"{err}; or pass --local-nodes 0 for kwok's nodes only") from None
 
-    def _nodes_ready(self, opts: Options) -> bool:
-        ready = {"kwok": 0, "local": 0}
+    def local_nodes(self) -> list[LocalNode]:
+        """The cluster's local nodes, rebuilt from its state (for stopping and for tests)."""
+        state = self.state()
+        if not state.get("network"):
+            return []
+        net = self.network_plan()
+        assert net is not None
+        opts = Options(**state["options"])
+        return [
+            LocalNode(self.state_dir, state["cluster_id"], net, spec)
+            for spec in local_node_specs(opts, net)
+        ]
+
+    def network_plan(self) -> network.Plan | None:
+        recorded = self.state().get("network")
+        return network.Plan(recorded["block"], recorded["name"]) if recorded else None
+
+    def _start_runtime(self, state: dict[str, Any], node: LocalNode) -> None:
+        """containerd for one node, with Ladle's images imported."""
+        bins = build.bin_dir()
+        p = self.pki_dir
+        name = node.spec.name
+        node.write_config(bins, p / "ca.crt", (p / f"{name}.crt", p / f"{name}.key"))
+        node.create_view()
+        self._start(state, f"containerd-{name}", node.containerd_argv(bins), node.env(bins))
+        try:
+            node.wait_containerd(bins)
+            node.import_images(bins, list(NODE_IMAGES))
+        except NodeError as err:
+            raise ClusterError(f"{err}\n{self.log_tails()}") from None
+
+    def _register_local_node(self, spec: NodeSpec, opts: Options) -> bool:
+        """Once the kubelet has registered its Node, give it its pod range (there is no node
+        IPAM controller); it is done when the device plugin's GPUs show as allocatable."""
+        try:
+            node = self.api("GET", f"/api/v1/nodes/{spec.name}")
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                return False
+            raise
+        if not node["spec"].get("podCIDR"):
+            cidrs = {"podCIDR": spec.pod_cidr, "podCIDRs": [spec.pod_cidr]}
+            self._patch(f"/api/v1/nodes/{spec.name}", {"spec": cidrs})
+        gpus = node["status"].get("allocatable", {}).get(nodes.GPU_RESOURCE, "0")
+        return bool(gpus == str(opts.local_gpus))
+
+    def _patch(self, path: str, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.server + path,
+            data=data,
+            method="PATCH",
+            headers={"Content-Type": "application/strategic-merge-patch+json"},
+        )
+        with urllib.request.urlopen(request, context=self._admin_context(), timeout=10):
+            pass
+
+    def _nodes_ready(self, kind: str, count: int) -> bool:
+        """At least ``count`` nodes of ``kind`` (kwok, local) are Ready and untainted."""
+        ready = 0
         for node in self.api("GET", "/api/v1/nodes")["items"]:
-            kind = node["metadata"].get("labels", {}).get("type")
             taints = [t["key"] for t in node.get("spec", {}).get("taints", [])]
             if (
-                kind in ready
+                node["metadata"].get("labels", {}).get("type") == kind
                 and _ready(node) == "True"
                 and "node.kubernetes.io/not-ready" not in taints
             ):
-                ready[kind] += 1
-        return ready["kwok"] >= opts.nodes and ready["local"] >= opts.local_nodes
+                ready += 1
+        return ready >= count
 
     def stop_processes(self, grace: float = 10.0) -> list[str]:
-        """Terminate the recorded processes (dependents first) and every container the node
-        agent started; returns the names stopped."""
+        """Stop the recorded processes, dependents first, and remove what local nodes leave:
+        their pods (through the CRI, so CNI and mounts are undone), then any mount, cgroup or
+        process still there, and the cluster's network namespace. Returns the names stopped."""
         if not self.state_file.is_file():
             return []
         state = self.state()
         processes: dict[str, dict[str, Any]] = state.get("processes", {})
+        local = self.local_nodes()
+        bins = Path(state["bin_dir"])
         stopped = []
-        for name in STOP_ORDER:
+
+        def stop(name: str) -> None:
             record = processes.get(name)
             proc = self._live(record) if record else None
             if proc is not None:
                 self._terminate(proc, grace)
                 stopped.append(name)
-            # The agent leaves its containers running when it stops (a kubelet restart must
-            # not kill pods), so `down` ends them itself.
-            if (
-                name == "node-agent"
-                and state.get("cluster_id")
-                and stop_all(state["cluster_id"], self.agent_dir, CONTAINER_STOP_SECONDS)
-            ):
-                stopped.append("containers")
+
+        # Kubelets first, so that nothing restarts what is being removed.
+        for node in local:
+            stop(f"kubelet-{node.spec.name}")
+            stop(f"gpu-plugin-{node.spec.name}")
+        with ThreadPoolExecutor(max(1, len(local))) as pool:
+            list(pool.map(lambda node: node.remove_pods(bins), local))
+        for name in [name for name in processes if name.startswith("kubelet-")]:
+            stop(name)
+        for name in ("kube-proxy", "kwok", "kube-scheduler", "kube-controller-manager"):
+            stop(name)
+        for node in local:
+            stop(f"containerd-{node.spec.name}")
+        _stop_shims([node.socket for node in local])
+        for name in ("kube-apiserver", "etcd"):
+            stop(name)
+        for node in local:
+            node.clean()
+        release_run_root(state["cluster_id"])
+        if (net := self.network_plan()) is not None:
+            network.destroy(net)
         return stopped
 
     @staticmethod
@@ -467,27 +564,18 @@ class Cluster:
                 straggler.kill()
             psutil.wait_procs(alive, timeout=grace)
 
-    def stop_agent(self) -> None:
-        """Stop the node agent alone; its containers keep running, as pods do when a kubelet
-        restarts."""
-        record = self.state()["processes"]["node-agent"]
+    def stop_component(self, name: str) -> None:
+        """Stop one recorded process (a kubelet, say) and leave the rest running."""
+        record = self.state()["processes"][name]
         if (proc := self._live(record)) is not None:
             self._terminate(proc, 10.0)
 
-    def start_agent(self, timeout: float = 60.0) -> float:
-        """Start the node agent again and wait until it has adopted its pods; returns seconds."""
+    def start_component(self, name: str) -> None:
+        """Start a stopped component again with the command and environment it had."""
         state = self.state()
-        start = time.monotonic()
-        self._start(state, "node-agent", state["processes"]["node-agent"]["argv"])
-        self._wait("the restarted node agent", self.agent_healthy, start + timeout)
-        return time.monotonic() - start
-
-    def agent_healthy(self) -> bool:
-        """The agent's kubelet endpoint answers /healthz: it has adopted its pods and runs."""
-        config = AgentConfig.load(self.state_dir / "agent.json")
-        url = f"https://{config.nodes[0].ip}:{KUBELET_PORT}/healthz"
-        with urllib.request.urlopen(url, context=self._admin_context(), timeout=5) as rsp:
-            return bool(rsp.status == 200)
+        record = state["processes"][name]
+        if self._live(record) is None:
+            self._start(state, name, record["argv"], record.get("env"))
 
     def restart_apiserver(self, timeout: float = 90.0) -> float:
         """Stop kube-apiserver and start it again with the same flags, for resilience tests
@@ -579,26 +667,9 @@ class Cluster:
         return report
 
     # -- configuration -------------------------------------------------------------------------
-    def _write_agent_config(self, state: dict[str, Any], local: list[NodeConfig]) -> None:
-        p = self.pki_dir
-        AgentConfig(
-            cluster_id=state["cluster_id"],
-            server=state["server"],
-            ca_file=str(p / "ca.crt"),
-            cert_file=str(p / "node-agent.crt"),
-            key_file=str(p / "node-agent.key"),
-            serving_cert_file=str(p / "kubelet.crt"),
-            serving_key_file=str(p / "kubelet.key"),
-            client_ca_file=str(p / "ca.crt"),
-            state_dir=str(self.agent_dir),
-            nodes=local,
-        ).dump(self.state_dir / "agent.json")
-
-    def _agent_argv(self) -> list[str]:
-        return [sys.executable, "-m", "ladle.cluster.agent", str(self.state_dir / "agent.json")]
-
-    def _write_pki(self, server: str, node_ips: list[str]) -> None:
+    def _write_pki(self, server: str, net: network.Plan | None, specs: list[NodeSpec]) -> None:
         ca = pki.CertificateAuthority(self.pki_dir)
+        service_ip = net.kubernetes_service_ip if net else "10.96.0.1"
         ca.issue(
             "apiserver",
             "kube-apiserver",
@@ -610,30 +681,34 @@ class Cluster:
                 "kubernetes.default.svc",
                 "kubernetes.default.svc.cluster.local",
             ),
-            ips=(HOST, "10.96.0.1"),
+            ips=(HOST, service_ip, *((net.host_ip,) if net else ())),
         )
         pki.service_account_keys(self.pki_dir)
         # The aggregation layer's identity; without it every component logs errors about the
         # missing requestheader CA, and aggregated API servers could not be tested at all.
         ca.issue("front-proxy-client", "front-proxy-client")
-        # The API server's identity towards kubelets (logs), and the kubelet endpoint's own.
+        # The API server's identity towards kubelets (logs, exec, port-forward).
         ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
-        if node_ips:
-            ca.issue(
-                "kubelet",
-                "ladle-node-agent",
-                server=True,
-                dns_names=("localhost",),
-                ips=tuple(node_ips),
-            )
-            ca.issue("node-agent", "ladle-node-agent", "system:masters")
         identities = {
-            # The admin and kwok act as cluster-admins; the other two get their bootstrap roles.
+            # The admin and kwok act as cluster-admins; the others get their bootstrap roles
+            # (kubelets through the Node authorizer).
             "admin": ("ladle-admin", "system:masters"),
             "kwok": ("kwok", "system:masters"),
             "kube-controller-manager": ("system:kube-controller-manager", None),
             "kube-scheduler": ("system:kube-scheduler", None),
         }
+        if specs:
+            identities["kube-proxy"] = ("system:kube-proxy", None)
+        for spec in specs:
+            identities[f"kubelet-{spec.name}"] = (f"system:node:{spec.name}", "system:nodes")
+            ca.issue(
+                spec.name,
+                f"system:node:{spec.name}",
+                "system:nodes",
+                server=True,
+                dns_names=(spec.name,),
+                ips=(spec.ip,),
+            )
         for stem, (common_name, org) in identities.items():
             pair = ca.issue(stem, common_name, org)
             target = self.kubeconfig if stem == "admin" else self.pki_dir / f"{stem}.kubeconfig"
@@ -656,26 +731,30 @@ class Cluster:
             "--log-level=warn",
         ]
 
-    def _apiserver_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+    def _apiserver_argv(
+        self, bins: Path, ports: dict[str, int], net: network.Plan | None
+    ) -> list[str]:
         p = self.pki_dir
+        address = net.host_ip if net else HOST
+        # Without local nodes nothing in-cluster dials the `kubernetes` Service, and the
+        # endpoint reconciler refuses a loopback address.
+        reconciler = [] if net else ["--endpoint-reconciler-type=none"]
         return [
             str(bins / "kube-apiserver"),
             f"--etcd-servers=http://{HOST}:{ports['etcd']}",
-            f"--bind-address={HOST}",
-            f"--advertise-address={HOST}",
-            # The endpoint reconciler refuses loopback addresses; nothing in-cluster dials the
-            # `kubernetes` Service on fake nodes anyway.
-            "--endpoint-reconciler-type=none",
+            f"--bind-address={address}",
+            f"--advertise-address={address}",
+            *reconciler,
             f"--secure-port={ports['kube-apiserver']}",
             f"--cert-dir={p}",
             f"--tls-cert-file={p / 'apiserver.crt'}",
             f"--tls-private-key-file={p / 'apiserver.key'}",
             f"--client-ca-file={p / 'ca.crt'}",
-            "--authorization-mode=RBAC",
+            "--authorization-mode=Node,RBAC",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-account-key-file={p / 'sa.pub'}",
             f"--service-account-signing-key-file={p / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={net.service_cidr if net else SERVICE_CIDR}",
             "--allow-privileged=true",
             f"--requestheader-client-ca-file={p / 'ca.crt'}",
             "--requestheader-allowed-names=front-proxy-client",
@@ -684,15 +763,16 @@ class Cluster:
             "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--proxy-client-cert-file={p / 'front-proxy-client.crt'}",
             f"--proxy-client-key-file={p / 'front-proxy-client.key'}",
-            # `kubectl logs` goes through the local nodes' kubelet endpoint (the node agent),
-            # at the InternalIP each reports, with a certificate this CA verifies.
+            # `kubectl logs`, `exec` and `port-forward` go through the local nodes' kubelets, at
+            # the InternalIP each reports, with a serving certificate this CA signed.
             f"--kubelet-client-certificate={p / 'apiserver-kubelet-client.crt'}",
             f"--kubelet-client-key={p / 'apiserver-kubelet-client.key'}",
             f"--kubelet-certificate-authority={p / 'ca.crt'}",
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             # A namespace annotated for it puts its pods on the local nodes (node selector and
-            # toleration), so tests can run real pods beside kwok's fake ones.
-            "--enable-admission-plugins=PodNodeSelector,PodTolerationRestriction",
+            # toleration), so tests can run real pods beside kwok's fake ones; kubelets may
+            # change only their own Node and its pods.
+            "--enable-admission-plugins=NodeRestriction,PodNodeSelector,PodTolerationRestriction",
             "--profiling=false",
         ]
 
@@ -710,7 +790,7 @@ class Cluster:
             "--profiling=false",
         ]
 
-    def _kcm_argv(self, bins: Path, ports: dict[str, int]) -> list[str]:
+    def _kcm_argv(self, bins: Path, ports: dict[str, int], net: network.Plan | None) -> list[str]:
         return [
             str(bins / "kube-controller-manager"),
             *self._component_common("kube-controller-manager", ports),
@@ -718,7 +798,7 @@ class Cluster:
             "--use-service-account-credentials=true",
             f"--root-ca-file={self.pki_dir / 'ca.crt'}",
             f"--service-account-private-key-file={self.pki_dir / 'sa.key'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            f"--service-cluster-ip-range={net.service_cidr if net else SERVICE_CIDR}",
             f"--kube-api-qps={CONTROLLER_API_QPS}",
             f"--kube-api-burst={2 * CONTROLLER_API_QPS}",
         ]
@@ -745,3 +825,33 @@ class Cluster:
             f"--node-ip={HOST}",
             f"--server-address={HOST}:{ports['kwok']}",
         ]
+
+    def _kube_proxy_argv(self, bins: Path, net: network.Plan, first: NodeSpec) -> list[str]:
+        """One kube-proxy for the cluster: every local node shares the cluster's network
+        namespace, so one set of rules there serves them all."""
+        config = {
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(self.pki_dir / "kube-proxy.kubeconfig")},
+            "mode": "iptables",
+            "clusterCIDR": net.cluster_cidr,
+            "hostnameOverride": first.name,
+            "bindAddress": first.ip,
+            "healthzBindAddress": f"{first.ip}:10256",
+            "metricsBindAddress": f"{first.ip}:10249",
+            # The namespace's conntrack table is the host's to size; leave it alone.
+            "conntrack": {"maxPerCore": 0, "min": 0},
+        }
+        path = self.state_dir / "kube-proxy.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return net.enter([], [str(bins / "kube-proxy"), f"--config={path}"])
+
+
+def _stop_shims(sockets: list[Path]) -> None:
+    """containerd's shims outlive it by design; those of our nodes go once containerd has."""
+    addresses = {str(sock) for sock in sockets}
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if proc.info.get("name") == "containerd-shim-runc-v2" and addresses & set(cmdline):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()

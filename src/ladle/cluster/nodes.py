@@ -1,5 +1,5 @@
-"""GPU nodes for the local cluster: kwok's fake ones, and the labels the local node agent's
-real ones share with them.
+"""GPU nodes for the local cluster: kwok's fake ones, and the labels the local nodes (real
+kubelets) share with them.
 
 The labels match what NVIDIA's GPU Feature Discovery puts on real nodes, so a GPU pool's node
 selector written for production selects these nodes unchanged.
@@ -15,8 +15,8 @@ KWOK_SELECTOR = f"{KWOK_ANNOTATION}=fake"
 GPU_RESOURCE = "nvidia.com/gpu"
 NODE_PREFIX = "ladle-gpu-"
 LOCAL_NODE_PREFIX = "ladle-local-"
-# Local nodes (run by the node agent) carry this label; beside kwok nodes they also carry a
-# NoSchedule taint of the same key, so that only pods that ask for real processes get them.
+# Local nodes (real kubelets) carry this label; beside kwok nodes they also carry a NoSchedule
+# taint of the same key, so that only pods that ask to really run get them.
 LOCAL_NODE_LABEL = "ladle.dev/local-node"
 H200_MEMORY_MIB = 143771
 
@@ -68,3 +68,8 @@ def gpu_node(
         "spec": {},
         "status": {"capacity": resources, "allocatable": dict(resources)},
     }
+
+
+def local_labels(product: str, gpus: int) -> dict[str, str]:
+    """What a local node's kubelet registers with (``--node-labels``)."""
+    return {"type": "local", LOCAL_NODE_LABEL: "true", **gfd_labels(product, gpus)}

@@ -2,9 +2,11 @@
 
 Enable with ``pytest_plugins = ["ladle.cluster.pytest_plugin"]`` in ``tests/conftest.py``.
 The cluster starts once per session, the first time a test asks for it, and stops at the end;
-tests isolate themselves with ``k8s_namespace``. When a cluster test fails, the tail of every
-component log is attached to its report, because "the pod never became Ready" is only
-debuggable with the scheduler's and kwok's side of the story.
+its local nodes (real kubelets running Ladle's images) start the first time a test asks for
+them, after the images are built or found in the cache. Tests isolate themselves with
+``k8s_namespace``. When a cluster test fails, the tail of every component log is attached to
+its report, because "the pod never became Ready" is only debuggable with the scheduler's,
+kubelets' and containerd's side of the story.
 
 Fixtures:
 
@@ -12,10 +14,11 @@ Fixtures:
   ``helm``, ``env()``, ``run_kubectl()``, ``api_client()`` and ``service_account_kubeconfig()``.
 - ``k8s_api`` (session): an admin ``kubernetes.client.ApiClient``.
 - ``k8s_env`` (session): environment with ``KUBECONFIG`` set and the binaries first on ``PATH``.
+- ``k8s_local_nodes`` (session): the local nodes, started (the cluster's ``local_nodes()``).
 - ``k8s_namespace`` (function): a fresh namespace whose ``default`` ServiceAccount exists;
   deleted after the test. Its pods go to kwok's fake nodes.
 - ``local_namespace`` (function): the same, annotated so that every pod in it runs on the
-  local nodes, as real processes (``local_namespace_annotations``).
+  local nodes, in containers (``local_namespace_annotations``).
 - ``sa_kubeconfig`` (function): ``sa_kubeconfig(namespace, name) -> Path``, a kubeconfig that
   authenticates as that ServiceAccount (TokenRequest API), for running code under real RBAC.
 
@@ -40,9 +43,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
-from ladle.cluster import build
-from ladle.cluster.agent import images
+from ladle.cluster import build, images
 from ladle.cluster.control_plane import Cluster
+from ladle.cluster.node import LocalNode
 from ladle.cluster.nodes import LOCAL_NODE_LABEL
 
 if TYPE_CHECKING:
@@ -198,12 +201,8 @@ def k8s_cluster(
     missing = build.missing()
     if missing:
         pytest.fail(f"cluster binaries not built ({', '.join(missing)}): run `make cluster-build`")
-    started = time.monotonic()
-    images.pull_ahead(images.RUNTIME, lambda what: print(f"\npulling {what}", flush=True))
-    if (pulled := time.monotonic() - started) > 1:
-        print(f"runtime image's files present after {pulled:.0f}s")
     cluster = Cluster(tmp_path_factory.mktemp("ladle-cluster"))
-    seconds = cluster.up()
+    seconds = cluster.up(start_local=False)
     print(f"\nlocal cluster Ready in {seconds:.1f}s at {cluster.server}")
     handle = KubeCluster(cluster, build.bin_dir())
     request.config.stash[_CLUSTER_KEY] = handle
@@ -211,6 +210,21 @@ def k8s_cluster(
         yield handle
     finally:
         cluster.down()
+
+
+@pytest.fixture(scope="session")
+def k8s_local_nodes(k8s_cluster: KubeCluster) -> list[LocalNode]:
+    """The cluster's local nodes, started on first use with this checkout's images (built
+    now if the code changed: buildah reuses every layer it can)."""
+    started = time.monotonic()
+    try:
+        images.build_all()
+    except build.BuildError as err:
+        pytest.fail(f"Ladle's images could not be built: {err}")
+    print(f"\nimages ready in {time.monotonic() - started:.0f}s", flush=True)
+    seconds = k8s_cluster.cluster.start_local_nodes()
+    print(f"local nodes Ready in {seconds:.1f}s", flush=True)
+    return k8s_cluster.cluster.local_nodes()
 
 
 @pytest.fixture(scope="session")
@@ -258,8 +272,10 @@ def k8s_namespace(request: pytest.FixtureRequest, k8s_api: ApiClient) -> Iterato
 
 
 @pytest.fixture
-def local_namespace(request: pytest.FixtureRequest, k8s_api: ApiClient) -> Iterator[str]:
-    """A namespace whose pods run on the local nodes, as processes."""
+def local_namespace(
+    request: pytest.FixtureRequest, k8s_api: ApiClient, k8s_local_nodes: list[LocalNode]
+) -> Iterator[str]:
+    """A namespace whose pods run on the local nodes, in containers."""
     yield from _namespace(request, k8s_api, local_namespace_annotations())
 
 

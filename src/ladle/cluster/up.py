@@ -1,11 +1,10 @@
 """``ladle up``: the whole system on this machine, from nothing to a token, in one command.
 
 The steps, each shown with its time: the Kubernetes binaries (built once, about 25 minutes
-cold), the runtime image's files (once: the default model converted, about 45 s; the CPU
-kernels; the default model's AWQ calibrations, under a minute), the cluster with its local
-nodes, the Helm chart with the operator running as pods on those nodes, a GPUPool and the
-default InferenceService from ``examples/``, and a Ready runtime pod that has answered one
-request.
+cold), Ladle's images (built by buildah from the Dockerfiles, cached by layer), the cluster
+with its local nodes (a kubelet and containerd each, the images imported), the Helm chart with
+the operator and gateway running as pods on those nodes, a GPUPool and the default
+InferenceService from ``examples/``, and a Ready runtime pod that has answered one request.
 Every step is idempotent, so running ``ladle up`` again resumes or re-checks.
 """
 
@@ -25,9 +24,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-from ladle.cluster import build
-from ladle.cluster.agent import images
+from ladle.cluster import build, images
 from ladle.cluster.control_plane import Cluster, ClusterError, Options
+from ladle.cluster.node import NodeError
 from ladle.words import plural
 
 T = TypeVar("T")
@@ -143,15 +142,14 @@ class System:
             build.build()
         progress.done(str(build.bin_dir()))
 
-        progress.step("the runtime image's files (the default model, kernels, calibrations)")
-        try:
-            images.pull_ahead(images.RUNTIME, lambda what: print(f"      {what}", flush=True))
-        except subprocess.CalledProcessError as err:
-            raise UpError(f"preparing the runtime image's files failed ({err})") from None
-        progress.done(str(images.DEFAULT_MODEL.host_path))
+        progress.step("Ladle's images (buildah, from Dockerfile.runtime and Dockerfile.operator)")
+        built = images.build_all()
+        progress.done(
+            ", ".join(f"{image.reference} {image.size / 2**30:.1f} GiB" for image in built[1:])
+        )
 
         nodes = options.local_nodes
-        progress.step(f"the cluster, with {plural(nodes, 'local node')}")
+        progress.step(f"the cluster, with {plural(nodes, 'local node')} (kubelet, containerd)")
         if self._running():
             progress.done(f"already running in {self.cluster.state_dir}")
         else:
@@ -265,7 +263,7 @@ def main_up(state_dir: Path, options: Options, timeout: float) -> int:
     system = System(state_dir)
     try:
         endpoint = system.up(options, timeout)
-    except (UpError, ClusterError, build.BuildError) as err:
+    except (UpError, ClusterError, build.BuildError, NodeError) as err:
         print(f"ladle up: {err}", file=sys.stderr)
         print(f"component logs: {system.cluster.log_dir}", file=sys.stderr)
         return 1
