@@ -4,8 +4,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ladle-installed
 
-.PHONY: setup run test lint cluster-build
+# What the local nodes and the image builds take from Debian (as root, once): buildah and
+# skopeo build and save the images, mmdebstrap makes their base, CNI's plugins wire pods,
+# iptables serves kube-proxy, and libseccomp-dev and pkg-config build runc.
+DEB_PACKAGES := buildah skopeo mmdebstrap containernetworking-plugins iptables libseccomp-dev pkg-config
+
+.PHONY: setup run test lint cluster-build system-packages
 setup: $(STAMP)
+
+system-packages:
+	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +34,9 @@ lint: setup
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Builds (or reuses, from the versioned cache) the local Kubernetes binaries the tests run against.
-cluster-build: setup
+# Builds (or reuses, from the versioned cache) the local Kubernetes binaries the tests run
+# against, and Ladle's images for the local nodes (buildah's layer cache).
+cluster-build: setup system-packages
 	$(BIN)/ladle cluster build
 
 # Two workers (tests/conftest.py groups the tests): the end-to-end package's waits overlap the

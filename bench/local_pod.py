@@ -1,23 +1,23 @@
 """Time from `kubectl apply` to the first token on a local node, and one runtime pod's memory,
 against the baseline of the same `ladle serve` started directly on the host, in the same run.
 
-    python bench/local_pod.py --repeats 5        # on a quiet machine (no other helper)
+    python bench/local_pod.py --repeats 5        # as root, on a quiet machine (no helper)
 
-It starts a dedicated cluster with one local node (`ladle up`'s steps: the chart's operator as
-pods, the GPUPool), then alternates: apply examples/cpu.yaml and time each phase until a token
-streams from the pod's address, delete it; start `ladle serve` with the pod's flags on the host
-and time it to its first token, stop it. Both start cold (a fresh process, a fresh cache
-folder, as a pod's emptyDir is) with what the image bakes: the same converted model, so the
-page cache favours neither, the same prebuilt CPU kernels and the same baked AWQ
-calibrations. The default model must already
-be converted (`ladle up` does it).
+It starts a dedicated cluster with one local node (`ladle up`'s steps: the images, the chart's
+operator and gateway as pods, the GPUPool), then alternates: apply examples/cpu.yaml and time
+each phase until a token streams from the pod's address, delete it; start `ladle serve` with
+the pod's flags on the host and time it to its first token, stop it. Both start cold (a fresh
+process, a fresh cache folder, as a pod's emptyDir is) with the same files: the host process
+reads the runtime image's own baked model, CPU kernels and AWQ calibrations (the image mounted
+read-only by buildah), so the page cache favours neither. The pod pays for the kubelet, the
+container runtime, the sandbox, CNI and the probes; the host process for nothing of that.
 Prints the median and the range of each phase, and the runtime process's RSS, PSS and USS.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import socket
 import statistics
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ import psutil
 import yaml
 from kubernetes import client, config
 
-from ladle.cluster.agent import images
+from ladle.cluster import build, images
 from ladle.cluster.control_plane import Options
 from ladle.cluster.up import EXAMPLES, NAMESPACE, System
 
@@ -95,15 +95,9 @@ def pod_run(system: System, core: client.CoreV1Api, service: dict[str, Any]) -> 
     marks["ready"] = time.monotonic() - started
     first_token(f"http://{pod.status.pod_ip}:8000/v1", service["spec"]["model"]["name"])
     marks["first token"] = time.monotonic() - started
-    record = (
-        system.cluster.agent_dir
-        / "pods"
-        / pod.metadata.uid
-        / "containers"
-        / "runtime"
-        / "record.json"
-    )
-    result = {"times": marks, "memory": memory(json.loads(record.read_text())["pid"])}
+    node = next(n for n in system.cluster.local_nodes() if n.spec.name == pod.spec.node_name)
+    container = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    result = {"times": marks, "memory": memory(node.container_pid(build.bin_dir(), container))}
     result["args"] = pod.spec.containers[0].args
     system.kubectl("delete", "lisvc", name, "-n", NAMESPACE, "--wait=false")
     poll(
@@ -119,7 +113,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def bare_run(args: list[str], model: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def image_root() -> Iterator[Path]:
+    """The runtime image's root file system, mounted by buildah for the host process to read
+    the same baked files as the pod."""
+    container = subprocess.run(
+        images.buildah_argv("from", "--quiet", images.RUNTIME.reference),
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    try:
+        mounted = subprocess.run(
+            images.buildah_argv("mount", container), capture_output=True, text=True, check=True
+        ).stdout.strip()
+        yield Path(mounted)
+    finally:
+        subprocess.run(images.buildah_argv("rm", container), capture_output=True, check=False)
+
+
+def bare_run(args: list[str], model: str, root: Path) -> dict[str, Any]:
     """The baseline: the pod's command line as a plain process on the host."""
     port = free_port()
     flags = list(args)
@@ -129,9 +140,9 @@ def bare_run(args: list[str], model: str) -> dict[str, Any]:
         env = {
             **os.environ,
             "XDG_CACHE_HOME": cache,
-            "LADLE_DEFAULT_MODEL_DIR": str(images.DEFAULT_MODEL.host_path),
-            "LADLE_KERNELS_DIR": str(images.PREBUILT_KERNELS.host_path),
-            "LADLE_CALIBRATION_DIR": str(images.BAKED_CALIBRATION.host_path),
+            "LADLE_DEFAULT_MODEL_DIR": str(root / "opt/ladle/models/SmolLM2-135M-Instruct"),
+            "LADLE_KERNELS_DIR": str(root / "opt/ladle/kernels"),
+            "LADLE_CALIBRATION_DIR": str(root / "opt/ladle/calibration"),
         }
         started = time.monotonic()
         proc = subprocess.Popen(
@@ -169,9 +180,6 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--state-dir", type=Path, default=None)
     args = parser.parse_args()
-    if not images.DEFAULT_MODEL.present():
-        print("convert the default model first: run `ladle up` once", file=sys.stderr)
-        return 1
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="ladle-bench-"))
     system = System(state_dir)
     service = yaml.safe_load((EXAMPLES / SERVICE).read_text())
@@ -183,10 +191,11 @@ def main() -> int:
         core = client.CoreV1Api(config.new_client_from_config(str(system.cluster.kubeconfig)))
         pods: list[dict[str, Any]] = []
         bares: list[dict[str, Any]] = []
-        for index in range(args.repeats):
-            pods.append(pod_run(system, core, service))
-            bares.append(bare_run(pods[-1]["args"], model))
-            print(f"  round {index + 1}: pod {pods[-1]['times']}, bare {bares[-1]['times']}")
+        with image_root() as root:
+            for index in range(args.repeats):
+                pods.append(pod_run(system, core, service))
+                bares.append(bare_run(pods[-1]["args"], model, root))
+                print(f"  round {index + 1}: pod {pods[-1]['times']}, bare {bares[-1]['times']}")
     finally:
         system.down()
     print(f"\n{args.repeats} rounds of examples/{SERVICE}, {os.cpu_count()} CPUs")

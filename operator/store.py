@@ -171,23 +171,50 @@ def _pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
             and cond.get("reason") == "Unschedulable"
         ):
             return "Unschedulable", str(cond.get("message") or "unschedulable")
-    for container in [
-        *(status.get("initContainerStatuses") or ()),
-        *(status.get("containerStatuses") or ()),
-    ]:
-        waiting = (container.get("state") or {}).get("waiting") or {}
+    init = status.get("initContainerStatuses") or ()
+    for container in [*init, *(status.get("containerStatuses") or ())]:
+        state = container.get("state") or {}
+        waiting = state.get("waiting") or {}
         reason = waiting.get("reason")
-        if reason == "CrashLoopBackOff" and _oom_killed(container):
+        if _oom_killed(container):
             return "OOMKilled", _oom_message(pod, container)
         if reason and reason not in NORMAL_WAITS:
             return str(reason), str(waiting.get("message") or reason)
+        if _crashed(container, init_container=container in init):
+            return "CrashLoopBackOff", _crash_message(container)
     return None
 
 
+def _crashed(container: Mapping[str, Any], *, init_container: bool) -> bool:
+    """The container's run ended in a pod that goes on: the kubelet restarts it, after a
+    back-off, and meanwhile (1.37 does) reports it terminated rather than waiting in
+    CrashLoopBackOff. An init container's successful end is its job done."""
+    terminated = (container.get("state") or {}).get("terminated")
+    if terminated is None:
+        return False
+    return not init_container or terminated.get("exitCode") != 0
+
+
+def _crash_message(container: Mapping[str, Any]) -> str:
+    terminated = (container.get("state") or {}).get("terminated") or {}
+    restarts = plural(int(container.get("restartCount") or 0), "restart")
+    why = terminated.get("reason") or "Error"
+    return (
+        f"container {container.get('name')} exited with code {terminated.get('exitCode')} "
+        f"({why}), {restarts} so far"
+    )
+
+
 def _oom_killed(container: Mapping[str, Any]) -> bool:
-    """The kernel killed the container's last run for exceeding its memory limit."""
-    terminated = (container.get("lastState") or {}).get("terminated") or {}
-    return terminated.get("reason") == "OOMKilled"
+    """The kernel killed the container for exceeding its memory limit: its run now, or the
+    last one while the kubelet backs off from restarting it."""
+    state = container.get("state") or {}
+    if (state.get("terminated") or {}).get("reason") == "OOMKilled":
+        return True
+    last = (container.get("lastState") or {}).get("terminated") or {}
+    return (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff" and (
+        last.get("reason") == "OOMKilled"
+    )
 
 
 def _oom_message(pod: Mapping[str, Any], container: Mapping[str, Any]) -> str:

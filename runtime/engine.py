@@ -80,9 +80,14 @@ def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
+        # The devices a container was given: NVIDIA's device plugin names them in
+        # NVIDIA_VISIBLE_DEVICES, a user may narrow them with CUDA_VISIBLE_DEVICES.
         log.info(
             "no CUDA device: running on the CPU",
-            extra={"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+            extra={
+                "nvidia_visible_devices": os.environ.get("NVIDIA_VISIBLE_DEVICES"),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            },
         )
         return torch.device("cpu")
     device = torch.device(name)

@@ -20,15 +20,17 @@ pytest_plugins = ["ladle.cluster.pytest_plugin"]
 # `make test` runs two pytest-xdist workers with --dist loadgroup. A worker takes a whole
 # group: one module (its module fixtures, servers and models, are set up once), or the whole
 # end-to-end package, which shares one chart install across its modules. Each worker that
-# needs Kubernetes starts its own cluster, on a loopback subnet of its own.
+# needs Kubernetes starts its own cluster, on a network of its own. Local nodes start only when
+# a test asks for them, and every module that does joins the end-to-end group: one worker's
+# cluster holds them, so the machine's disk holds two unpacked runtime images, not four.
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    local = {item.path for item in items if "k8s_local_nodes" in getattr(item, "fixturenames", ())}
     for item in items:
-        path = item.path
-        group = "e2e" if path.is_relative_to(E2E) else str(path)
+        group = "e2e" if item.path.is_relative_to(E2E) or item.path in local else str(item.path)
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -50,3 +50,14 @@ def test_present_binaries_are_reused(hack_copy: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(build, "find_go", no_go)
     assert build.build() == bins
+
+
+def test_a_new_pin_removes_the_binaries_of_the_old_ones(hack_copy: Path) -> None:
+    current = build.build_dir()
+    old = current.parent / "0123456789abcdef"
+    for folder in (current / "bin", old / "bin"):
+        folder.mkdir(parents=True)
+        (folder / "kubelet").write_bytes(b"")
+    build.prune(current)
+    assert (current / "bin" / "kubelet").is_file()
+    assert not old.exists()

@@ -1,9 +1,10 @@
 """Fixtures shared by every end-to-end test module in this package (``tests/e2e/``).
 
 The package (it has an ``__init__.py``, so ``scope="package"`` ends with it) shares one Helm
-install of the chart, whose operator runs as pods on the local nodes, and one namespace whose
-pods all run there as real processes. Other test packages never see this operator: it is
-uninstalled before they run, so their own operator processes reconcile alone.
+install of the chart, whose operator and gateway run as pods on the local nodes (real
+kubelets, Ladle's own images), and one namespace whose pods all run there. Other test packages
+never see this operator: it is uninstalled before they run, so their own operator processes
+reconcile alone.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from ladle.cluster.agent import images
+from ladle.cluster.node import LocalNode
 from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,15 +100,9 @@ class System:
         """The documents of ``examples/<name>``."""
         return [doc for doc in yaml.safe_load_all((EXAMPLES / name).read_text()) if doc]
 
-    def pod_dir(self, pod: dict[str, Any]) -> Path:
-        """The node agent's folder of a pod: its volumes, its containers' records."""
-        return self.cluster.cluster.agent_dir / "pods" / pod["metadata"]["uid"]
-
-    def container_record(self, pod: dict[str, Any], container: str = "runtime") -> dict[str, Any]:
-        """What the node agent recorded about a container: its pid and environment."""
-        path = self.pod_dir(pod) / "containers" / container / "record.json"
-        record: dict[str, Any] = json.loads(path.read_text())
-        return record
+    def container_pid(self, pod: dict[str, Any], container: str = "runtime") -> int:
+        """The host's pid of a container's first process (from its node's CRI)."""
+        return self.cluster.container_pid(pod, container)
 
 
 def _namespace(api: ApiClient, prefix: str) -> str:
@@ -140,10 +135,12 @@ def pytest_runtest_makereport(
 
 
 @pytest.fixture(scope="package")
-def default_model(k8s_cluster: KubeCluster) -> Path:
-    """The converted default model on this machine (``k8s_cluster`` pulled the runtime
-    image's files before the cluster started)."""
-    return images.DEFAULT_MODEL.host_path
+def default_model() -> Path:
+    """The default model converted on this machine (once; the host's cache), for a volume
+    that serves it as a user's model."""
+    from ladle.runtime.models.loader import resolve_model
+
+    return resolve_model(None)
 
 
 @pytest.fixture(scope="package")
@@ -151,7 +148,7 @@ def ladle_system(
     request: pytest.FixtureRequest,
     k8s_cluster: KubeCluster,
     k8s_api: ApiClient,
-    default_model: Path,
+    k8s_local_nodes: list[LocalNode],
 ) -> Iterator[System]:
     """The chart installed with its defaults (two operator replicas, leader election), its
     operator running as pods on the local nodes; and the GPUPool from examples/."""
@@ -194,7 +191,8 @@ def ladle_system(
 
 @pytest.fixture(scope="package")
 def gateway_url(ladle_system: System) -> str:
-    """One Ready gateway pod of the chart, by its pod address (no kube-proxy here)."""
+    """One Ready gateway pod of the chart, by its pod address (the host reaches pods by
+    route, as a test client inside the cluster would)."""
 
     def find() -> str | None:
         for pod in ladle_system.core.list_namespaced_pod(

@@ -166,7 +166,7 @@ def test_unknown_metrics_freeze_the_count_instead_of_scaling_down(
     finally:
         load.stop()
     victim = ready_pods(scaler)[0]
-    pid = int(scaler.container_record(victim)["pid"])
+    pid = scaler.container_pid(victim)
     os.kill(pid, signal.SIGSTOP)
     try:
         frozen = wait_until(

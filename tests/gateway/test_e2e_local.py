@@ -1,9 +1,9 @@
-"""End to end on the local cluster with real runtime pods (run as processes by the local node
-agent): the operator makes the pods, the gateway routes to them.
+"""End to end on the local cluster with real runtime pods (Ladle's runtime image on the local
+nodes' kubelets): the operator makes the pods, the gateway routes to them. Both run here, on
+the host, and reach the pods by their addresses, as from inside the cluster.
 
-Until the node agent is in main these tests skip (its ``local_namespace`` fixture is missing);
-they need nothing else. Kept lean: one module-wide operator and gateway, small KV caches, and
-short breaker windows set through the spec.
+Kept lean: one module-wide operator and gateway, small KV caches, and short breaker windows
+set through the spec.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from kube_harness import Kube, OperatorProcess, wait_for
 from kubernetes import watch
 from urllib3.exceptions import ProtocolError
 
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle.cluster.node import LocalNode
+from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle
 
@@ -38,14 +39,8 @@ OPS = {"authorization": "Bearer sk-ops-key-00002"}
 
 
 @pytest.fixture(scope="module")
-def local(k8s_api: Any) -> Iterator[str]:
-    """A namespace whose pods run on the local nodes, as real processes."""
-    try:
-        from ladle.cluster.pytest_plugin import (  # type: ignore[attr-defined]
-            local_namespace_annotations,
-        )
-    except ImportError:
-        pytest.skip("needs the local node agent, which is not in main yet")
+def local(k8s_api: Any, k8s_local_nodes: list[LocalNode]) -> Iterator[str]:
+    """A namespace whose pods run on the local nodes."""
     from kubernetes import client
 
     core = client.CoreV1Api(k8s_api)

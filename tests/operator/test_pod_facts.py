@@ -1,10 +1,11 @@
-"""What runtime pods really do, as a kubelet reports it: why a container cannot start, and the
-GPUs a pod holds until it is gone.
+"""What runtime pods really do, as a kubelet reports it: why a container cannot start or keeps
+dying, and the GPUs a pod holds until it is gone.
 
 kwok would report every pod Running at once, so most pods here land on a node kwok leaves
-alone, and the test writes their status the way the kubelet does. The missing-Secret-volume
-test runs its pod for real on a local node (the node agent is its kubelet): that failure is
-only in the pod's Events, which a test playing the kubelet would have to invent.
+alone, and the test writes their status the way the kubelet does. Two tests run their pods
+for real on a local node (a real kubelet): a missing Secret volume, a failure found only in
+the pod's Events, which a test playing the kubelet would have to invent; and a KV cache larger
+than the memory limit, which the kernel's OOM killer ends.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
     kube.apply(
         isvc_manifest(
             "nokey",
-            runtime={"image": DEFAULT_RUNTIME_IMAGE},  # the node agent's image table has it
+            runtime={"image": DEFAULT_RUNTIME_IMAGE},  # the image the local nodes hold
             resources={"gpus": 0},
             engine={"kvCacheMemory": "256Mi"},
             apiKeySecret={"name": "nokey-key"},
@@ -130,7 +131,7 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
         timeout=15,
     )
 
-    # The Secret appears: the node agent mounts it on its next try and the runtime starts.
+    # The Secret appears: the kubelet mounts it on its next try and the runtime starts.
     kube.core.create_namespaced_secret(
         ns,
         client.V1Secret(
@@ -146,6 +147,41 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
         timeout=15,
     )
     kube.kubectl("delete", "-n", ns, "lisvc", "nokey", "--wait=false")
+
+
+def test_a_kv_cache_over_the_memory_limit_reads_as_oom_killed(
+    kube: Kube, local_namespace: str
+) -> None:
+    """A real pod whose engine asks for a 1 GiB KV cache inside a 768 MiB limit: the kernel
+    kills it at start, every time, and the service says so by name, with the limit and what
+    to change, while the kubelet backs off from restarting it."""
+    ns = local_namespace
+    kube.apply(
+        isvc_manifest(
+            "greedy",
+            runtime={"image": DEFAULT_RUNTIME_IMAGE},
+            resources={"gpus": 0, "memory": "768Mi"},
+            engine={"kvCacheMemory": "1Gi"},
+        ),
+        ns,
+    )
+    (pod,) = scheduled(kube, ns, "greedy")
+    obj = kube.wait_condition(ns, "greedy", "Degraded", "True", "OOMKilled", timeout=180)
+    runtime = kube.core.read_namespaced_pod(pod, ns).status.container_statuses[0]
+    killed = runtime.state.terminated or runtime.last_state.terminated
+    assert (killed.reason, killed.exit_code) == ("OOMKilled", 137)  # the kernel's, via cgroups
+    message = kube.condition(obj, "Degraded")["message"]
+    assert message.startswith(
+        "1 pod of Deployment greedy-stable cannot start: OOMKilled: container runtime was "
+        "killed by the kernel for exceeding its memory limit (768Mi), "
+    )
+    assert message.endswith(
+        "raise resources.memory, or lower engine.kvCacheMemory or engine.maxNumSeqs"
+    )
+    ready = kube.condition(obj, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "OOMKilled")
+    assert kube.condition(obj, "Stalled")["status"] == "True"  # only a spec change ends it
+    kube.kubectl("delete", "-n", ns, "lisvc", "greedy", "--wait=false")
 
 
 def test_a_draining_pod_keeps_its_gpu_until_it_is_gone(

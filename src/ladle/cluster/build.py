@@ -287,7 +287,16 @@ def build(force: bool = False) -> Path:
         _copy_stages(find_go())
         _log(f"[{len(todo)}/{len(todo)}] kwok stages copied to {stages_dir()}")
     _log(f"done in {time.monotonic() - total_start:.0f}s: {target}")
+    prune(build_dir())
     return target
+
+
+def prune(current: Path) -> None:
+    """Remove the binaries of other pins beside ``current`` (about 800 MB each): a bumped pin
+    would otherwise leave every earlier build in the cache for good."""
+    for sibling in current.parent.iterdir():
+        if sibling != current and sibling.is_dir() and not sibling.name.startswith("."):
+            shutil.rmtree(sibling, ignore_errors=True)
 
 
 def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -> None:
@@ -299,6 +308,8 @@ def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -
     _log(f"building {names} into {target} ({total} steps)")
     downloaded: set[str] = set()
     for index, tool in enumerate(tools, 1):
+        if tool.cgo:
+            _check_cgo(tool)
         if tool.module_dir not in downloaded:
             t0 = time.monotonic()
             _log(f"[{index}/{total}] downloading modules for hack/k8s/{tool.module_dir}")
@@ -320,6 +331,25 @@ def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -
         partial.replace(target / tool.name)
         size = (target / tool.name).stat().st_size / 2**20
         _log(f"      {tool.name} built in {time.monotonic() - t0:.0f}s ({size:.0f} MiB)")
+
+
+def _check_cgo(tool: Tool) -> None:
+    """What a cgo build needs from the system, said before Go fails on it less clearly."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        raise BuildError(f"building {tool.name} needs a C compiler: install gcc")
+    if "seccomp" in tool.tags:
+        found = (
+            subprocess.run(
+                ["pkg-config", "--exists", "libseccomp"], capture_output=True, check=False
+            )
+            if shutil.which("pkg-config")
+            else None
+        )
+        if found is None or found.returncode != 0:
+            raise BuildError(
+                f"building {tool.name} needs libseccomp's headers: install Debian's "
+                "libseccomp-dev and pkg-config packages (make system-packages)"
+            )
 
 
 def _download(go: str, module_dir: str) -> None:

@@ -390,9 +390,10 @@ class Cluster:
         deadline = start + timeout
         state = self.state()
         local = self.local_nodes()
-        if all(self.running().get(f"kubelet-{node.spec.name}") for node in local):
-            return 0.0
         bins = build.bin_dir()
+        if all(self.running().get(f"kubelet-{node.spec.name}") for node in local):
+            self._refresh_images(local)
+            return time.monotonic() - start
         opts = Options(**state["options"])
         net = self.network_plan()
         assert net is not None
@@ -474,6 +475,16 @@ class Cluster:
             node.import_images(bins, list(NODE_IMAGES))
         except NodeError as err:
             raise ClusterError(f"{err}\n{self.log_tails()}") from None
+
+    def _refresh_images(self, local: list[LocalNode]) -> None:
+        """Import into running nodes the images that were rebuilt since they started, so that
+        the pods a test starts now run the checkout's code."""
+        bins = build.bin_dir()
+        for node in local:
+            held = node.held_images(bins)
+            stale = [ref for ref in NODE_IMAGES if held.get(ref) != images.image_id(ref)]
+            if stale:
+                node.import_images(bins, stale)
 
     def _register_local_node(self, spec: NodeSpec, opts: Options) -> bool:
         """Once the kubelet has registered its Node, give it its pod range (there is no node

@@ -397,10 +397,21 @@ def blob_files(reference: str) -> list[tuple[str, Path]]:
     return [(digest, _blob_path(digest)) for digest in digests]
 
 
-def _collect_layout() -> None:
-    """Delete the blobs no manifest in the layout refers to any more."""
+def _collect_layout(references: Sequence[str]) -> None:
+    """Keep only ``references`` in the layout's index (a manifest saved over leaves its older
+    one there, nameless), then delete the blobs no manifest refers to any more."""
+    path = layout() / "index.json"
+    index = json.loads(path.read_text())
+    index["manifests"] = [
+        entry
+        for entry in index["manifests"]
+        if (entry.get("annotations") or {}).get(REF_NAME) in references
+    ]
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(index))
+    partial.replace(path)
     keep: set[str] = set()
-    for entry in _index():
+    for entry in index["manifests"]:
         keep |= _blobs(entry)
     for path in (layout() / "blobs").glob("*/*"):
         if f"{path.parent.name}:{path.name}" not in keep:
@@ -456,7 +467,7 @@ def build_all() -> list[Built]:
         _collect_storage(used)
         for reference in references:
             save(reference)
-        _collect_layout()
+        _collect_layout(references)
         return [Built(ref, image_id(ref), _size(ref)) for ref in references]
 
 

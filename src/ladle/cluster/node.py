@@ -305,6 +305,27 @@ required_plugins = ['io.containerd.grpc.v1.cri']
                 raise NodeError(f"{self.spec.name}: containerd did not answer: {out.decode()}")
             time.sleep(0.2)
 
+    def container_pid(self, bins: Path, container_id: str) -> int:
+        """The host's pid of a container's first process (``containerID`` without its
+        ``containerd://``), as the CRI reports it."""
+        inspected = subprocess.run(
+            [str(bins / "crictl"), "--runtime-endpoint", self.endpoint, "inspect", container_id],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return int(json.loads(inspected.stdout)["info"]["pid"])
+
+    def held_images(self, bins: Path) -> dict[str, str]:
+        """Tag → image id of what the node's containerd holds (through the CRI)."""
+        listed = subprocess.run(
+            [str(bins / "crictl"), "--runtime-endpoint", self.endpoint, "images", "-o", "json"],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return {
+            tag: str(image["id"]).removeprefix("sha256:")
+            for image in json.loads(listed.stdout)["images"]
+            for tag in image.get("repoTags") or ()
+        }
+
     def import_images(self, bins: Path, references: list[str]) -> None:
         """Stream each image from the layout into containerd as an OCI archive (unpacked,
         its layers then dropped from the content store)."""

@@ -119,6 +119,28 @@ class KubeCluster:
             check=False,
         )
 
+    def local_node(self, name: str) -> LocalNode:
+        """The local node called ``name`` (a pod's ``spec.nodeName``)."""
+        return next(node for node in self.cluster.local_nodes() if node.spec.name == name)
+
+    def container_pid(self, pod: dict[str, Any], container: str) -> int:
+        """The host's pid of a running container's first process, from its node's CRI."""
+        status = next(s for s in pod["status"]["containerStatuses"] if s["name"] == container)
+        node = self.local_node(pod["spec"]["nodeName"])
+        return node.container_pid(self.bin_dir, status["containerID"].split("://", 1)[1])
+
+    def container_environ(self, pod: dict[str, Any], container: str) -> dict[str, str]:
+        """The environment a running container's first process started with."""
+        raw = Path(f"/proc/{self.container_pid(pod, container)}/environ").read_bytes()
+        pairs = (item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+        return dict(pairs)
+
+    def empty_dir(self, pod: dict[str, Any], volume: str) -> Path:
+        """Where a pod's emptyDir volume lives on its node, seen from the host."""
+        node = self.local_node(pod["spec"]["nodeName"])
+        uid = str(pod["metadata"]["uid"])
+        return node.kubelet_dir / "pods" / uid / "volumes" / "kubernetes.io~empty-dir" / volume
+
     def api_client(self, kubeconfig: Path | None = None) -> ApiClient:
         """A ``kubernetes`` client for the admin or for any kubeconfig (e.g. a ServiceAccount's)."""
         from kubernetes import config

@@ -70,4 +70,5 @@ def build_missing(force: bool = False) -> Path:
         print(f"prometheus, promtool and kstatus-compute up to date in {target}", flush=True)
         return target
     build.build_tools(todo, target)
+    build.prune(target.parent)
     return target

@@ -1,16 +1,19 @@
-"""The node agent against the session's real cluster, with cheap pods: the operator image
-running small Python scripts, so each pod starts in well under a second.
+"""The local nodes against the session's real cluster, with cheap pods: the operator image
+running small Python scripts, so each pod starts in about a second.
 
-Each behaviour a kubelet owes a pod is checked through the API (status, Events), ``kubectl
-logs`` and the processes themselves: addresses, volumes, environment, identity, probes,
-restarts, termination, GPUs, and an agent restart.
+A local node is a real kubelet with containerd and runc, so these tests check that the pieces
+are wired as on a user's node, through the API (status, Events), kubectl (logs, exec,
+port-forward) and the processes themselves: addresses and Services, volumes, environment,
+identity, GPUs from the device plugin, probes, restarts, the kernel's OOM killer, termination,
+and a kubelet restart.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
+import os
+import socket
+import subprocess
 import time
 import urllib.request
 import uuid
@@ -25,6 +28,8 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ladle import __version__
+from ladle.cluster import images
+from ladle.cluster.node import LocalNode
 from ladle.cluster.nodes import GPU_RESOURCE, LOCAL_NODE_LABEL
 from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
@@ -33,10 +38,11 @@ pytestmark = pytest.mark.cluster
 IMAGE = f"ghcr.io/ladle-dev/ladle-operator:{__version__}"
 NODE = "ladle-local-0"
 
-# Gathers what a container sees, prints it as one JSON line and serves it on 0.0.0.0:8080;
-# becomes ready (an exec probe reads /tmp/ready) a second after that.
+# Gathers what a container sees (reading its own pod through the API, as in-cluster clients
+# do), prints it as one JSON line and serves HTTP on 0.0.0.0:8080; becomes ready (an exec probe
+# reads /tmp/ready) a second after that.
 INSPECTOR = r"""
-import errno, json, os, pathlib, socket, time, http.server, threading
+import errno, http.server, json, os, pathlib, socket, ssl, time, urllib.request
 
 def writable(path):
     try:
@@ -45,32 +51,37 @@ def writable(path):
     except OSError as err:
         return errno.errorcode[err.errno]
 
+def read_own_pod():
+    account = "/var/run/secrets/kubernetes.io/serviceaccount"
+    host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
+    url = (f"https://{host}:{port}/api/v1/namespaces/{os.environ['NAMESPACE']}/pods/"
+           f"{os.environ['POD_NAME']}")
+    token = open(f"{account}/token").read()
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    context = ssl.create_default_context(cafile=f"{account}/ca.crt")
+    return json.load(urllib.request.urlopen(request, context=context, timeout=10))
+
 PATHS = ("/", "/etc", "/tmp", "/shared", "/config", "/secret", "/data")
 for _ in range(50):
     if os.path.exists("/shared/from-sidecar"):
         break
     time.sleep(0.1)
 caps = [l.split()[1] for l in open("/proc/self/status") if l.startswith("CapEff")]
-from kubernetes import client, config
-config.load_incluster_config()
-me = client.CoreV1Api().read_namespaced_pod(os.environ["POD_NAME"], os.environ["NAMESPACE"])
 server = http.server.HTTPServer(("0.0.0.0", 8080), http.server.SimpleHTTPRequestHandler)
 facts = {
     "uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups()),
     "cap_eff": caps[0], "hostname": socket.gethostname(), "cwd": os.getcwd(),
-    "argv": __import__("sys").argv[1:],
+    "argv": __import__("sys").argv[1:], "pid": os.getpid(),
     "env": {k: os.environ.get(k) for k in (
-        "POD_IP", "POD_NAME", "NODE_NAME", "PASSWORD", "GREETING", "CUDA_VISIBLE_DEVICES",
+        "POD_IP", "POD_NAME", "NODE_NAME", "PASSWORD", "GREETING", "NVIDIA_VISIBLE_DEVICES",
         "KUBERNETES_SERVICE_HOST", "HOME", "PYTHONUNBUFFERED")},
     "hosts": open("/etc/hosts").read(),
     "config": open("/config/greeting").read(),
     "secret": open("/secret/password").read(),
     "pvc": open("/data/hello.txt").read(),
     "sidecar": open("/shared/from-sidecar").read(),
-    "token_bytes": len(open("/var/run/secrets/kubernetes.io/serviceaccount/token").read()),
     "writable": {p: writable(p) for p in PATHS},
-    "api_node": me.spec.node_name,
-    "bound": list(server.server_address),
+    "api_node": read_own_pod()["spec"]["nodeName"],
 }
 print(json.dumps(facts), flush=True)
 time.sleep(1)
@@ -84,8 +95,8 @@ def _core(api: ApiClient) -> client.CoreV1Api:
 
 
 @pytest.fixture(scope="module")
-def namespace(k8s_api: ApiClient) -> Iterator[str]:
-    name = f"agent-{uuid.uuid4().hex[:6]}"
+def namespace(k8s_api: ApiClient, k8s_local_nodes: list[LocalNode]) -> Iterator[str]:
+    name = f"nodes-{uuid.uuid4().hex[:6]}"
     meta = client.V1ObjectMeta(name=name, annotations=local_namespace_annotations())
     _core(k8s_api).create_namespace(client.V1Namespace(metadata=meta))
     wait_until(
@@ -124,7 +135,7 @@ def pod_manifest(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name},
+        "metadata": {"name": name, "labels": {"app": name}},
         "spec": {"containers": [container], "terminationGracePeriodSeconds": 5, **spec},
     }
 
@@ -163,9 +174,21 @@ def wait_pod(
     return result
 
 
+def ready(api: ApiClient, namespace: str, name: str) -> dict[str, Any]:
+    return wait_pod(api, namespace, name, lambda p: condition(p, "Ready") == "True", "Ready")
+
+
 def container_status(pod: dict[str, Any], name: str = "main") -> dict[str, Any]:
     statuses = pod["status"].get("containerStatuses") or []
     return next((s for s in statuses if s["name"] == name), {})
+
+
+def ready_or_running(pod: dict[str, Any]) -> bool:
+    return "running" in (container_status(pod).get("state") or {})
+
+
+def waiting_reason(pod: dict[str, Any]) -> str | None:
+    return (container_status(pod).get("state") or {}).get("waiting", {}).get("reason")
 
 
 def events(api: ApiClient, namespace: str, name: str) -> list[tuple[str, str]]:
@@ -184,46 +207,96 @@ def wait_events(
     ok: Callable[[list[tuple[str, str]]], bool],
     what: str,
 ) -> None:
-    """Wait until a pod's Events show ``what``: the agent posts them in the background, after
+    """Wait until a pod's Events show ``what``: the kubelet posts them asynchronously, after
     the status that the test has just seen."""
 
     def shown() -> bool:
         return ok(events(api, namespace, name))
 
-    wait_until(shown, what, 15)
+    wait_until(shown, what, 30)
 
 
 # -- the nodes --------------------------------------------------------------------------------
 
 
-def test_local_nodes_register_and_keep_leases_like_kubelets(k8s_api: ApiClient) -> None:
+def test_local_nodes_are_kubelets_on_containerd_with_the_machines_resources(
+    k8s_cluster: KubeCluster, k8s_api: ApiClient, k8s_local_nodes: list[LocalNode]
+) -> None:
     core = _core(k8s_api)
     nodes = core.list_node(label_selector=f"{LOCAL_NODE_LABEL}=true").items
     assert sorted(n.metadata.name for n in nodes) == ["ladle-local-0", "ladle-local-1"]
-    for node in nodes:
+    plan = k8s_cluster.cluster.network_plan()
+    assert plan is not None
+    for node, local in zip(
+        sorted(nodes, key=lambda n: n.metadata.name), k8s_local_nodes, strict=True
+    ):
         labels = node.metadata.labels
         assert "kwok.x-k8s.io/node" not in (node.metadata.annotations or {})
         assert labels["nvidia.com/gpu.product"] == "NVIDIA-H200"
         assert labels["nvidia.com/gpu.present"] == "true"
-        assert node.status.capacity[GPU_RESOURCE] == "4"
-        assert node.status.capacity["cpu"] == "8"
+        # What the kubelet measured: this machine's CPUs and memory; GPUs from the plugin.
+        assert node.status.capacity["cpu"] == str(os.cpu_count())
         memory_ki = int(node.status.capacity["memory"].removesuffix("Ki"))
         assert memory_ki * 1024 == pytest.approx(psutil.virtual_memory().total, rel=0.01)
+        assert node.status.capacity[GPU_RESOURCE] == "4"
         # Beside kwok's nodes, local ones only take pods that tolerate them.
         assert [(t.key, t.effect) for t in node.spec.taints] == [(LOCAL_NODE_LABEL, "NoSchedule")]
         addresses = {a.type: a.address for a in node.status.addresses}
-        assert re.fullmatch(r"127\.\d+\.0\.\d+", addresses["InternalIP"])
+        assert addresses["InternalIP"] == local.spec.ip == plan.node_ip(local.spec.index)
+        assert node.spec.pod_cidr == plan.pod_cidr(local.spec.index)
         assert node.status.daemon_endpoints.kubelet_endpoint.port == 10250
-        assert node.status.node_info.container_runtime_version.startswith("ladle-node-agent://")
-        ready = {c.type: c.status for c in node.status.conditions}["Ready"]
-        assert ready == "True"
+        assert node.status.node_info.kubelet_version == "v1.37.2"
+        assert node.status.node_info.container_runtime_version.startswith("containerd://2.")
+        ready_now = {c.type: c.status for c in node.status.conditions}["Ready"]
+        assert ready_now == "True"
     coordination = client.CoordinationV1Api(k8s_api)
+    wait_until(
+        lambda: _exists(lambda: coordination.read_namespaced_lease(NODE, "kube-node-lease")),
+        "the local node's Lease",
+        timeout=30,
+    )
     first = coordination.read_namespaced_lease(NODE, "kube-node-lease").spec.renew_time
     wait_until(
         lambda: coordination.read_namespaced_lease(NODE, "kube-node-lease").spec.renew_time > first,
         "the local node's Lease to be renewed",
         timeout=30,
     )
+
+
+def test_the_nodes_run_the_images_built_from_the_dockerfiles(
+    k8s_local_nodes: list[LocalNode],
+) -> None:
+    """What each node's containerd holds is what buildah built: same image ids, and the
+    Dockerfiles' users, entry points and OCI labels."""
+    runtime = images.inspect(images.RUNTIME.reference)
+    operator = images.inspect(images.OPERATOR.reference)
+    assert runtime is not None
+    assert operator is not None
+    for info, entrypoint in ((runtime, ["ladle", "serve"]), (operator, ["ladle", "operator"])):
+        config = info["OCIv1"]["config"]  # type: ignore[index]
+        assert config["User"] == "10001:10001"
+        assert config["Entrypoint"] == entrypoint
+        labels = config["Labels"]
+        assert labels["org.opencontainers.image.version"] == __version__
+        assert labels["org.opencontainers.image.revision"] == images.revision()
+    for node in k8s_local_nodes:
+        listed = subprocess.run(
+            [str(_crictl()), "--runtime-endpoint", node.endpoint, "images", "-o", "json"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        held = {
+            tag: image["id"]
+            for image in json.loads(listed.stdout)["images"]
+            for tag in image["repoTags"]
+        }
+        for reference in (images.RUNTIME.reference, images.OPERATOR.reference, images.PAUSE):
+            assert held[reference] == f"sha256:{images.image_id(reference)}", node.spec.name
+
+
+def _crictl() -> Path:
+    from ladle.cluster import build
+
+    return build.bin_dir() / "crictl"
 
 
 # -- what a container sees ----------------------------------------------------------------------
@@ -324,6 +397,7 @@ def inspected(
                 ],
             },
         )
+        manifest["metadata"]["labels"] = {"app": "inspect"}
         manifest["spec"]["containers"].append(
             {
                 "name": "sidecar",
@@ -335,7 +409,7 @@ def inspected(
         core.create_namespaced_pod(namespace, manifest)
     result = []
     for name in names:
-        pod = wait_pod(k8s_api, namespace, name, lambda p: condition(p, "Ready") == "True", "Ready")
+        pod = ready(k8s_api, namespace, name)
         logs = k8s_cluster.run_kubectl("logs", "-n", namespace, name, "-c", "main")
         assert logs.returncode == 0, logs.stderr
         result.append((pod, json.loads(logs.stdout.splitlines()[0])))
@@ -346,8 +420,10 @@ def inspected(
     core.delete_persistent_volume(pv_name)
 
 
-def test_each_pod_gets_a_loopback_address_and_wildcard_binds_land_on_it(
-    k8s_api: ApiClient, inspected: list[tuple[dict[str, Any], dict[str, Any]]]
+def test_each_pod_has_its_own_network_namespace_and_address(
+    k8s_cluster: KubeCluster,
+    k8s_api: ApiClient,
+    inspected: list[tuple[dict[str, Any], dict[str, Any]]],
 ) -> None:
     node = _core(k8s_api).read_node(NODE)
     node_ip = {a.type: a.address for a in node.status.addresses}["InternalIP"]
@@ -359,13 +435,52 @@ def test_each_pod_gets_a_loopback_address_and_wildcard_binds_land_on_it(
         assert ip.startswith(prefix)
         assert pod["status"]["podIPs"] == [{"ip": ip}]
         assert pod["status"]["hostIP"] == node_ip
-        assert facts["bound"] == [ip, 8080]  # --host 0.0.0.0 ended up on the pod's address
         assert facts["env"]["POD_IP"] == ip
+        # Both serve 0.0.0.0:8080 in namespaces of their own; the host reaches each by route.
         with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as rsp:
             assert rsp.status == 200
         assert f"{ip}\t{pod['metadata']['name']}" in facts["hosts"]
         assert facts["hostname"] == pod["metadata"]["name"]
-    assert len(addresses) == 2  # both listen on port 8080, side by side
+        assert facts["pid"] == 1  # a PID namespace of its own (the sandbox is not shared)
+        host_pid = k8s_cluster.container_pid(pod, "main")
+        assert psutil.Process(host_pid).cmdline()[:2] == ["python", "-c"]
+    assert len(addresses) == 2
+
+
+def test_services_route_through_kube_proxy(
+    k8s_cluster: KubeCluster,
+    k8s_api: ApiClient,
+    namespace: str,
+    inspected: list[tuple[dict[str, Any], dict[str, Any]]],
+) -> None:
+    """A ClusterIP answers from the host and from a pod: kube-proxy's rules in the cluster's
+    network namespace send it to the inspectors."""
+    service = _core(k8s_api).create_namespaced_service(
+        namespace,
+        {
+            "metadata": {"name": "inspect"},
+            "spec": {"selector": {"app": "inspect"}, "ports": [{"port": 80, "targetPort": 8080}]},
+        },
+    )
+    cluster_ip = service.spec.cluster_ip
+    plan = k8s_cluster.cluster.network_plan()
+    assert plan is not None
+    assert cluster_ip.startswith(f"10.{plan.block}.")
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{cluster_ip}/", timeout=3) as rsp:
+                return bool(rsp.status == 200)
+        except OSError:
+            return False
+
+    wait_until(answers, f"Service {cluster_ip} to answer from the host", timeout=30)
+    name = inspected[0][0]["metadata"]["name"]
+    script = f"import urllib.request; print(urllib.request.urlopen('http://{cluster_ip}/').status)"
+    fetched = k8s_cluster.run_kubectl(
+        "exec", "-n", namespace, name, "-c", "main", "--", "python", "-c", script
+    )
+    assert (fetched.returncode, fetched.stdout.strip()) == (0, "200"), fetched.stderr
 
 
 def test_environment_command_and_working_directory(
@@ -378,7 +493,9 @@ def test_environment_command_and_working_directory(
     assert env["PASSWORD"] == "s3cret"
     assert env["GREETING"] == "hello"
     assert env["PYTHONUNBUFFERED"] == "1"  # the image's ENV
-    assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
+    plan = k8s_cluster.cluster.network_plan()
+    assert plan is not None
+    assert env["KUBERNETES_SERVICE_HOST"] == plan.kubernetes_service_ip
     assert facts["argv"] == ["hello", pod["status"]["podIP"]]  # $(VAR) expanded
     assert facts["cwd"] == "/tmp"
 
@@ -406,8 +523,7 @@ def test_service_account_token_gives_in_cluster_login(
     inspected: list[tuple[dict[str, Any], dict[str, Any]]],
 ) -> None:
     _, facts = inspected[0]
-    assert facts["token_bytes"] > 100
-    assert facts["api_node"] == NODE  # the pod read itself through in-cluster config
+    assert facts["api_node"] == NODE  # the pod read itself through the kubernetes Service
 
 
 def test_security_context_sets_identity_and_drops_capabilities(
@@ -415,20 +531,22 @@ def test_security_context_sets_identity_and_drops_capabilities(
 ) -> None:
     _, facts = inspected[0]
     assert (facts["uid"], facts["gid"]) == (10001, 10001)
-    assert facts["groups"] == [2000, 10001]
+    assert 2000 in facts["groups"]  # fsGroup
     assert facts["cap_eff"] == "0000000000000000"
 
 
-def test_gpus_come_from_the_node_allocator(
+def test_gpus_come_from_the_device_plugin(
     inspected: list[tuple[dict[str, Any], dict[str, Any]]],
 ) -> None:
-    devices = [facts["env"]["CUDA_VISIBLE_DEVICES"].split(",") for _, facts in inspected]
+    """The kubelet hands out the plugin's devices, two each, never the same one twice; the
+    plugin answers as NVIDIA's does, with NVIDIA_VISIBLE_DEVICES."""
+    devices = [facts["env"]["NVIDIA_VISIBLE_DEVICES"].split(",") for _, facts in inspected]
     assert all(len(d) == 2 for d in devices)
+    assert all(d.startswith("GPU-") for pod in devices for d in pod)
     assert set(devices[0]).isdisjoint(devices[1])
-    assert set(devices[0]) | set(devices[1]) == {"0", "1", "2", "3"}
 
 
-def test_status_and_events_are_what_a_kubelet_reports(
+def test_status_and_events_are_the_kubelets(
     k8s_api: ApiClient, namespace: str, inspected: list[tuple[dict[str, Any], dict[str, Any]]]
 ) -> None:
     pod, _ = inspected[0]
@@ -446,32 +564,57 @@ def test_status_and_events_are_what_a_kubelet_reports(
     assert main["started"]
     assert main["restartCount"] == 0
     assert main["image"] == IMAGE
-    assert main["containerID"].startswith("ladle://")
+    assert main["containerID"].startswith("containerd://")
     assert "startedAt" in main["state"]["running"]
-    assert status["startTime"]
     wait_events(
         k8s_api,
         namespace,
         pod["metadata"]["name"],
         lambda seen: (
-            ("Created", "Created container: main") in seen
-            and ("Started", "Started container main") in seen
+            any(r == "Pulled" and "already present on machine" in m for r, m in seen)
+            and any(r == "Started" for r, _ in seen)
             # The exec readiness probe failed until the script wrote /tmp/ready.
             and any(r == "Unhealthy" and "Readiness probe failed" in m for r, m in seen)
         ),
-        "Created, Started and Unhealthy (readiness) Events",
+        "Pulled (already present), Started and Unhealthy (readiness) Events",
     )
 
 
-def test_kubectl_logs_goes_through_the_kubelet_endpoint(
+def test_kubectl_logs_exec_and_port_forward_go_through_the_kubelet(
     k8s_cluster: KubeCluster, namespace: str, inspected: list[tuple[dict[str, Any], dict[str, Any]]]
 ) -> None:
     name = inspected[0][0]["metadata"]["name"]
-    tail = k8s_cluster.run_kubectl("logs", "-n", namespace, name, "-c", "sidecar", "--tail=1")
-    assert tail.returncode == 0, tail.stderr
-    refused = k8s_cluster.run_kubectl("logs", "-n", namespace, name, "-c", "main", "--timestamps")
-    assert refused.returncode != 0
-    assert "timestamps is not supported" in refused.stderr
+    logs = k8s_cluster.run_kubectl("logs", "-n", namespace, name, "-c", "main", "--timestamps")
+    assert logs.returncode == 0, logs.stderr
+    stamp, line = logs.stdout.splitlines()[0].split(" ", 1)
+    assert stamp.endswith("Z")
+    assert json.loads(line)["env"]["POD_NAME"] == name
+    exec_ = k8s_cluster.run_kubectl(
+        "exec", "-n", namespace, name, "-c", "sidecar", "--", "id", "-u"
+    )
+    assert (exec_.returncode, exec_.stdout.strip()) == (0, "10001"), exec_.stderr
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    forward = subprocess.Popen(
+        [str(k8s_cluster.kubectl), "port-forward", "-n", namespace, f"pod/{name}", f"{port}:8080"],
+        env=k8s_cluster.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+
+        def forwarded() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=3) as rsp:
+                    return bool(rsp.status == 200)
+            except OSError:
+                return False
+
+        wait_until(forwarded, "kubectl port-forward to answer", timeout=30)
+    finally:
+        forward.terminate()
+        forward.wait(10)
 
 
 # -- lifecycle ----------------------------------------------------------------------------------
@@ -487,21 +630,20 @@ def test_crash_loop_restarts_with_back_off_and_keeps_the_last_state(
         k8s_api,
         namespace,
         "crash",
-        lambda p: (
-            (container_status(p).get("state") or {}).get("waiting", {}).get("reason")
-            == "CrashLoopBackOff"
-        ),
-        "in CrashLoopBackOff",
-        timeout=30,
+        lambda p: container_status(p).get("restartCount", 0) >= 1 and not ready_or_running(p),
+        "backing off after a restart",
+        timeout=60,
     )
     main = container_status(pod)
-    assert main["restartCount"] == 2  # the first restart is immediate, the second backs off
     assert main["lastState"]["terminated"]["exitCode"] == 3
     assert main["lastState"]["terminated"]["reason"] == "Error"
-    assert "back-off 10s restarting failed container=main" in main["state"]["waiting"]["message"]
+    # While it backs off, a 1.37 kubelet shows the run that ended, not a waiting state.
+    assert main["state"]["terminated"]["exitCode"] == 3
     assert pod["status"]["phase"] == "Running"
-    previous = k8s_cluster.run_kubectl("logs", "-n", namespace, "crash", "--previous")
-    assert previous.stdout.strip() == "crashing", previous.stderr
+    # The run it backs off from is the one `kubectl logs` shows (the one before it is gone:
+    # the kubelet keeps one dead container per container).
+    ended = k8s_cluster.run_kubectl("logs", "-n", namespace, "crash")
+    assert ended.stdout.strip() == "crashing", ended.stderr
     wait_events(
         k8s_api,
         namespace,
@@ -515,9 +657,12 @@ def test_liveness_failure_kills_and_restarts_the_container(
     k8s_api: ApiClient, namespace: str
 ) -> None:
     liveness = {"tcpSocket": {"port": 9}, "periodSeconds": 1, "failureThreshold": 2}
+    graceful = "import signal, time; signal.signal(signal.SIGTERM, lambda *_: exit(143)); "
     _core(k8s_api).create_namespaced_pod(
         namespace,
-        pod_manifest("unlive", ["sleep", "3600"], container={"livenessProbe": liveness}),
+        pod_manifest(
+            "unlive", python(graceful + "time.sleep(3600)"), container={"livenessProbe": liveness}
+        ),
     )
     pod = wait_pod(
         k8s_api,
@@ -525,7 +670,7 @@ def test_liveness_failure_kills_and_restarts_the_container(
         "unlive",
         lambda p: container_status(p).get("restartCount", 0) >= 1,
         "restarted",
-        timeout=30,
+        timeout=60,
     )
     assert container_status(pod)["lastState"]["terminated"]["exitCode"] == 143  # SIGTERM
     wait_events(
@@ -533,14 +678,37 @@ def test_liveness_failure_kills_and_restarts_the_container(
         namespace,
         "unlive",
         lambda seen: (
-            ("Killing", "Container main failed liveness probe, will be restarted") in seen
-            and any(
-                r == "Unhealthy" and "Liveness probe failed: dial tcp" in m and "refused" in m
-                for r, m in seen
-            )
+            any(r == "Killing" and "failed liveness probe" in m for r, m in seen)
+            and any(r == "Unhealthy" and "Liveness probe failed" in m for r, m in seen)
         ),
-        "Killing and Unhealthy (liveness, connection refused) Events",
+        "Killing and Unhealthy (liveness) Events",
     )
+
+
+def test_the_kernel_oom_kills_a_container_over_its_memory_limit(
+    k8s_api: ApiClient, namespace: str
+) -> None:
+    """Limits are cgroup limits now: 200 MB in a 64 MiB container is the kernel's business."""
+    hog = "x = bytearray(200 * 2**20); import time; time.sleep(60)"
+    _core(k8s_api).create_namespaced_pod(
+        namespace,
+        pod_manifest(
+            "hog",
+            python(hog),
+            restartPolicy="Never",
+            container={"resources": {"limits": {"memory": "64Mi"}}},
+        ),
+    )
+    pod = wait_pod(
+        k8s_api,
+        namespace,
+        "hog",
+        lambda p: p["status"].get("phase") == "Failed",
+        "Failed",
+        timeout=60,
+    )
+    terminated = container_status(pod)["state"]["terminated"]
+    assert (terminated["reason"], terminated["exitCode"]) == ("OOMKilled", 137)
 
 
 def test_restart_policy_never_ends_in_a_terminal_phase(k8s_api: ApiClient, namespace: str) -> None:
@@ -587,9 +755,7 @@ def test_init_containers_run_in_order_before_the_app_and_a_sidecar_keeps_running
     core = _core(k8s_api)
     core.create_namespaced_pod(namespace, manifest)
     core.create_namespaced_pod(namespace, failing)
-    pod = wait_pod(
-        k8s_api, namespace, "initialized", lambda p: condition(p, "Ready") == "True", "Ready"
-    )
+    pod = ready(k8s_api, namespace, "initialized")
     logs = k8s_cluster.run_kubectl("logs", "-n", namespace, "initialized")
     assert logs.stdout.split() == ["first", "sidecar", "second"], logs.stderr
     inits = {s["name"]: s for s in pod["status"]["initContainerStatuses"]}
@@ -597,6 +763,12 @@ def test_init_containers_run_in_order_before_the_app_and_a_sidecar_keeps_running
     assert inits["second"]["state"]["terminated"]["exitCode"] == 0
     assert "running" in inits["sidecar"]["state"]
     assert condition(pod, "Initialized") == "True"
+    # The emptyDir is a folder of the node's, under the kubelet's root in the node's view.
+    assert (k8s_cluster.empty_dir(pod, "work") / "steps").read_text().split() == [
+        "first",
+        "sidecar",
+        "second",
+    ]
     failed = wait_pod(
         k8s_api,
         namespace,
@@ -609,7 +781,11 @@ def test_init_containers_run_in_order_before_the_app_and_a_sidecar_keeps_running
     assert "running" not in container_status(failed).get("state", {})  # the app never started
 
 
-def test_unknown_image_waits_with_a_clear_reason(k8s_api: ApiClient, namespace: str) -> None:
+def test_an_image_no_registry_serves_waits_with_the_pull_error(
+    k8s_api: ApiClient, namespace: str
+) -> None:
+    """Only imported images run: a pull of anything else fails (no registry is reachable from
+    the cluster's network), and the pod waits in ErrImagePull or ImagePullBackOff."""
     manifest = pod_manifest("foreign", ["true"])
     manifest["spec"]["containers"][0]["image"] = "registry.example.com/someone-else:1.0"
     _core(k8s_api).create_namespaced_pod(namespace, manifest)
@@ -617,24 +793,20 @@ def test_unknown_image_waits_with_a_clear_reason(k8s_api: ApiClient, namespace: 
         k8s_api,
         namespace,
         "foreign",
-        lambda p: (
-            (container_status(p).get("state") or {}).get("waiting", {}).get("reason")
-            == "ErrImageNeverPull"
-        ),
+        lambda p: waiting_reason(p) in ("ErrImagePull", "ImagePullBackOff"),
         "waiting on its image",
-        timeout=30,
+        timeout=60,
     )
     message = container_status(pod)["state"]["waiting"]["message"]
     assert "registry.example.com/someone-else:1.0" in message
-    assert "runs only ladle's own images" in message
     assert condition(pod, "Ready") == "False"
     assert pod["status"]["phase"] == "Pending"
 
 
 TRAPPER = r"""
-import os, signal, time
+import signal, time
 log = open("/trace/log", "a", buffering=1)
-log.write(f"start {os.getpid()}\n")
+log.write("start\n")
 signal.signal(signal.SIGTERM, lambda *_: log.write("sigterm\n"))
 while True:
     time.sleep(0.2)
@@ -642,7 +814,7 @@ while True:
 
 
 def test_deletion_runs_pre_stop_then_sigterm_then_sigkill_then_deletes(
-    k8s_api: ApiClient, namespace: str, tmp_path: Path
+    k8s_cluster: KubeCluster, k8s_api: ApiClient, namespace: str, tmp_path: Path
 ) -> None:
     trace = tmp_path / "trace"
     trace.mkdir()
@@ -661,65 +833,52 @@ def test_deletion_runs_pre_stop_then_sigterm_then_sigkill_then_deletes(
     )
     core = _core(k8s_api)
     core.create_namespaced_pod(namespace, manifest)
-    wait_pod(k8s_api, namespace, "stubborn", lambda p: condition(p, "Ready") == "True", "Ready")
+    pod = ready(k8s_api, namespace, "stubborn")
     wait_until((trace / "log").is_file, "the script to start")
-    pid = int((trace / "log").read_text().split()[1])
+    pid = k8s_cluster.container_pid(pod, "main")
     started = time.monotonic()
     core.delete_namespaced_pod("stubborn", namespace)
     wait_until(
         lambda: not _exists(lambda: core.read_namespaced_pod("stubborn", namespace)),
         "the pod to be deleted",
-        timeout=30,
+        timeout=60,
     )
-    took = time.monotonic() - started
-    assert (trace / "log").read_text().splitlines()[1:] == ["prestop", "sigterm"]
-    assert 3 <= took < 8  # the whole grace period, then SIGKILL, then the final delete
+    assert time.monotonic() - started >= 3  # it ignored SIGTERM: the whole grace period
+    assert (trace / "log").read_text().splitlines() == ["start", "prestop", "sigterm"]
     assert not psutil.pid_exists(pid)
 
 
-def test_agent_restart_adopts_running_pods_and_cleans_up_deleted_ones(
+def test_a_kubelet_restart_keeps_running_pods_and_removes_deleted_ones(
     k8s_cluster: KubeCluster, k8s_api: ApiClient, namespace: str
 ) -> None:
     core = _core(k8s_api)
     for name in ("keep", "drop"):
         manifest = pod_manifest(
-            name,
-            python(TRAPPER),
-            volumes=[{"name": "trace", "emptyDir": {}}],
-            container={"volumeMounts": [{"name": "trace", "mountPath": "/trace"}]},
+            name, ["sleep", "3600"], nodeSelector={"kubernetes.io/hostname": NODE}
         )
         core.create_namespaced_pod(namespace, manifest)
     pids = {}
     for name in ("keep", "drop"):
-        pod = wait_pod(k8s_api, namespace, name, lambda p: condition(p, "Ready") == "True", "Ready")
-        pids[name] = _container_pid(k8s_cluster, pod)
+        pids[name] = k8s_cluster.container_pid(ready(k8s_api, namespace, name), "main")
     cluster = k8s_cluster.cluster
-    cluster.stop_agent()
+    kubelet = f"kubelet-{NODE}"
+    cluster.stop_component(kubelet)
     try:
         core.delete_namespaced_pod("drop", namespace, grace_period_seconds=0)
         assert psutil.pid_exists(pids["drop"])  # nobody has stopped it yet
     finally:
-        cluster.start_agent()
-    wait_until(lambda: not psutil.pid_exists(pids["drop"]), "the deleted pod's process to end")
+        cluster.start_component(kubelet)
+    wait_until(lambda: not psutil.pid_exists(pids["drop"]), "the deleted pod's process to end", 90)
     keep = read_pod(k8s_api, namespace, "keep")
-    assert _container_pid(k8s_cluster, keep) == pids["keep"]
-    assert psutil.pid_exists(pids["keep"])
+    assert k8s_cluster.container_pid(keep, "main") == pids["keep"]
     assert condition(keep, "Ready") == "True"
     assert container_status(keep)["restartCount"] == 0
-    # And it is still managed: deleting it now stops it.
-    core.delete_namespaced_pod("keep", namespace, grace_period_seconds=1)
-    wait_until(lambda: not psutil.pid_exists(pids["keep"]), "the adopted pod's process to end")
-
-
-def _container_pid(k8s_cluster: KubeCluster, pod: dict[str, Any]) -> int:
-    record = (
-        k8s_cluster.cluster.agent_dir
-        / "pods"
-        / pod["metadata"]["uid"]
-        / "containers"
-        / "main"
-        / "record.json"
+    # The device plugin registered with the new kubelet: the node offers its GPUs again.
+    wait_until(
+        lambda: _core(k8s_api).read_node(NODE).status.allocatable.get(GPU_RESOURCE) == "4",
+        "the GPUs to be offered again",
+        timeout=60,
     )
-    with contextlib.suppress(FileNotFoundError):
-        return int(json.loads(record.read_text())["pid"])
-    return -1
+    # And the pod is still managed: deleting it now stops it.
+    core.delete_namespaced_pod("keep", namespace, grace_period_seconds=1)
+    wait_until(lambda: not psutil.pid_exists(pids["keep"]), "the kept pod's process to end", 60)
