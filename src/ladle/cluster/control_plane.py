@@ -535,30 +535,21 @@ class Cluster:
         processes: dict[str, dict[str, Any]] = state.get("processes", {})
         local = self.local_nodes()
         bins = Path(state["bin_dir"])
-        stopped = []
-
-        def stop(name: str) -> None:
-            record = processes.get(name)
-            proc = self._live(record) if record else None
-            if proc is not None:
-                self._terminate(proc, grace)
-                stopped.append(name)
-
-        # Kubelets first, so that nothing restarts what is being removed.
-        for node in local:
-            stop(f"kubelet-{node.spec.name}")
-            stop(f"gpu-plugin-{node.spec.name}")
-        with ThreadPoolExecutor(max(1, len(local))) as pool:
-            list(pool.map(lambda node: node.remove_pods(bins), local))
-        for name in [name for name in processes if name.startswith("kubelet-")]:
-            stop(name)
-        for name in ("kube-proxy", "kwok", "kube-scheduler", "kube-controller-manager"):
-            stop(name)
-        for node in local:
-            stop(f"containerd-{node.spec.name}")
-        _stop_shims([node.socket for node in local])
-        for name in ("kube-apiserver", "etcd"):
-            stop(name)
+        stopped: list[str] = []
+        stages = (
+            # Kubelets first, so that nothing restarts what is being removed.
+            [f"{kind}-{n.spec.name}" for n in local for kind in ("kubelet", "gpu-plugin")],
+            ["kube-proxy", "kwok", "kube-scheduler", "kube-controller-manager"],
+            [f"containerd-{n.spec.name}" for n in local],
+            ["kube-apiserver", "etcd"],
+        )
+        for index, names in enumerate(stages):
+            stopped += self._stop([(n, processes[n]) for n in names if n in processes], grace)
+            if index == 0:
+                with ThreadPoolExecutor(max(1, len(local))) as pool:
+                    list(pool.map(lambda node: node.remove_pods(bins), local))
+            if index == 2:
+                _stop_shims([node.socket for node in local])
         for node in local:
             node.clean()
         release_run_root(state["cluster_id"])
@@ -566,20 +557,30 @@ class Cluster:
             network.destroy(net)
         return stopped
 
-    @staticmethod
-    def _terminate(proc: psutil.Process, grace: float) -> None:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-            _, alive = psutil.wait_procs([proc], timeout=grace)
-            for straggler in alive:
-                straggler.kill()
-            psutil.wait_procs(alive, timeout=grace)
+    def _stop(self, records: list[tuple[str, dict[str, Any]]], grace: float) -> list[str]:
+        """SIGTERM to each recorded process still alive, all at once; SIGKILL to those alive
+        after ``grace``. Polled briefly: they are not our children, so nothing tells us when
+        they end (psutil polls a second at a time), and ``down`` stops a dozen in a row."""
+        live = {name: proc for name, rec in records if (proc := self._live(rec)) is not None}
+        for proc in live.values():
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        deadline = time.monotonic() + grace
+        killed = False
+        while alive := [proc for proc in live.values() if _running(proc)]:
+            if time.monotonic() > deadline and not killed:
+                for proc in alive:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                killed = True
+            elif time.monotonic() > deadline + grace:
+                break
+            time.sleep(0.05)
+        return list(live)
 
     def stop_component(self, name: str) -> None:
         """Stop one recorded process (a kubelet, say) and leave the rest running."""
-        record = self.state()["processes"][name]
-        if (proc := self._live(record)) is not None:
-            self._terminate(proc, 10.0)
+        self._stop([(name, self.state()["processes"][name])], 10.0)
 
     def start_component(self, name: str) -> None:
         """Start a stopped component again with the command and environment it had."""
@@ -597,14 +598,8 @@ class Cluster:
         a probe Deployment keeps the restart from leaking into the tests that follow."""
         state = self.state()
         record = state["processes"]["kube-apiserver"]
-        proc = self._live(record)
         start = time.monotonic()
-        if proc is not None:
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-                _, alive = psutil.wait_procs([proc], timeout=10)
-                for straggler in alive:
-                    straggler.kill()
+        self._stop([("kube-apiserver", record)], 10.0)
         self._start(state, "kube-apiserver", record["argv"])
         deadline = start + timeout
         self._wait("kube-apiserver /readyz", lambda: self.api("GET", "/readyz") == "ok", deadline)
@@ -856,6 +851,13 @@ class Cluster:
         path = self.state_dir / "kube-proxy.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return net.enter([], [str(bins / "kube-proxy"), f"--config={path}"])
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
 
 
 def _stop_shims(sockets: list[Path]) -> None:
