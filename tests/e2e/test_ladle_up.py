@@ -2,9 +2,10 @@
 operator and gateway as pods and a serving runtime pod, and afterwards nothing of it left: no
 process, container, network namespace, link, mount or cgroup.
 
-It runs before this package's other modules (file order), while no other runtime pod loads.
-It asks for one local node instead of the default two: the machine's disk holds the session's
-two nodes and one more copy of the seven-gigabyte runtime image, not two more.
+It runs before this package's other modules (file order), while no other runtime pod loads,
+beside the session's cluster and its local nodes, which its ``down`` must leave running. It asks
+for one local node instead of the default two: the machine's disk holds the session's two
+nodes and one more copy of the seven-gigabyte runtime image, not two more.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import psutil
 import pytest
 
 from ladle.cluster import build, cgroups, network
-from ladle.cluster.node import RUN_ROOT, mount_points_under
+from ladle.cluster.node import RUN_ROOT, LocalNode, mount_points_under
+from ladle.cluster.pytest_plugin import KubeCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -56,7 +58,9 @@ def listening(ports: set[int]) -> list[tuple[str, int]]:
     ]
 
 
-def test_ladle_up_serves_and_ladle_down_leaves_nothing_behind(tmp_path: Path) -> None:
+def test_ladle_up_serves_and_ladle_down_leaves_nothing_behind(
+    k8s_cluster: KubeCluster, k8s_local_nodes: list[LocalNode], tmp_path: Path
+) -> None:
     state_dir = (tmp_path / "system").resolve()
     up = ladle("up", "--state-dir", str(state_dir), "--local-nodes", "1", "--wait", "300")
     state = json.loads((state_dir / "state.json").read_text()) if state_dir.exists() else {}
@@ -65,9 +69,9 @@ def test_ladle_up_serves_and_ladle_down_leaves_nothing_behind(tmp_path: Path) ->
         for step in range(1, 7):
             assert f"[{step}/6]" in up.stdout
         net = network.Plan(state["network"]["block"], state["network"]["name"])
-        match = re.search(r"OpenAI base URL: (http://(10\.\d+)\.\d+\.\d+:\d+/v1)", up.stdout)
+        match = re.search(r"OpenAI base URL: (http://(10\.\d+)\.\d+\.\d+(?::\d+)?/v1)", up.stdout)
         assert match, up.stdout
-        assert match.group(2) == f"10.{net.block}"  # the gateway pod, in the cluster's network
+        assert match.group(2) == f"10.{net.block}"  # the gateway Service, in the cluster's range
         curl = next(line for line in up.stdout.splitlines() if line.startswith("curl "))
         answer = subprocess.run(
             ["bash", "-c", curl], capture_output=True, text=True, timeout=120, check=False
@@ -105,3 +109,10 @@ def test_ladle_up_serves_and_ladle_down_leaves_nothing_behind(tmp_path: Path) ->
     assert not any(
         (root / "ladle" / state["cluster_id"]).exists() for root in cgroups.hierarchies()
     )
+    # Nothing of the session's cluster was touched: its nodes' processes and network are there.
+    assert all(k8s_cluster.cluster.running().values())
+    session = k8s_cluster.cluster.network_plan()
+    assert session is not None
+    assert session.netns_path.exists()
+    nodes = k8s_cluster.run_kubectl("get", "nodes", "-l", "type=local", "--no-headers")
+    assert [line.split()[1] for line in nodes.stdout.splitlines()] == ["Ready", "Ready"]

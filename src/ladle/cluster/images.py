@@ -193,7 +193,7 @@ def build_base() -> None:
                 str(rootfs),
             ],
             "base",
-            lambda line: line.startswith("I: ") and "..." in line,
+            lambda line: line if line.startswith("I: ") and "..." in line else None,
         )
         _commit_rootfs(
             BASE,
@@ -284,18 +284,31 @@ def build_image(image: Image) -> set[str]:
         *("-t", image.reference),
         str(REPO_ROOT),
     ]
-    output = _run_logged(
-        buildah_argv(*args),
-        image.name,
-        lambda line: line.startswith("[") and "STEP " in line,
-    )
+    output = _run_logged(buildah_argv(*args), image.name, _running_steps())
     # Each step ends with "--> <id>" or "--> Using cache <id>".
     return {line.split()[-1] for line in output if line.startswith("--> ")}
 
 
-def _run_logged(argv: list[str], label: str, shown: Callable[[str], bool]) -> list[str]:
-    """Run a build, keep its whole output in the store's log folder, print the lines that
-    ``shown`` picks as progress, and raise with the output's tail if it fails."""
+def _running_steps() -> Callable[[str], str | None]:
+    """Picks buildah's "STEP n/m" lines of the steps that run, not of those its layer cache
+    answers: a step's line is shown once the next line is not "--> Using cache"."""
+    pending: list[str] = []
+
+    def pick(line: str) -> str | None:
+        shown = None
+        if pending and not line.startswith("--> Using cache"):
+            shown = pending.pop()
+        pending.clear()
+        if line.startswith("[") and "STEP " in line:
+            pending.append(line)
+        return shown
+
+    return pick
+
+
+def _run_logged(argv: list[str], label: str, shown: Callable[[str], str | None]) -> list[str]:
+    """Run a build, keep its whole output in the store's log folder, print what ``shown``
+    picks from each line as progress, and raise with the output's tail if it fails."""
     logs = store() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     lines: list[str] = []
@@ -313,8 +326,8 @@ def _run_logged(argv: list[str], label: str, shown: Callable[[str], bool]) -> li
         for line in proc.stdout:
             log.write(line)
             lines.append(line.rstrip())
-            if shown(line):
-                _log(f"      {label}: {line.strip()[:100]} ({time.monotonic() - start:.0f}s)")
+            if (progress := shown(line)) is not None:
+                _log(f"      {label}: {progress.strip()[:100]} ({time.monotonic() - start:.0f}s)")
         rc = proc.wait()
     if rc != 0:
         tail = "\n".join(lines[-40:])

@@ -151,6 +151,7 @@ class System:
         nodes = options.local_nodes
         progress.step(f"the cluster, with {plural(nodes, 'local node')} (kubelet, containerd)")
         if self._running():
+            self.cluster.start_local_nodes()  # imports images rebuilt since it started
             progress.done(f"already running in {self.cluster.state_dir}")
         else:
             seconds = self.cluster.up(options)
@@ -214,18 +215,14 @@ class System:
         return Endpoint(pod["metadata"]["name"], base_url, model, gateway)
 
     def _gateway_url(self) -> str | None:
-        """A Ready gateway pod's base URL, if the chart runs the gateway."""
-        pods = self.kubectl_json(
-            "get", "pods", "-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/component=gateway"
-        )["items"]
-        for pod in pods:
-            ready = any(
-                c["type"] == "Ready" and c["status"] == "True"
-                for c in pod["status"].get("conditions", [])
-            )
-            ports = pod["spec"]["containers"][0].get("ports") or []
-            if ready and ports and pod["status"].get("podIP"):
-                return f"http://{pod['status']['podIP']}:{ports[0]['containerPort']}/v1"
+        """The gateway Service's base URL (its ClusterIP, which kube-proxy serves from the
+        host too), if the chart runs the gateway."""
+        selector = ("-n", SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/component=gateway")
+        for service in self.kubectl_json("get", "services", *selector)["items"]:
+            address = service["spec"].get("clusterIP")
+            port = next((p["port"] for p in service["spec"]["ports"] if p["name"] == "http"), None)
+            if address and port:
+                return f"http://{address}/v1" if port == 80 else f"http://{address}:{port}/v1"
         return None
 
     def down(self) -> list[str]:
