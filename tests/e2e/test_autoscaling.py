@@ -41,7 +41,10 @@ def service(min_replicas: int) -> dict[str, Any]:
         "metadata": {"name": NAME},
         "spec": {
             "model": {"name": MODEL},
-            "resources": {"gpus": 0},
+            # A CPU request, as every runtime pod should have: without one the kubelet gives a
+            # pod the smallest CPU share (2 against the chart's pods' 102-256), and under load
+            # its engine starves.
+            "resources": {"gpus": 0, "cpu": "250m"},
             "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512, "drainTimeoutSeconds": 5},
             "replicas": 1,
             "minReplicas": min_replicas,

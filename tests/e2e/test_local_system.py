@@ -196,6 +196,24 @@ def test_gpu_pods_get_their_devices_and_the_runtime_says_it_runs_on_the_cpu(
     assert "NVIDIA_VISIBLE_DEVICES" not in system.cluster.container_environ(cpu_pod, "runtime")
 
 
+def test_the_runtime_image_runs_as_its_user_on_a_read_only_root(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    """What the chart and the operator ask of a runtime pod, the kubelet and runc really do:
+    uid 10001 (the image's user), no capabilities, a root file system it cannot write."""
+    system = ladle_system
+    pod = system.ready_pod("smollm2-cpu")
+    status = Path(f"/proc/{system.container_pid(pod)}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines())
+    assert fields["Uid"].split() == ["10001"] * 4
+    assert fields["CapEff"].strip() == "0000000000000000"
+    name = pod["metadata"]["name"]
+    probe = "import pathlib; pathlib.Path('/opt/x').write_text('x')"
+    write = system.kubectl("exec", "-n", system.namespace, name, "--", "python", "-c", probe)
+    assert write.returncode != 0
+    assert "Read-only file system" in write.stderr
+
+
 def test_kubectl_logs_shows_the_runtimes_json_lines(
     ladle_system: System, services: dict[str, dict[str, Any]]
 ) -> None:

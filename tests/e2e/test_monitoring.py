@@ -190,7 +190,9 @@ def namespace(ladle_system: System) -> Iterator[str]:
 def service(name: str, model: str, **spec: Any) -> dict[str, Any]:
     body = {
         "model": {"name": model},
-        "resources": {"gpus": 0},
+        # A CPU request, as every runtime pod should have: without one the kubelet gives a
+        # pod the smallest CPU share (2 against other pods' 102-256), and under load it starves.
+        "resources": {"gpus": 0, "cpu": "250m"},
         "engine": ENGINE,
         "replicas": 1,
         **spec,

@@ -86,7 +86,10 @@ def service(
         "metadata": {"name": NAME},
         "spec": {
             "model": {"name": MODEL},
-            "resources": {"gpus": 0},
+            # A CPU request, as every runtime pod should have: without one the kubelet gives a
+            # pod the smallest CPU share (2 against the chart's pods' 102-256), and under load
+            # its engine starves.
+            "resources": {"gpus": 0, "cpu": "250m"},
             "quantization": quantization,
             "engine": {**ENGINE, **(engine or {})},
             "replicas": 1,

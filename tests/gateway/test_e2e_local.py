@@ -95,7 +95,9 @@ def gateway(
 def service(name: str, model: str, replicas: int, **spec: Any) -> str:
     body = {
         "model": {"name": model},
-        "resources": {"gpus": 0},
+        # A CPU request, as every runtime pod should have: without one the kubelet gives a
+        # pod the smallest CPU share (2 against other pods' 102-256), and under load it starves.
+        "resources": {"gpus": 0, "cpu": "250m"},
         "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512},
         "replicas": replicas,
         "minReplicas": min(replicas, 1),

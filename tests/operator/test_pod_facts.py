@@ -102,7 +102,7 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
         isvc_manifest(
             "nokey",
             runtime={"image": DEFAULT_RUNTIME_IMAGE},  # the image the local nodes hold
-            resources={"gpus": 0},
+            resources={"gpus": 0, "cpu": "250m"},
             engine={"kvCacheMemory": "256Mi"},
             apiKeySecret={"name": "nokey-key"},
         ),
@@ -160,7 +160,7 @@ def test_a_kv_cache_over_the_memory_limit_reads_as_oom_killed(
         isvc_manifest(
             "greedy",
             runtime={"image": DEFAULT_RUNTIME_IMAGE},
-            resources={"gpus": 0, "memory": "768Mi"},
+            resources={"gpus": 0, "cpu": "250m", "memory": "768Mi"},
             engine={"kvCacheMemory": "1Gi"},
         ),
         ns,

@@ -276,10 +276,16 @@ def build_image(image: Image) -> set[str]:
     args = ["bud", "--layers", "--isolation", "chroot", "--network", "host"]
     if HOST_CA_BUNDLE.is_file():
         args += ["--volume", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
+    # The Dockerfiles label the version and revision from these build arguments; buildah 1.28's
+    # layer cache does not count an argument's value in a LABEL step's key (a new commit kept
+    # the last one's label), so they are also set as labels of the image it commits.
+    commit = revision()
     args += [
         *("--build-arg", f"PYTHON_IMAGE={BASE}"),
         *("--build-arg", f"VERSION={__version__}"),
-        *("--build-arg", f"REVISION={revision()}"),
+        *("--build-arg", f"REVISION={commit}"),
+        *("--label", f"org.opencontainers.image.version={__version__}"),
+        *("--label", f"org.opencontainers.image.revision={commit}"),
         *("-f", str(dockerfile)),
         *("-t", image.reference),
         str(REPO_ROOT),
