@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 MOUNTS = Path("/proc/self/mounts")
+CPUS = os.cpu_count() or 1
 V2_MARKER = Path("/sys/fs/cgroup/cgroup.controllers")
 
 
@@ -34,18 +35,24 @@ def hierarchies() -> list[Path]:
 
 def create(relative: str) -> None:
     """``relative`` (``/a/b``) in every hierarchy. A new v1 cpuset cgroup starts with no CPUs
-    and no memory nodes, so each level copies its parent's."""
+    and no memory nodes, so each level copies its parent's. Each level weighs, for the CPU, as
+    much as the machine's CPUs' worth of busy host threads (at the default, all local pods
+    together would weigh as one thread of the host's, and starve under load)."""
+    weights = {"cpu.shares": 1024 * CPUS, "cpu.weight": min(100 * CPUS, 10000)}
     for root in hierarchies():
+        (root / relative.strip("/")).mkdir(parents=True, exist_ok=True)
+        if V2_MARKER.is_file():
+            _enable_controllers(root, relative)
         path = root
         for part in relative.strip("/").split("/"):
             parent, path = path, path / part
-            path.mkdir(exist_ok=True)
             for name in ("cpuset.cpus", "cpuset.mems"):
                 mine, theirs = path / name, parent / name
                 if mine.is_file() and not mine.read_text().strip():
                     mine.write_text(theirs.read_text())
-        if V2_MARKER.is_file():
-            _enable_controllers(root, relative)
+            for name, weight in weights.items():
+                if (path / name).is_file():
+                    (path / name).write_text(str(weight))
 
 
 def _enable_controllers(root: Path, relative: str) -> None:
