@@ -32,12 +32,15 @@ def wait_for(predicate: Callable[[], T | None], what: str, timeout: float = 60.0
     """Poll until ``predicate`` returns something truthy; raise TimeoutError naming ``what``.
 
     A predicate that raises is tried again (a 404 for an object not made yet is the usual
-    case); if it still raises at the deadline, that error is chained to the TimeoutError."""
+    case); if it still raises at the deadline, that error is chained to the TimeoutError. An
+    AssertionError is a verdict, not a state still to come: it fails the wait at once."""
     deadline = time.monotonic() + timeout
     while True:
         error: Exception | None = None
         try:
             result = predicate()
+        except AssertionError:
+            raise
         except Exception as err:
             error, result = err, None
         if result:

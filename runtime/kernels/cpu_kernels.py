@@ -96,17 +96,22 @@ def _build(compiler: str, extra_flags: tuple[str, ...]) -> Path:
     return target
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _library(extra_flags: tuple[str, ...]) -> Path | None:
     """The image's prebuilt library for this CPU, else one built here (None: no compiler)."""
     if not extra_flags and (found := prebuilt.find()) is not None:
         level, path = found
         log.info("using the prebuilt CPU kernels", extra={"target": level, "path": str(path)})
         return path
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.warning("no C compiler found; the CPU path uses plain torch")
         return None
-    return _build(compiler, extra_flags)
+    return _build(cc, extra_flags)
 
 
 @functools.cache

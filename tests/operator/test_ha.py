@@ -113,7 +113,9 @@ def test_killing_the_active_operator_fails_over_without_rewriting_anything(
     finally:
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
-        assert second.stop() == 0  # and hands the Lease back for the next test
+        stopped = second.stop()  # and hands the Lease back for the next test
+    # Not in `finally`, where a failed assert would hide the error that got there.
+    assert stopped == 0
 
 
 def test_a_stopping_leader_hands_over_at_once(
@@ -214,8 +216,8 @@ def test_the_old_leader_writes_nothing_once_a_new_one_holds_the_lease(
     finally:
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
         # Both go, whatever happened: the next test needs the Lease free.
-        assert new.stop() == 0
-        assert old.stop() == 0
+        stopped = (new.stop(), old.stop())
+    assert stopped == (0, 0)
 
 
 def gap_scenario(
