@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -29,6 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ladle import __version__
 from ladle.cluster import images
+from ladle.cluster.control_plane import NODE_IMAGES
 from ladle.cluster.node import LocalNode
 from ladle.cluster.nodes import GPU_RESOURCE, LOCAL_NODE_LABEL
 from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
@@ -291,6 +294,32 @@ def test_the_nodes_run_the_images_built_from_the_dockerfiles(
         }
         for reference in (images.RUNTIME.reference, images.OPERATOR.reference, images.PAUSE):
             assert held[reference] == f"sha256:{images.image_id(reference)}", node.spec.name
+        # The layers were not copied in: the node's content store holds the layout's files.
+        store = node.dir / "containerd" / "io.containerd.content.v1.content" / "blobs"
+        for digest, path in images.image_blobs(images.RUNTIME.reference).layers:
+            algorithm, _, hexdigest = digest.partition(":")
+            assert (store / algorithm / hexdigest).samefile(path), (node.spec.name, digest)
+
+
+def test_up_refuses_more_local_nodes_than_the_disk_holds(
+    k8s_local_nodes: list[LocalNode], tmp_path: Path
+) -> None:
+    """Each node unpacks the images for itself: asked for more nodes than the disk holds,
+    ``ladle cluster up`` says so in one line and starts nothing."""
+    per_node = sum(images.unpacked_size(ref) for ref in NODE_IMAGES)
+    count = shutil.disk_usage(tmp_path).free // per_node + 3
+    state_dir = tmp_path / "big"
+    up = subprocess.run(
+        [sys.executable, "-m", "ladle.cli", "cluster", "up", "--state-dir", str(state_dir),
+         "--nodes", "0", "--local-nodes", str(count)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert up.returncode == 1, up.stdout + up.stderr
+    line = up.stderr.strip()
+    assert "\n" not in line, line
+    assert f"{count} local nodes need about" in line, line
+    assert "GiB is: free some space, or start fewer local nodes (--local-nodes)" in line, line
+    assert not state_dir.exists()
 
 
 def _crictl() -> Path:

@@ -159,7 +159,8 @@ def _up(args: argparse.Namespace) -> int:
         seconds = cluster.up(options)
     except ClusterError as exc:
         print(f"ladle cluster up: {exc}", file=sys.stderr)
-        print(f"logs kept in {cluster.log_dir}", file=sys.stderr)
+        if cluster.log_dir.is_dir():  # not when it refused before starting anything
+            print(f"logs kept in {cluster.log_dir}", file=sys.stderr)
         return 1
     print(
         f"cluster Ready in {seconds:.1f}s: {cluster.server}, "

@@ -42,6 +42,7 @@ from ladle.cluster.node import (
     NodeSpec,
     private_run_root,
     release_run_root,
+    share_layers,
 )
 from ladle.words import plural
 
@@ -66,6 +67,8 @@ NODE_LEASE_SECONDS = 40  # what kubelets use
 LOCAL_GPUS = 4
 # What a local node's images are: the pod sandbox and Ladle's two.
 NODE_IMAGES = (images.PAUSE, *(image.reference for image in images.IMAGES))
+# Room beyond the nodes' images: their pods' logs, writable layers and emptyDirs, and etcd.
+DISK_HEADROOM = 2 * 2**30
 
 
 _SAVING = threading.Lock()
@@ -324,6 +327,8 @@ class Cluster:
             raise ClusterError(f"not built: {', '.join(missing)}; run `ladle cluster build`")
         if opts.local_nodes:
             self._check_local_nodes()
+            if start_local:
+                self._check_disk(opts.local_nodes)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         cluster_id = uuid.uuid4().hex[:12]
         net = network.plan(cluster_id) if opts.local_nodes else None
@@ -394,12 +399,14 @@ class Cluster:
         if all(self.running().get(f"kubelet-{node.spec.name}") for node in local):
             self._refresh_images(local)
             return time.monotonic() - start
+        self._check_disk(len(local))
         opts = Options(**state["options"])
         net = self.network_plan()
         assert net is not None
         private_run_root(state["cluster_id"])
         with ThreadPoolExecutor(len(local)) as pool:
             list(pool.map(functools.partial(self._start_runtime, state), local))
+        self._share_layers(local, NODE_IMAGES)
         state = self.state()
         for node in local:
             name = node.spec.name
@@ -434,9 +441,9 @@ class Cluster:
         for tool, package in (("nsenter", "util-linux"), ("ip", "iproute2")):
             if shutil.which(tool) is None:
                 raise ClusterError(f"local nodes need {tool}: install Debian's {package} package")
-        if not (LocalNode_cni := Path("/usr/lib/cni/ptp")).is_file():
+        if not (ptp := Path("/usr/lib/cni/ptp")).is_file():
             raise ClusterError(
-                f"local nodes need the CNI plugins ({LocalNode_cni} is missing): install "
+                f"local nodes need the CNI plugins ({ptp} is missing): install "
                 "Debian's containernetworking-plugins package"
             )
         try:
@@ -444,6 +451,21 @@ class Cluster:
                 images.manifest_descriptor(reference)
         except (build.BuildError, OSError) as err:
             raise ClusterError(f"{err}; or pass --local-nodes 0 for kwok's nodes only") from None
+
+    def _check_disk(self, nodes: int) -> None:
+        """Each node unpacks its own copy of the images; say so before a disk fills up under
+        the nodes' containerd, whose errors name neither the cause nor the fix."""
+        per_node = sum(images.unpacked_size(reference) for reference in NODE_IMAGES)
+        need = nodes * per_node + DISK_HEADROOM
+        where = next(p for p in (self.state_dir, *self.state_dir.parents) if p.exists())
+        free = shutil.disk_usage(where).free
+        if free < need:
+            raise ClusterError(
+                f"{plural(nodes, 'local node')} need about {need / 2**30:.1f} GiB free under "
+                f"{self.state_dir} (each unpacks Ladle's images, {per_node / 2**30:.1f} GiB), "
+                f"and {free / 2**30:.1f} GiB is: free some space, or start fewer local nodes "
+                "(--local-nodes)"
+            )
 
     def local_nodes(self) -> list[LocalNode]:
         """The cluster's local nodes, rebuilt from its state (for stopping and for tests)."""
@@ -480,11 +502,22 @@ class Cluster:
         """Import into running nodes the images that were rebuilt since they started, so that
         the pods a test starts now run the checkout's code."""
         bins = build.bin_dir()
+        imported: set[str] = set()
         for node in local:
             held = node.held_images(bins)
             stale = [ref for ref in NODE_IMAGES if held.get(ref) != images.image_id(ref)]
             if stale:
                 node.import_images(bins, stale)
+                imported.update(stale)
+        if imported:
+            self._share_layers(local, tuple(sorted(imported)))
+
+    @staticmethod
+    def _share_layers(local: list[LocalNode], references: tuple[str, ...]) -> None:
+        try:
+            share_layers(local, build.bin_dir(), references)
+        except NodeError as err:
+            raise ClusterError(str(err)) from None
 
     def _register_local_node(self, spec: NodeSpec, opts: Options) -> bool:
         """Once the kubelet has registered its Node, give it its pod range (there is no node

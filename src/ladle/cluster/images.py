@@ -410,10 +410,36 @@ def manifest_descriptor(reference: str) -> dict[str, Any]:
     raise BuildError(f"{reference} is not in {layout()}: run `ladle cluster build`")
 
 
-def blob_files(reference: str) -> list[tuple[str, Path]]:
-    """(digest, file) of the image's manifest, config and layers: what a node imports."""
-    digests = sorted(_blobs(manifest_descriptor(reference)))
-    return [(digest, _blob_path(digest)) for digest in digests]
+@dataclass(frozen=True)
+class Blobs:
+    """Where an image's blobs are in the layout: its manifest and config, and its layers."""
+
+    descriptor: dict[str, Any]
+    metadata: list[tuple[str, Path]]
+    layers: list[tuple[str, Path]]
+
+
+def image_blobs(reference: str) -> Blobs:
+    """The layout's index entry for ``reference`` and (digest, file) of each of its blobs."""
+    entry = manifest_descriptor(reference)
+    manifest = _manifest(entry)
+    digests = [entry["digest"], manifest["config"]["digest"]]
+    return Blobs(
+        descriptor=entry,
+        metadata=[(digest, _blob_path(digest)) for digest in digests],
+        layers=[(layer["digest"], _blob_path(layer["digest"])) for layer in manifest["layers"]],
+    )
+
+
+def chain_ids(reference: str) -> list[str]:
+    """The chain id of each of the image's layers, bottom first: what a snapshotter names the
+    layer's snapshot by (the OCI image spec's ChainID, from the config's diff ids)."""
+    config = json.loads(image_blobs(reference).metadata[1][1].read_text())
+    first, *rest = config["rootfs"]["diff_ids"]
+    chain: list[str] = [first]
+    for diff_id in rest:
+        chain.append("sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest())
+    return chain
 
 
 def _collect_layout(references: Sequence[str]) -> None:
@@ -487,9 +513,9 @@ def build_all() -> list[Built]:
         for reference in references:
             save(reference)
         _collect_layout(references)
-        return [Built(ref, image_id(ref), _size(ref)) for ref in references]
+        return [Built(ref, image_id(ref), unpacked_size(ref)) for ref in references]
 
 
-def _size(reference: str) -> int:
+def unpacked_size(reference: str) -> int:
     """The image's unpacked size in bytes: the sum of its (uncompressed) layers."""
     return sum(int(layer["size"]) for layer in _manifest(manifest_descriptor(reference))["layers"])
