@@ -42,4 +42,4 @@ cluster-build: setup system-packages
 # Two workers (tests/conftest.py groups the tests): the end-to-end package's waits overlap the
 # rest of the suite.
 test: lint cluster-build
-	$(BIN)/pytest -n 2 --dist loadgroup
+	$(BIN)/pytest -n 2 --dist loadgroup --durations=15

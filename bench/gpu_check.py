@@ -1100,7 +1100,7 @@ def throughput(
     # runs under the interpreter in tests/kernels/test_engine.py).
     runs = fixed_runs if smoke else [nano[0], *fixed_runs, *nano[1:]]
     for label, extra in runs:
-        result = run_worker(report, {**base, **extra, "label": label}, 300 if smoke else 180)
+        result = run_worker(report, {**base, **extra, "label": label}, 600 if smoke else 180)
         if result is not None:
             note = f"{result['tokens']} tokens in {result['seconds']:.1f} s"
             report.add(Row("throughput", label, result["tok_s"], "tok/s", None, note))
