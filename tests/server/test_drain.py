@@ -14,7 +14,6 @@ import httpx
 
 from .conftest import start_server
 
-
 # The long request asks for more tokens than any CPU decodes within the drain timeout (the
 # default model decodes tens of tokens a second here), so it is still running when the drain
 # ends, however fast the machine; its cache is sized to hold them.
