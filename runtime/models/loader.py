@@ -102,9 +102,12 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
         bar.update()
-        # TemporaryDirectory made it 0700; a cache is read by other users too (the runtime
-        # image's user 10001 reads the folder baked in as root).
+        # TemporaryDirectory made it 0700, and safetensors writes its file 0600; a cache is
+        # read by other users too (the runtime image's user 10001 reads the folder baked in
+        # as root, and a pod's volume the one hard-linked from a host's cache).
         os.chmod(tmp, 0o755)
+        for path in Path(tmp).iterdir():
+            path.chmod(0o644)
         try:
             os.rename(tmp, target)
         except OSError:
