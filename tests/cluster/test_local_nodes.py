@@ -295,10 +295,12 @@ def test_the_nodes_run_the_images_built_from_the_dockerfiles(
         for reference in (images.RUNTIME.reference, images.OPERATOR.reference, images.PAUSE):
             assert held[reference] == f"sha256:{images.image_id(reference)}", node.spec.name
         # The layers were not copied in: the node's content store holds the layout's files.
-        store = node.dir / "containerd" / "io.containerd.content.v1.content" / "blobs"
         for digest, path in images.image_blobs(images.RUNTIME.reference).layers:
             algorithm, _, hexdigest = digest.partition(":")
-            assert (store / algorithm / hexdigest).samefile(path), (node.spec.name, digest)
+            assert (node.content_blobs / algorithm / hexdigest).samefile(path), (
+                node.spec.name,
+                digest,
+            )
 
 
 def test_up_refuses_more_local_nodes_than_the_disk_holds(

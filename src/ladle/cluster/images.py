@@ -415,8 +415,12 @@ class Blobs:
     """Where an image's blobs are in the layout: its manifest and config, and its layers."""
 
     descriptor: dict[str, Any]
-    metadata: list[tuple[str, Path]]
+    metadata: list[tuple[str, Path]]  # the manifest, then the config
     layers: list[tuple[str, Path]]
+
+    @property
+    def config(self) -> Path:
+        return self.metadata[1][1]
 
 
 def image_blobs(reference: str) -> Blobs:
@@ -434,7 +438,7 @@ def image_blobs(reference: str) -> Blobs:
 def chain_ids(reference: str) -> list[str]:
     """The chain id of each of the image's layers, bottom first: what a snapshotter names the
     layer's snapshot by (the OCI image spec's ChainID, from the config's diff ids)."""
-    config = json.loads(image_blobs(reference).metadata[1][1].read_text())
+    config = json.loads(image_blobs(reference).config.read_text())
     first, *rest = config["rootfs"]["diff_ids"]
     chain: list[str] = [first]
     for diff_id in rest:

@@ -120,6 +120,11 @@ class LocalNode:
         return self.run_dir / "mnt"
 
     @property
+    def content_blobs(self) -> Path:
+        """containerd's content store: a blob's file is ``<algorithm>/<hex digest>`` in it."""
+        return self.dir / "containerd" / "io.containerd.content.v1.content" / "blobs"
+
+    @property
     def cni_conf_dir(self) -> Path:
         return self.dir / "cni" / "net.d"
 
@@ -354,10 +359,9 @@ required_plugins = ['io.containerd.grpc.v1.cri']
             data=archive,
         )  # fmt: skip
         self._collect_garbage(bins)
-        store = self.dir / "containerd" / "io.containerd.content.v1.content" / "blobs"
         for digest, path in blobs.layers:
             algorithm, _, hexdigest = digest.partition(":")
-            target = store / algorithm / hexdigest
+            target = self.content_blobs / algorithm / hexdigest
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
                 os.link(path, target)
@@ -451,6 +455,8 @@ def share_layers(nodes: list[LocalNode], bins: Path, references: tuple[str, ...]
     (overlayfs copies a file up before any change), so one inode can serve every node."""
     linked = 0
     first, *others = nodes
+    if not others:
+        return linked
     for reference in references:
         source = first.layer_dirs(bins, reference)
         for node in others:
