@@ -99,6 +99,7 @@ def pod_run(system: System, core: client.CoreV1Api, service: dict[str, Any]) -> 
     container = pod.status.container_statuses[0].container_id.split("://", 1)[1]
     result = {"times": marks, "memory": memory(node.container_pid(build.bin_dir(), container))}
     result["args"] = pod.spec.containers[0].args
+    result["env"] = {e.name: e.value for e in pod.spec.containers[0].env or () if e.value}
     system.kubectl("delete", "lisvc", name, "-n", NAMESPACE, "--wait=false")
     poll(
         lambda: not core.list_namespaced_pod(NAMESPACE, label_selector=selector).items,
@@ -130,8 +131,8 @@ def image_root() -> Iterator[Path]:
         subprocess.run(images.buildah_argv("rm", container), capture_output=True, check=False)
 
 
-def bare_run(args: list[str], model: str, root: Path) -> dict[str, Any]:
-    """The baseline: the pod's command line as a plain process on the host."""
+def bare_run(args: list[str], pod_env: dict[str, str], model: str, root: Path) -> dict[str, Any]:
+    """The baseline: the pod's command line and environment as a plain process on the host."""
     port = free_port()
     flags = list(args)
     flags[flags.index("--host") + 1] = "127.0.0.1"
@@ -139,6 +140,7 @@ def bare_run(args: list[str], model: str, root: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as cache:
         env = {
             **os.environ,
+            **pod_env,
             "XDG_CACHE_HOME": cache,
             "LADLE_DEFAULT_MODEL_DIR": str(root / "opt/ladle/models/SmolLM2-135M-Instruct"),
             "LADLE_KERNELS_DIR": str(root / "opt/ladle/kernels"),
@@ -194,7 +196,7 @@ def main() -> int:
         with image_root() as root:
             for index in range(args.repeats):
                 pods.append(pod_run(system, core, service))
-                bares.append(bare_run(pods[-1]["args"], model, root))
+                bares.append(bare_run(pods[-1]["args"], pods[-1]["env"], model, root))
                 print(f"  round {index + 1}: pod {pods[-1]['times']}, bare {bares[-1]['times']}")
     finally:
         system.down()

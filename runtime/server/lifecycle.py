@@ -91,9 +91,16 @@ class ServerState:
         self.metrics = metrics
         self.ready = True
         s = self.settings
+        # Loaded with the engine already; the thread count is what OMP_NUM_THREADS decided.
+        import torch
+
         log.info(
             "ready",
-            extra={"url": f"http://{s.host}:{s.port}/v1", "model": llm.engine.served_model_name},
+            extra={
+                "url": f"http://{s.host}:{s.port}/v1",
+                "model": llm.engine.served_model_name,
+                "threads": torch.get_num_threads(),
+            },
         )
 
     @staticmethod

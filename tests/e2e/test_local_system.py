@@ -165,6 +165,8 @@ def test_a_pod_is_ready_only_after_health_ready_answers(
     pod = system.ready_pod("smollm2-cpu")
     ready = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
     served = next(line for line in log_lines(system, pod) if line["message"] == "ready")
+    # resources.cpu 250m: one compute thread (OMP_NUM_THREADS), not one per CPU of the node.
+    assert served["threads"] == 1
     # The condition has second resolution; the runtime's line has microseconds.
     assert seconds(ready["lastTransitionTime"]) >= int(seconds(served["time"]))
     events = system.core.list_namespaced_event(

@@ -132,6 +132,18 @@ def test_pool_supplies_gpu_resource_node_selector_and_tolerations(
     }
 
 
+@pytest.mark.parametrize(
+    ("cpu", "threads"), [("250m", "1"), (1, "1"), ("2500m", "2"), (4, "4"), (None, None)]
+)
+def test_compute_threads_follow_the_cpus_the_pod_is_promised(
+    make_isvc: Builder, cpu: str | int | None, threads: str | None
+) -> None:
+    resources: dict[str, Any] = {"gpus": 0} if cpu is None else {"gpus": 0, "cpu": cpu}
+    isvc = parse_isvc(make_isvc(spec={"resources": resources}))
+    env = {e["name"]: e["value"] for e in container(desired_children(isvc, None, 1, CONFIG))["env"]}
+    assert env.get("OMP_NUM_THREADS") == threads
+
+
 def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
     isvc = parse_isvc(
         make_isvc(
