@@ -45,7 +45,7 @@ from ladle.operator.desired import desired_children, desired_service
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "tests"))
-from kube_harness import OperatorProcess, wait_for  # noqa: E402  (test helpers, by path)
+from kube_harness import OperatorProcess, wait_until  # noqa: E402  (test helpers, by path)
 
 NAMESPACE = "bench"
 SYSTEM = "ladle-system"
@@ -212,7 +212,7 @@ def measure(
         {"apiVersion": "ladle.dev/v1alpha1", "kind": "GPUPool", "metadata": {"name": "bench"},
          "spec": {"nodeSelector": {"nvidia.com/gpu.present": "true"}}},
     )  # fmt: skip
-    wait_for(
+    wait_until(
         lambda: core.read_namespaced_service_account("default", NAMESPACE),
         "the bench namespace's default ServiceAccount",
     )
@@ -251,7 +251,7 @@ def measure(
             return len(done) >= args.services
 
     try:
-        wait_for(all_done, "every one to be Ready", timeout=args.timeout)
+        wait_until(all_done, "every one to be Ready", timeout=args.timeout)
     except TimeoutError as err:
         print(err, file=sys.stderr)
     recorder.stop()

@@ -18,36 +18,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from ladle.cluster.pytest_plugin import wait_until
 from ladle.operator.api import GROUP, ISVC_PLURAL, POOL_PLURAL, VERSION
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
-
-T = TypeVar("T")
-
-
-def wait_for(predicate: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-    """Poll until ``predicate`` returns something truthy; raise TimeoutError naming ``what``.
-
-    A predicate that raises is tried again (a 404 for an object not made yet is the usual
-    case); if it still raises at the deadline, that error is chained to the TimeoutError. An
-    AssertionError is a verdict, not a state still to come: it fails the wait at once."""
-    deadline = time.monotonic() + timeout
-    while True:
-        error: Exception | None = None
-        try:
-            result = predicate()
-        except AssertionError:
-            raise
-        except Exception as err:
-            error, result = err, None
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}") from error
-        time.sleep(0.2)
 
 
 def free_port() -> int:
@@ -120,7 +97,7 @@ class OperatorProcess:
         return self.proc.poll() is None and self.metric("ladle_operator_leader") == 1.0
 
     def wait_leading(self, timeout: float = 60) -> None:
-        wait_for(self.is_leader, f"operator {self.identity} to lead", timeout)
+        wait_until(self.is_leader, f"operator {self.identity} to lead", timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -218,7 +195,7 @@ class Kube:
             return None
 
         what = f"{namespace}/{name} {type_}={status}" + (f" ({reason})" if reason else "")
-        return wait_for(matches, what, timeout)
+        return wait_until(matches, what, timeout)
 
     def events(self, namespace: str, name: str) -> list[tuple[str, str, str]]:
         """(type, reason, message) of the Events about one object."""
@@ -237,7 +214,7 @@ class Kube:
             found = [m for t, r, m in self.events(namespace, name) if (t, r) == (type_, reason)]
             return found if len(found) >= at_least else None
 
-        return wait_for(posted, f"{at_least} {type_} {reason} event(s) about {namespace}/{name}")
+        return wait_until(posted, f"{at_least} {type_} {reason} event(s) about {namespace}/{name}")
 
     def event_objects(self, namespace: str, name: str) -> list[Any]:
         """The Events about one object, as the API returns them (count included)."""

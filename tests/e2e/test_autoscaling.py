@@ -124,16 +124,17 @@ def test_sustained_load_scales_up_within_the_panic_window_and_a_pod_start(
         # The clock starts when the load is there (the benchmark takes a while to start).
         wait_until(lambda: in_flight(gateway_url) >= 8, "8 requests in flight", 180)
         loaded = time.monotonic()
-        wait_until(
-            lambda: autoscaling(scaler).get("desiredReplicas") == 2,
+        scaled: dict[str, Any] = wait_until(
+            lambda: (block := autoscaling(scaler)).get("desiredReplicas") == 2 and block,
             "the autoscaler to ask for 2 replicas",
             30,
         )
         decided = time.monotonic() - loaded
         wait_until(lambda: len(ready_pods(scaler)) == 2, "a second Ready pod", 120)
         print(f"\nload → decision {decided:.1f}s, → 2 Ready {time.monotonic() - loaded:.1f}s")
-        # The panic window (2 s) plus a tick or two of scraping and the status round trip.
-        assert decided < 8
+        # Decided on the panic window (1 s), not the stable window's mean (10 s): the status
+        # says which, whatever the machine's speed.
+        assert scaled["panicking"] or scaled["reason"] in ("Panic", "Rising"), scaled
         assert deployment_replicas(scaler) == 2
         events = scaler.kubectl(
             "get", "events", "-n", scaler.namespace,
@@ -184,14 +185,20 @@ def test_unknown_metrics_freeze_the_count_instead_of_scaling_down(
         assert victim["metadata"]["name"] in frozen["message"]
         assert autoscaling(scaler)["metricsFrozen"] is True
         # Without load the count would fall after the window and the delay; frozen, it holds
-        # for as long as the pod is unreadable and still counted Ready.
+        # for as long as the pod is unreadable and still counted Ready. Every look while frozen
+        # must see 2, and there must be looks: the kubelet takes the stopped pod out of Ready
+        # after two failed readiness probes (about 10 s), which ends the freeze.
         deadline = time.monotonic() + STABLE_WINDOW + SCALE_DOWN_DELAY
+        held: list[int] = []
         while time.monotonic() < deadline and any(
             p["metadata"]["name"] == victim["metadata"]["name"] for p in ready_pods(scaler)
         ):
-            if autoscaling(scaler).get("metricsFrozen"):
-                assert autoscaling(scaler)["desiredReplicas"] == 2
+            block = autoscaling(scaler)
+            if block.get("metricsFrozen"):
+                held.append(block["desiredReplicas"])
             time.sleep(1)
+        assert len(held) >= 3, f"frozen for only {len(held)} looks"
+        assert set(held) == {2}, held
         warnings = scaler.kubectl(
             "get", "events", "-n", scaler.namespace,
             "--field-selector", f"involvedObject.name={NAME},reason=MetricsUnavailable",

@@ -47,8 +47,8 @@ class FakePod:
     delay: float = 0.0
     chunks: int = 3
     chunk_gap: float = 0.0
-    # Seconds between the [DONE] event and the body's end.
-    done_gap: float = 0.0
+    # Set: after the [DONE] event the body stays open until the test sets it.
+    hold_body: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
     port: int = 0
@@ -156,8 +156,8 @@ class _PodProtocol(asyncio.Protocol):
                 self.write(b"%x\r\n%s\r\n" % (len(data), data))
             done = b"data: [DONE]\n\n"
             self.write(b"%x\r\n%s\r\n" % (len(done), done))
-            if pod.done_gap:
-                await asyncio.sleep(pod.done_gap)
+            if pod.hold_body is not None:
+                await pod.hold_body.wait()
             self.write(b"0\r\n\r\n")
             return
         payload = json.dumps(

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from kube_harness import wait_for
+from kube_harness import wait_until
 from kubernetes import client
 
 from ladle.cluster.pytest_plugin import KubeCluster
@@ -155,7 +155,7 @@ def test_routes_to_pods_it_watches_and_follows_their_readiness(
     k8s_api: Any, namespace: str, node: str, gateway: Process, runtime: Process
 ) -> None:
     create_isvc(k8s_api, namespace, isvc("chat", MODEL, timeouts={"scaleFromZeroSeconds": 1}))
-    wait_for(lambda: MODEL in models(gateway), "the gateway to list the model")
+    wait_until(lambda: MODEL in models(gateway), "the gateway to list the model")
     create_ready_pod(k8s_api, namespace, "chat-stable-0", "chat", runtime.port)
 
     oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
@@ -168,12 +168,12 @@ def test_routes_to_pods_it_watches_and_follows_their_readiness(
         except openai.APIStatusError:
             return None
 
-    raw = wait_for(answered, "a completion through the gateway", timeout=30)
+    raw = wait_until(answered, "a completion through the gateway", timeout=30)
     assert raw.headers["x-ladle-variant"] == "stable"
     request_id = raw.headers["x-request-id"]
     assert raw.parse().choices[0].message.content
     # The runtime logged the same request id: one grep finds both sides.
-    wait_for(lambda: request_id in runtime.log_text(), "the request id in the runtime's log")
+    wait_until(lambda: request_id in runtime.log_text(), "the request id in the runtime's log")
     stream = oai.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, stream=True)
     assert len(list(stream)) >= 1
 
@@ -185,7 +185,7 @@ def test_routes_to_pods_it_watches_and_follows_their_readiness(
         )
         return r.status_code == 503 and r.json()["error"]["code"] == "no_ready_pods"
 
-    wait_for(refused, "an unready pod to leave the route table", timeout=30)
+    wait_until(refused, "an unready pod to leave the route table", timeout=30)
 
 
 def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_manager(
@@ -202,7 +202,7 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
     )
     dead_port = free_port()  # nothing listens: connection refused
     create_ready_pod(k8s_api, namespace, "flaky-stable-0", "flaky", dead_port)
-    wait_for(lambda: {MODEL, flaky_model} <= models(gateway), "both models routable")
+    wait_until(lambda: {MODEL, flaky_model} <= models(gateway), "both models routable")
 
     body = {"model": flaky_model, "prompt": "The sky is", "max_tokens": 2}
     codes = [
@@ -215,7 +215,7 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
         st = (read_isvc(k8s_api, namespace, "flaky").get("status") or {}).get("gateway") or {}
         return st if (st.get("breaker") or {}).get("state") == state else None
 
-    opened = wait_for(lambda: status_says("Open"), "status.gateway.breaker Open", timeout=5)
+    opened = wait_until(lambda: status_says("Open"), "status.gateway.breaker Open", timeout=5)
     assert opened["fallback"] == "chat"
     assert opened["breaker"]["reportedBy"] == "gw-test"
     assert "failure rate 100%" in opened["breaker"]["reason"]
@@ -243,7 +243,7 @@ def test_breaker_state_and_fallback_land_in_status_under_the_gateways_field_mana
         httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
         return status_says("Closed") is not None
 
-    wait_for(half_open_then_closed, "the breaker to half-open and close", timeout=60)
+    wait_until(half_open_then_closed, "the breaker to half-open and close", timeout=60)
     closed = status_says("Closed")
     assert closed is not None
     assert "fallback" not in closed
@@ -261,7 +261,7 @@ def test_a_model_name_conflict_shows_in_both_services_and_clears(
 ) -> None:
     model = f"conflict-{namespace}"
     create_isvc(k8s_api, namespace, isvc("a-older", model))
-    wait_for(lambda: model in models(gateway), "the model to be routable")
+    wait_until(lambda: model in models(gateway), "the model to be routable")
     # Created within one second they tie on creationTimestamp; namespace/name then decides,
     # and these names sort in creation order either way.
     create_isvc(k8s_api, namespace, isvc("b-newer", model))
@@ -274,8 +274,8 @@ def test_a_model_name_conflict_shows_in_both_services_and_clears(
                 return dict(cond)
         return None
 
-    kept = wait_for(lambda: condition("a-older"), "the conflict in the older service's status")
-    lost = wait_for(lambda: condition("b-newer"), "the conflict in the newer service's status")
+    kept = wait_until(lambda: condition("a-older"), "the conflict in the older service's status")
+    lost = wait_until(lambda: condition("b-newer"), "the conflict in the newer service's status")
     assert (kept["status"], kept["reason"]) == ("True", "KeptByThisService")
     assert f"also claimed by {namespace}/b-newer" in kept["message"]
     assert (lost["status"], lost["reason"]) == ("True", "RoutedElsewhere")
@@ -290,7 +290,7 @@ def test_a_model_name_conflict_shows_in_both_services_and_clears(
     client.CustomObjectsApi(k8s_api).delete_namespaced_custom_object(
         "ladle.dev", "v1alpha1", namespace, "inferenceservices", "a-older"
     )
-    wait_for(lambda: condition("b-newer") is None, "the conflict to clear once one claim goes")
+    wait_until(lambda: condition("b-newer") is None, "the conflict to clear once one claim goes")
     listing = httpx.get(gateway.url + "/v1/models", timeout=10).json()["data"]
     assert [m["owned_by"] for m in listing if m["id"] == model] == [f"{namespace}/b-newer"]
 
@@ -299,7 +299,7 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
     k8s_api: Any, namespace: str, node: str, gateway: Process, runtime: Process
 ) -> None:
     create_isvc(k8s_api, namespace, isvc("chat", MODEL, replicas=0, minReplicas=0))
-    wait_for(lambda: MODEL in models(gateway), "the gateway to list the model")
+    wait_until(lambda: MODEL in models(gateway), "the gateway to list the model")
 
     async def held_then_served() -> httpx.Response:
         async with httpx.AsyncClient(timeout=120) as http:
@@ -310,7 +310,7 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
                 )
             )
             await asyncio.to_thread(
-                wait_for,
+                wait_until,
                 lambda: (
                     (read_isvc(k8s_api, namespace, "chat").get("status") or {}).get("gateway") or {}
                 ).get("heldSince"),
@@ -324,7 +324,7 @@ def test_a_held_request_is_signalled_in_status_and_served_when_a_pod_is_ready(
 
     response = asyncio.run(held_then_served())
     assert response.status_code == 200
-    wait_for(
+    wait_until(
         lambda: (
             "heldSince"
             not in (
@@ -395,7 +395,7 @@ def test_a_restarted_gateway_keeps_the_canary_split_from_status(
             {"status": {"rollout": {"phase": "Progressing", "step": 2, "weights": weights}}},
         )  # fmt: skip
         # The weights arrive by the watch: every session lands where they say.
-        before = wait_for(
+        before = wait_until(
             lambda: (seen := served(first)) == expected and seen,
             "the running gateway to split 30/70",
             timeout=30,

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from kube_harness import Kube, OperatorProcess, wait_for
+from kube_harness import Kube, OperatorProcess, wait_until
 from kubernetes import watch
 from urllib3.exceptions import ProtocolError
 
@@ -143,7 +143,7 @@ def test_two_models_reach_their_services_and_status_url_is_the_gateway(
     kube: Kube, services: str, gateway: Process
 ) -> None:
     for model in ("model-a", "model-b"):
-        r = wait_for(
+        r = wait_until(
             lambda m=model: (x := complete(gateway, m)).status_code == 200 and x, f"{model} served"
         )
         assert r.json()["model"] == model
@@ -334,10 +334,10 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
             )
         return next((r for r in burst if r.headers.get("x-ladle-fallback") == "alpha"), None)
 
-    r = wait_for(moved, "beta's breaker to open and send traffic to alpha", timeout=120)
+    r = wait_until(moved, "beta's breaker to open and send traffic to alpha", timeout=120)
     assert r.status_code == 200
     assert r.json()["model"] == "model-a"
-    wait_for(
+    wait_until(
         lambda: any(
             g.get("breaker", {}).get("state") == "Open" and g.get("fallback") == "alpha"
             for g in seen
@@ -356,7 +356,7 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
         complete(gateway, "model-b")
         return kube.isvc(services, "beta")["status"]["gateway"]["breaker"]["state"] == "Closed"
 
-    wait_for(closed, "beta's breaker to half-open and close", timeout=180)
+    wait_until(closed, "beta's breaker to half-open and close", timeout=180)
     metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
     for state in ("Open", "HalfOpen", "Closed"):
         assert f'namespace="{services}",service="beta",state="{state}"' in metrics

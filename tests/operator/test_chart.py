@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from kube_harness import Kube, wait_for
+from kube_harness import Kube, wait_until
 
 from ladle.cluster.pytest_plugin import KubeCluster
 
@@ -109,7 +109,7 @@ def test_install_upgrade_and_uninstall(
     removed = helm(k8s_cluster, "uninstall", release, "--namespace", k8s_namespace, "--wait")
     assert removed.returncode == 0, removed.stderr
     for kind in ("deployment", "serviceaccount", "role", "service"):
-        wait_for(
+        wait_until(
             lambda kind=kind: (
                 not kube.kubectl(
                     "get", kind, release, "-n", k8s_namespace, "--ignore-not-found", "-o", "name"

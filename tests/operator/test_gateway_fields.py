@@ -7,7 +7,7 @@ import time
 
 import pytest
 import yaml
-from kube_harness import Kube, OperatorProcess, wait_for
+from kube_harness import Kube, OperatorProcess, wait_until
 
 from ladle.operator.status import ISVC_CONDITIONS, ISVC_STATUS_FIELDS, owned_status
 
@@ -63,7 +63,7 @@ def test_the_gateways_status_fields_survive_operator_reconciles(
         done = status.get("observedGeneration") == obj["metadata"]["generation"]
         return obj if done and status.get("availableReplicas") == 2 else None
 
-    obj = wait_for(reconciled, "the operator to reconcile the scale", timeout=90)
+    obj = wait_until(reconciled, "the operator to reconcile the scale", timeout=90)
     status = obj["status"]
     assert isinstance(status, dict)
     assert status["gateway"] == written

@@ -22,7 +22,7 @@ from typing import Any
 import gitops_fixtures
 import pytest
 import yaml
-from kube_harness import Kube, OperatorProcess, wait_for
+from kube_harness import Kube, OperatorProcess, wait_until
 from lupa import lua51
 
 from ladle.cluster import sre_tools
@@ -194,7 +194,7 @@ def test_live_objects_in_each_phase_read_right_in_kstatus_and_argo_cd(
             obj = live("gpupool", name)
             return (obj.get("status") or {}).get("observedGeneration") == 1
 
-        wait_for(lambda: pool_ready(full) and pool_ready(empty), "both pools' status")
+        wait_until(lambda: pool_ready(full) and pool_ready(empty), "both pools' status")
         ready = live("lisvc", "ready")
         unobserved = copy.deepcopy(ready)
         unobserved["metadata"]["generation"] += 1

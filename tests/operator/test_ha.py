@@ -19,7 +19,7 @@ from kube_harness import (
     compact_etcd,
     isvc_manifest,
     pool_manifest,
-    wait_for,
+    wait_until,
     with_server,
 )
 from kubernetes import client
@@ -72,7 +72,7 @@ def test_killing_the_active_operator_fails_over_without_rewriting_anything(
     second = operator_factory("ha-second")
     pool = f"{k8s_namespace}-none"
     try:
-        wait_for(lambda: second.get("/readyz")[0] == 200, "the standby to be ready")
+        wait_until(lambda: second.get("/readyz")[0] == 200, "the standby to be ready")
         # The standby stays passive: no leadership, no reconciles.
         for _ in range(5):
             assert second.metric("ladle_operator_leader") == 0.0
@@ -128,7 +128,7 @@ def test_a_stopping_leader_hands_over_at_once(
     leader = operator_factory("handover-first")
     leader.wait_leading()
     standby = operator_factory("handover-second")
-    wait_for(lambda: standby.get("/readyz")[0] == 200, "the standby to be ready")
+    wait_until(lambda: standby.get("/readyz")[0] == 200, "the standby to be ready")
 
     assert leader.stop(signal.SIGTERM) == 0
     stopped = time.monotonic()
@@ -170,7 +170,7 @@ def test_the_old_leader_writes_nothing_once_a_new_one_holds_the_lease(
     old.wait_leading()
     new = operator_factory(f"new-{fault}", extra_args=QUICK_ELECTION)
     try:
-        wait_for(lambda: new.get("/readyz")[0] == 200, "the standby to be ready")
+        wait_until(lambda: new.get("/readyz")[0] == 200, "the standby to be ready")
         _, transitions = lease(k8s_api, ladle_chart)
         kube.apply(isvc("warm-up"), k8s_namespace)
         kube.wait_condition(k8s_namespace, "warm-up", "Ready")
@@ -192,7 +192,7 @@ def test_the_old_leader_writes_nothing_once_a_new_one_holds_the_lease(
         creator = threading.Thread(target=keep_creating, daemon=True)
         creator.start()
         try:
-            wait_for(
+            wait_until(
                 lambda: lease(k8s_api, ladle_chart) == (f"new-{fault}", transitions + 1),
                 "the standby to take the Lease",
                 timeout=45,
@@ -210,7 +210,7 @@ def test_the_old_leader_writes_nothing_once_a_new_one_holds_the_lease(
 
         late = relay.writes_after(taken)
         assert late == [], f"the old leader wrote after {fault}: {late[:5]}"
-        wait_for(lambda: not old.is_leader(), "the old leader to stand by", timeout=20)
+        wait_until(lambda: not old.is_leader(), "the old leader to stand by", timeout=20)
         for name in created[-2:]:  # the new leader reconciles what arrived meanwhile
             kube.wait_condition(k8s_namespace, name, "Ready", timeout=60)
     finally:
@@ -230,13 +230,13 @@ def gap_scenario(
     kube.apply(isvc_manifest("drop", gpuPool=pool, replicas=2), namespace)
     kube.wait_condition(namespace, "keep", "Ready")
     kube.wait_condition(namespace, "drop", "Ready")
-    wait_for(lambda: kube.pool(pool).get("status", {}).get("claimed") == 3, "3 GPUs claimed")
+    wait_until(lambda: kube.pool(pool).get("status", {}).get("claimed") == 3, "3 GPUs claimed")
     uid = kube.core.read_namespaced_service("keep", namespace).metadata.uid
 
     def during() -> None:
         assert kube.kubectl("delete", "-n", namespace, "service/keep").returncode == 0
         assert kube.kubectl("delete", "-n", namespace, "lisvc/drop").returncode == 0
-        wait_for(
+        wait_until(
             lambda: (
                 not kube.core.list_namespaced_pod(
                     namespace, label_selector="ladle.dev/inferenceservice=drop"
@@ -246,12 +246,12 @@ def gap_scenario(
         )
 
     def after() -> None:
-        wait_for(
+        wait_until(
             lambda: kube.core.read_namespaced_service("keep", namespace).metadata.uid != uid,
             "the deleted Service to be recreated",
             timeout=60,
         )
-        wait_for(
+        wait_until(
             lambda: (
                 (s := kube.pool(pool).get("status") or {}).get("inferenceServices") == 1
                 and s.get("claimed") == 1
@@ -303,7 +303,7 @@ def test_a_watch_gap_across_an_api_server_restart_loses_nothing(
         kube.wait_condition(k8s_namespace, "after", "Ready", timeout=90)
         scaled = kube.kubectl("scale", "-n", k8s_namespace, "lisvc/keep", "--replicas=2")
         assert scaled.returncode == 0, scaled.stderr
-        wait_for(
+        wait_until(
             lambda: (
                 kube.apps.read_namespaced_deployment("keep-stable", k8s_namespace).spec.replicas
                 == 2

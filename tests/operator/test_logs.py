@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import pytest
-from kube_harness import Kube, OperatorProcess, isvc_manifest, pool_manifest, wait_for
+from kube_harness import Kube, OperatorProcess, isvc_manifest, pool_manifest, wait_until
 
 from ladle.settings import LOG_LEVELS
 
@@ -56,7 +56,7 @@ def test_the_operator_logs_one_schema_and_warning_events_at_warning(
             about_pool = [r for r in events if r.get("object") == pool]
             return (about_isvc[0], about_pool[0]) if about_isvc and about_pool else None
 
-        isvc_line, pool_line = wait_for(warned, "both Warning Events in the operator's log")
+        isvc_line, pool_line = wait_until(warned, "both Warning Events in the operator's log")
     finally:
         kube.kubectl("delete", "-n", ns, "lisvc", "prof", "--wait=false")
         kube.kubectl("delete", "gpupool", pool, twin, "--wait=false")

@@ -21,7 +21,7 @@ from kube_harness import (
     manual_pool_manifest,
     play_kubelet,
     pods_of,
-    wait_for,
+    wait_until,
 )
 from kubernetes import client
 
@@ -33,7 +33,7 @@ RUNNING = kubelet_status("Running", ready=True)
 
 
 def scheduled(kube: Kube, namespace: str, name: str, count: int = 1) -> list[str]:
-    return wait_for(
+    return wait_until(
         lambda: (
             (
                 names := [
@@ -125,7 +125,7 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
     assert kube.condition(obj, "Stalled")["status"] == "True"  # someone must create it
     row = kube.kubectl("get", "-n", ns, "lisvc", "nokey", "--no-headers").stdout
     assert row.split()[4:7] == ["False", "True", "FailedMount"]
-    wait_for(
+    wait_until(
         lambda: ("Warning", "FailedMount", why) in kube.events(ns, "nokey"),
         "a FailedMount Event on the InferenceService",
         timeout=15,
@@ -141,7 +141,7 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
     obj = kube.wait_condition(ns, "nokey", "Ready", reason="Available", timeout=180)
     assert kube.condition(obj, "Degraded")["status"] == "False"
     assert kube.condition(obj, "Stalled")["status"] == "False"
-    wait_for(
+    wait_until(
         lambda: ("Normal", "Recovered", "No longer degraded") in kube.events(ns, "nokey"),
         "a Recovered Event",
         timeout=15,
@@ -197,14 +197,14 @@ def test_a_draining_pod_keeps_its_gpu_until_it_is_gone(
 
         # "old" is deleted; its pod drains (no kubelet ends it), still holding the GPU.
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "old", "--wait=false")
-        wait_for(
+        wait_until(
             lambda: all(p.metadata.deletion_timestamp for p in pods_of(kube, k8s_namespace, "old")),
             "the old pod to be terminating",
         )
         kube.apply(isvc_manifest("new", gpuPool=pool), k8s_namespace)
         obj = kube.wait_condition(k8s_namespace, "new", "Ready", "False", "QuotaExceeded")
         assert "allows 0 of 1 replica" in kube.condition(obj, "Degraded")["message"]
-        status = wait_for(
+        status = wait_until(
             lambda: (s := kube.pool(pool).get("status") or {}).get("held") == 1 and s,
             "the pool to count the draining pod",
         )

@@ -7,7 +7,7 @@ import threading
 from typing import Any
 
 import pytest
-from kube_harness import Kube, gone, isvc_manifest, pool_manifest, wait_for
+from kube_harness import Kube, gone, isvc_manifest, pool_manifest, wait_until
 from kubernetes import watch
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("operator")]
@@ -39,7 +39,7 @@ def test_a_newcomer_gets_its_guaranteed_replica_from_a_full_pool(
         assert table.stdout.split()[:7] == [
             "first", "smollm2", "2", "1", "True", "True", "QuotaCapped"
         ]  # fmt: skip
-        status = wait_for(
+        status = wait_until(
             lambda: (s := kube.pool(pool).get("status") or {}).get("requested") == 3 and s,
             "the pool to count 3 requested GPUs",
         )
@@ -115,7 +115,7 @@ def test_a_rollout_surges_only_into_the_pools_headroom(kube: Kube, k8s_namespace
         most = peak.result()
         assert most == 2, f"{most} replicas ran at once in a 2-GPU quota"
         # The last predecessor may still be terminating (claimed, and counted, until it is gone).
-        wait_for(
+        wait_until(
             lambda: kube.pool(pool)["status"]["claimed"] <= 2,
             "the pool's claim back within its 2-GPU quota",
             timeout=30,
@@ -129,7 +129,7 @@ def test_a_rollout_surges_only_into_the_pools_headroom(kube: Kube, k8s_namespace
             isvc_manifest("chat", gpuPool=pool, replicas=2, engine={"maxModelLen": 2048}),
             k8s_namespace,
         )
-        wait_for(
+        wait_until(
             lambda: (
                 kube.apps.read_namespaced_deployment(
                     "chat-stable", k8s_namespace
@@ -183,21 +183,21 @@ def test_a_pool_in_use_outlives_its_deletion_and_overlaps_are_reported(
                 else None
             )
 
-        cond = wait_for(lambda: degraded(pool), "the overlap to be reported")
+        cond = wait_until(lambda: degraded(pool), "the overlap to be reported")
         # kwok's GPU nodes, and the node agent's when an end-to-end test started it.
         gpu_nodes = kube.core.list_node(label_selector="nvidia.com/gpu.present=true").items
         assert f"shares {len(gpu_nodes)} nodes with GPUPool" in cond["message"]
-        wait_for(lambda: degraded(twin), "the overlap to be reported on the twin")
+        wait_until(lambda: degraded(twin), "the overlap to be reported on the twin")
 
         kube.apply(isvc_manifest("chat", gpuPool=pool), k8s_namespace)
         kube.wait_condition(k8s_namespace, "chat", "Ready")
-        wait_for(
+        wait_until(
             lambda: "ladle.dev/in-use" in (kube.pool(pool)["metadata"].get("finalizers") or ()),
             "the pool to be marked in use",
         )
         deleted = kube.kubectl("delete", "gpupool", pool, "--wait=false")
         assert deleted.returncode == 0, deleted.stderr
-        blocked = wait_for(
+        blocked = wait_until(
             lambda: (
                 (c := kube.condition(kube.pool(pool), "Degraded")).get("reason")
                 == "DeletionBlocked"
@@ -211,7 +211,7 @@ def test_a_pool_in_use_outlives_its_deletion_and_overlaps_are_reported(
         assert kube.condition(kube.isvc(k8s_namespace, "chat"), "Ready")["status"] == "True"
 
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "chat")
-        wait_for(lambda: gone(kube, "gpupool", pool), "the pool to go with its last user")
+        wait_until(lambda: gone(kube, "gpupool", pool), "the pool to go with its last user")
     finally:
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
         kube.kubectl("delete", "gpupool", pool, twin, "--wait=false")

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_harness import Kube, OperatorProcess, gone, isvc_manifest, pool_manifest, wait_for
+from kube_harness import Kube, OperatorProcess, gone, isvc_manifest, pool_manifest, wait_until
 
 from ladle.operator.store import PodInfo
 
@@ -45,7 +45,7 @@ def test_every_example_applies_and_becomes_ready(kube: Kube, k8s_namespace: str)
             obj = kube.wait_condition(k8s_namespace, name, "Ready", timeout=90)
             assert kube.condition(obj, "Degraded")["status"] == "False"
             assert obj["status"]["availableReplicas"] == obj["spec"]["replicas"]
-        pool = wait_for(
+        pool = wait_until(
             lambda: (p := kube.pool("h200")).get("status", {}).get("claimed") == 4 and p,
             "GPUPool h200 to count the examples' 4 GPUs",
         )
@@ -204,7 +204,7 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
     assert edited.returncode == 0, edited.stderr
     scaled = kube.kubectl("scale", "-n", k8s_namespace, "deployment/chat-stable", "--replicas=3")
     assert scaled.returncode == 0, scaled.stderr
-    wait_for(
+    wait_until(
         lambda: (
             (d := deployment(kube, k8s_namespace, "chat-stable")).spec.replicas == 2
             and d.spec.template.spec.containers[0].image == IMAGE
@@ -215,7 +215,7 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
     for kind in ("service/chat", "poddisruptionbudget/chat-stable", "deployment/chat-stable"):
         deleted = kube.kubectl("delete", "-n", k8s_namespace, kind, "--wait=true")
         assert deleted.returncode == 0, deleted.stderr
-    wait_for(
+    wait_until(
         lambda: (
             not gone(kube, "-n", k8s_namespace, "service/chat")
             and not gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable")
@@ -230,7 +230,7 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
     # The same deletion again is the same event again: counted, not repeated.
     uid = kube.core.read_namespaced_service("chat", k8s_namespace).metadata.uid
     kube.kubectl("delete", "-n", k8s_namespace, "service/chat", "--wait=true")
-    wait_for(
+    wait_until(
         lambda: kube.core.read_namespaced_service("chat", k8s_namespace).metadata.uid != uid,
         "the Service to be recreated again",
     )
@@ -241,7 +241,7 @@ def test_hand_edits_are_reverted_and_deleted_children_restored(
         found = [e for e in kube.event_objects(k8s_namespace, "chat") if e.message == restored]
         return found if any(e.count == 2 for e in found) else None
 
-    events = wait_for(restored_events, "the repeated event to be counted", timeout=20)
+    events = wait_until(restored_events, "the repeated event to be counted", timeout=20)
     assert [e.count for e in events] == [2]
 
 
@@ -257,7 +257,7 @@ def test_metadata_drift_is_reverted_and_a_dropped_label_is_not_a_deletion(
     ):
         done = kube.kubectl(*edit, "-n", k8s_namespace)
         assert done.returncode == 0, done.stderr
-    wait_for(
+    wait_until(
         lambda: (
             (meta := deployment(kube, k8s_namespace, "chat-stable").metadata).labels[
                 "app.kubernetes.io/instance"
@@ -274,7 +274,7 @@ def test_metadata_drift_is_reverted_and_a_dropped_label_is_not_a_deletion(
         "label", "service", "chat", "app.kubernetes.io/managed-by-", "-n", k8s_namespace
     )
     assert dropped.returncode == 0, dropped.stderr
-    service = wait_for(
+    service = wait_until(
         lambda: (
             (s := kube.core.read_namespaced_service("chat", k8s_namespace)).metadata.labels.get(
                 "app.kubernetes.io/managed-by"
@@ -294,7 +294,7 @@ def test_metadata_drift_is_reverted_and_a_dropped_label_is_not_a_deletion(
         service_told = any(m.startswith("Put back the labels of Service chat") for m in messages)
         return messages if deployment_told and service_told else None
 
-    wait_for(reverted, "a Reverted event for the Deployment's labels and one for the Service's")
+    wait_until(reverted, "a Reverted event for the Deployment's labels and one for the Service's")
     assert "Restored" not in [r for _, r, _ in kube.events(k8s_namespace, "chat")]
 
 
@@ -307,8 +307,8 @@ def test_deleting_an_inference_service_garbage_collects_its_children(
     deleted = kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "chat", "--wait=true")
     assert deleted.returncode == 0, deleted.stderr
     for kind in ("deployment/chat-stable", "service/chat", "poddisruptionbudget/chat-stable"):
-        wait_for(lambda kind=kind: gone(kube, "-n", k8s_namespace, kind), f"{kind} to go")
-    wait_for(
+        wait_until(lambda kind=kind: gone(kube, "-n", k8s_namespace, kind), f"{kind} to go")
+    wait_until(
         lambda: (
             not kube.core.list_namespaced_pod(
                 k8s_namespace, label_selector="ladle.dev/inferenceservice=chat"
@@ -363,7 +363,7 @@ def test_missing_pool_is_degraded_and_a_generation_it_blocks_never_reads_ready(
         kube.kubectl(
             "patch", "gpupool", pool, "--type=merge", "-p", '{"metadata":{"finalizers":null}}'
         )
-        wait_for(lambda: gone(kube, "gpupool", pool), "the pool to go")
+        wait_until(lambda: gone(kube, "gpupool", pool), "the pool to go")
         kube.apply(isvc_manifest("chat", gpuPool=pool, engine={"maxModelLen": 1024}), k8s_namespace)
         obj = kube.wait_condition(k8s_namespace, "chat", "Ready", "False", "GPUPoolNotFound")
         assert obj["status"]["observedGeneration"] == 2
@@ -385,7 +385,7 @@ def test_ready_waits_for_a_service_the_api_server_refuses(kube: Kube, k8s_namesp
         "spec": {"hard": {"services": "0"}},
     }
     kube.apply(yaml.safe_dump(quota), k8s_namespace)
-    wait_for(
+    wait_until(
         lambda: (
             kube.kubectl(
                 "get",
@@ -404,7 +404,7 @@ def test_ready_waits_for_a_service_the_api_server_refuses(kube: Kube, k8s_namesp
     assert (ready["status"], ready["reason"]) == ("False", "ServiceNotCreated")
     assert ready["message"].startswith("Service chat could not be created: 403")
     assert "exceeded quota: no-services" in ready["message"]
-    wait_for(
+    wait_until(
         lambda: deployment(kube, k8s_namespace, "chat-stable").status.available_replicas == 1,
         "the replica to come up meanwhile",
     )
@@ -543,7 +543,7 @@ def test_an_apply_the_api_server_refuses_becomes_a_condition(
     try:
         kube.apply(yaml.safe_dump(policy))
         kube.apply(yaml.safe_dump(binding))
-        wait_for(
+        wait_until(
             lambda: (
                 "pinned seeds"
                 in kube.kubectl("apply", "--dry-run=server", "-f", "-", stdin=probe).stderr
@@ -585,7 +585,7 @@ def test_kubectl_scale_works_through_the_scale_subresource(kube: Kube, k8s_names
     assert not gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable")
 
     kube.kubectl("scale", "-n", k8s_namespace, "lisvc/chat", "--replicas=1")
-    wait_for(
+    wait_until(
         lambda: gone(kube, "-n", k8s_namespace, "poddisruptionbudget/chat-stable"),
         "the disruption budget to go with the second replica",
     )
@@ -605,7 +605,7 @@ def test_a_large_configuration_moves_into_a_config_map_and_back(
 
     kube.apply(isvc_manifest("chat", model={"name": "m"}), k8s_namespace)
     kube.wait_condition(k8s_namespace, "chat", "Ready")
-    wait_for(
+    wait_until(
         lambda: gone(kube, "-n", k8s_namespace, "configmap/chat-stable-config"),
         "the ConfigMap to be deleted once the flags fit",
     )
@@ -643,7 +643,7 @@ def test_the_profiling_annotation_needs_a_key_and_says_so_once(
     before = deployment(kube, ns, "prof-stable").metadata.generation
     annotated = kube.kubectl("annotate", "-n", ns, "lisvc", "prof", "ladle.dev/profiling=enabled")
     assert annotated.returncode == 0, annotated.stderr
-    (event,) = wait_for(
+    (event,) = wait_until(
         lambda: [e for e in kube.event_objects(ns, "prof") if e.reason == "ProfilingNeedsAPIKey"],
         "the ProfilingNeedsAPIKey event",
     )
@@ -652,7 +652,7 @@ def test_the_profiling_annotation_needs_a_key_and_says_so_once(
     assert deployment(kube, ns, "prof-stable").metadata.generation == before
     # Another reconcile, of a new spec, repeats no Event.
     kube.apply(isvc_manifest("prof", resources={"gpus": 0}, engine={"seed": 3}), ns)
-    wait_for(
+    wait_until(
         lambda: "3" in deployment(kube, ns, "prof-stable").spec.template.spec.containers[0].args,
         "the new spec's Deployment",
     )
@@ -662,7 +662,7 @@ def test_the_profiling_annotation_needs_a_key_and_says_so_once(
         isvc_manifest("prof", resources={"gpus": 0}, apiKeySecret={"name": "prof-key", "key": "k"}),
         ns,
     )
-    ctr = wait_for(
+    ctr = wait_until(
         lambda: (
             (c := deployment(kube, ns, "prof-stable").spec.template.spec.containers[0])
             and "--profile-dir" in c.args

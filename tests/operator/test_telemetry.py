@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_harness import Kube, OperatorProcess, wait_for
+from kube_harness import Kube, OperatorProcess, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.operator.telemetry import Metrics
@@ -131,12 +131,12 @@ def test_the_operator_exports_conditions_replicas_and_pool_gpus(
                 for s in family.samples
             }
 
-        wait_for(
+        wait_until(
             lambda: expected.items() <= samples().items(),
             "the operator to export the service's and the pool's status",
         )
         kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "chat")
-        wait_for(
+        wait_until(
             lambda: not [k for k in samples() if ("namespace", k8s_namespace) in k[1]],
             "a deleted service's series to go",
         )

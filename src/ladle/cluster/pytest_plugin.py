@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 import yaml
@@ -51,6 +51,8 @@ from ladle.cluster.nodes import LOCAL_NODE_LABEL
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
+T = TypeVar("T")
+
 
 def local_namespace_annotations() -> dict[str, str]:
     """Namespace annotations that send all its pods to the local nodes: PodNodeSelector adds
@@ -62,16 +64,42 @@ def local_namespace_annotations() -> dict[str, str]:
     }
 
 
-def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail the test naming ``what``."""
+def wait_until(
+    predicate: Callable[[], T | None], what: str, timeout: float = 60.0, interval: float = 0.25
+) -> T:
+    """Poll ``predicate`` until it returns something truthy, and return that.
+
+    An AssertionError from it is a verdict, not a state still to come: it fails the wait at
+    once. Any other error is tried again (a 404 for an object not made yet is the usual case).
+    At the deadline the TimeoutError names ``what``, the last value the predicate returned (but
+    None) and its last error (chained too): a failure shows where the wait was stuck, not only
+    that it was."""
     deadline = time.monotonic() + timeout
+    seen: list[str] = []
+    error: Exception | None = None
     while True:
-        result = predicate()
+        try:
+            result = predicate()
+        except AssertionError:
+            raise
+        except Exception as err:
+            error, result = err, None
+        else:
+            seen[:] = [] if result is None else [f"last returned {_short(result)}"]
         if result:
             return result
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.25)
+            details = [*seen, *([f"last error {_short(error)}"] if error is not None else [])]
+            suffix = f" ({'; '.join(details)})" if details else ""
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{suffix}") from (
+                error
+            )
+        time.sleep(interval)
+
+
+def _short(value: object, limit: int = 400) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 @dataclass(frozen=True)
