@@ -93,6 +93,20 @@ class OperatorProcess:
                 total = (total or 0.0) + float(value)
         return total
 
+    def reconciles(self, kind: str = "isvc") -> float:
+        """Reconciles of ``kind`` ended so far (ok or error)."""
+        return self.metric("ladle_operator_reconcile_total", kind=kind) or 0.0
+
+    def reconcile_after(
+        self, poke: Callable[[], object], kind: str = "isvc", timeout: float = 60
+    ) -> None:
+        """Run ``poke`` (a change that makes the operator look again) and return once a
+        reconcile has ended after it: "nothing changed" is then checked against a look the
+        operator has taken, not against a sleep."""
+        before = self.reconciles(kind)
+        poke()
+        wait_until(lambda: self.reconciles(kind) > before, f"a {kind} reconcile", timeout)
+
     def is_leader(self) -> bool:
         return self.proc.poll() is None and self.metric("ladle_operator_leader") == 1.0
 

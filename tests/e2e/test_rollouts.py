@@ -456,9 +456,9 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     sends half of eight requests a second to a canary that holds two, so it fails there. The
     load is open (a rate, not clients back to back): with eight clients in a closed loop, a
     slow stable held most of them, the quick canary never saw three at once, and step 1
-    passed. Each request asks for 16 tokens, so that the canary is busy about a second with
-    each: at 4 tokens, a quick canary on real pods finished each before the next two came, and
-    step 1 passed again."""
+    passed. Each request asks for 64 tokens, so that the canary is busy a second or more with
+    each: at 4 tokens, and again at 16 once pods ran one compute thread each, a quick canary
+    finished each before the next two came, and step 1 passed."""
     started = time.monotonic()
     since = mark()
     stable_revision = rollout(rollouts)["revisions"]["stable"]
@@ -474,7 +474,7 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     )
     # The load starts with step 1: the canary's pod starts faster without it.
     wait_rollout(rollouts, lambda b: b.get("step") == 1, "step 1", 240)
-    load = Load(gateway_url, MODEL, concurrency=32, output_len=16, rate=2 * LOAD_RATE)
+    load = Load(gateway_url, MODEL, concurrency=32, output_len=64, rate=2 * LOAD_RATE)
     try:
         done = wait_rollout(rollouts, rolled_back, "the rollback on the SLO gate", 180)
     finally:

@@ -15,6 +15,7 @@ import time
 import pytest
 from kube_harness import (
     Kube,
+    OperatorProcess,
     finish_terminating_pods,
     isvc_manifest,
     kubelet_status,
@@ -185,7 +186,7 @@ def test_a_kv_cache_over_the_memory_limit_reads_as_oom_killed(
 
 
 def test_a_draining_pod_keeps_its_gpu_until_it_is_gone(
-    kube: Kube, k8s_namespace: str, manual_node: str
+    kube: Kube, k8s_namespace: str, manual_node: str, operator: OperatorProcess
 ) -> None:
     pool = f"{k8s_namespace}-drain"
     kube.apply(manual_pool_manifest(pool, manual_node, quota={"gpus": 1}))
@@ -209,7 +210,12 @@ def test_a_draining_pod_keeps_its_gpu_until_it_is_gone(
             "the pool to count the draining pod",
         )
         assert status["claimed"] == 1
-        time.sleep(2)  # and it stays so while the pod drains
+        # And it stays so while the pod drains, however often the operator looks.
+        operator.reconcile_after(
+            lambda: kube.kubectl(
+                "annotate", "lisvc", "new", "test.ladle.dev/poke=1", "-n", k8s_namespace
+            )
+        )
         assert kube.apps.read_namespaced_deployment("new-stable", k8s_namespace).spec.replicas == 0
 
         # The kubelet reports the old container gone: its GPU passes on.
