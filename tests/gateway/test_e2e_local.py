@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -33,6 +35,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEYS = (
     "keys: [{name: tiny, key: sk-tiny-key-0001, requestsPerMinute: 2},"
+    " {name: tokens, key: sk-tokens-key-03, tokensPerMinute: 40},"
     " {name: ops, key: sk-ops-key-00002}]"
 )
 OPS = {"authorization": "Bearer sk-ops-key-00002"}
@@ -209,6 +212,40 @@ def test_an_api_key_over_its_limit_gets_429(services: str, gateway: Process) -> 
     assert codes == [200, 200, 429]
 
 
+def test_a_key_over_its_tokens_per_minute_is_refused_on_the_pods_own_counts(
+    services: str, gateway: Process
+) -> None:
+    """The limit is debited with the usage the runtime pod reports, also for a stream whose
+    client did not ask for usage (the gateway asks the pod, and keeps the chunk to itself)."""
+    key = {"authorization": "Bearer sk-tokens-key-03"}
+    body = {"model": "model-a", "prompt": "Count:", "max_tokens": 24, "ignore_eos": True}
+    used = 0
+    for _ in range(2):  # 40 a minute: the first answer leaves credit, the second a debt
+        with httpx.stream(
+            "POST", gateway.url + "/v1/completions", json={**body, "stream": True},
+            headers=key, timeout=120,
+        ) as reply:  # fmt: skip
+            assert reply.status_code == 200
+            events = [e for e in reply.read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert not any(c.get("usage") for c in chunks), "usage the client did not ask for"
+        assert sum(len(c["choices"]) for c in chunks) == 24
+        used += 24 + 1  # the completion, and at least one prompt token
+    assert used > 40
+    over = httpx.post(gateway.url + "/v1/completions", json=body, headers=key, timeout=120)
+    assert over.status_code == 429, over.text
+    assert "tokens per minute" in over.json()["error"]["message"]
+    assert int(over.headers["retry-after"]) >= 1
+    limited = [
+        line
+        for line in httpx.get(gateway.url + "/metrics", timeout=10).text.splitlines()
+        if line.startswith("ladle_gateway_rate_limited_total{") and 'key="tokens"' in line
+    ]
+    assert limited, "no rate_limited_total sample for the key"
+    assert all('limit="tokens"' in line for line in limited), limited
+
+
 def test_a_zero_replica_service_holds_the_request_until_a_pod_is_ready(
     kube: Kube, services: str, gateway: Process
 ) -> None:
@@ -370,3 +407,76 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
     for state in ("Open", "HalfOpen", "Closed"):
         assert f'namespace="{services}",service="beta",state="{state}"' in metrics
+
+
+def test_a_pod_that_stops_answering_is_ejected_and_gets_no_traffic_while_ejected(
+    kube: Kube, k8s_cluster: KubeCluster, services: str, gateway: Process
+) -> None:
+    """One of alpha's two pods is stopped (SIGSTOP) until the gateway has ejected it on
+    first-token timeouts, then let go: Ready and healthy again, it still gets nothing until
+    its ejection ends (300 s here), while the other pod serves everything."""
+    outlier = {"consecutiveErrors": 2, "baseEjectionSeconds": 300, "maxEjectionPercent": 50}
+    timeouts = {"firstTokenSeconds": 1}
+    patch = {"spec": {"routing": {"outlierDetection": outlier}, "timeouts": timeouts}}
+    kube.kubectl(
+        "patch", "lisvc", "alpha", "-n", services, "--type=merge", "-p", json.dumps(patch)
+    )  # fmt: skip
+
+    def ready_alpha() -> list[dict[str, Any]] | None:
+        out = kube.kubectl(
+            "get", "pods", "-n", services, "-l", "ladle.dev/inferenceservice=alpha", "-o", "json"
+        )  # fmt: skip
+        pods = [
+            p
+            for p in json.loads(out.stdout)["items"]
+            if not p["metadata"].get("deletionTimestamp")
+            and any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p["status"].get("conditions") or ()
+            )
+        ]
+        return pods if len(pods) == 2 else None
+
+    victim = wait_until(ready_alpha, "two Ready alpha pods", 240)[0]
+    name = victim["metadata"]["name"]
+
+    def ejections() -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(gateway.url + "/metrics", timeout=10).text.splitlines()
+            if line.startswith("ladle_gateway_ejections_total{") and name in line
+        )
+
+    def burst(tag: str) -> list[int]:
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(timeout=120, headers=OPS) as client:
+                replies = await asyncio.gather(
+                    *(
+                        client.post(
+                            gateway.url + "/v1/completions",
+                            json={"model": "model-a", "prompt": f"{tag} {i}", "max_tokens": 2},
+                        )
+                        for i in range(8)
+                    )
+                )
+            return [r.status_code for r in replies]
+
+        return asyncio.run(run())
+
+    pid = k8s_cluster.container_pid(victim, "runtime")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: burst("Stopped") and ejections() >= 1, f"{name} to be ejected", 60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_until(ready_alpha, "both alpha pods Ready again", 120)
+    before = pod_counts(gateway, services, "alpha")
+    assert burst("After") == [200] * 8
+    after = pod_counts(gateway, services, "alpha")
+    sent = {pod: after[pod] - before.get(pod, 0.0) for pod in after}
+    assert not any(count for pod, count in sent.items() if pod.endswith(f"/{name}")), sent
+    assert sum(sent.values()) >= 8, sent
+    undo = [{"op": "remove", "path": f"/spec/{field}"} for field in ("routing", "timeouts")]
+    kube.kubectl(
+        "patch", "lisvc", "alpha", "-n", services, "--type=json", "-p", json.dumps(undo)
+    )  # fmt: skip
