@@ -24,7 +24,7 @@ def test_smoke_run_fills_every_section_and_passes(tmp_path: Path) -> None:
     args = ["--smoke", "--budget", "1500", "--out", str(out), "--models-dir", str(models)]
     # One thread per process: the plumbing is what is checked, and beside the other worker's
     # tests and the cluster's pods a parallel region's threads wait at each barrier for one
-    # another to be scheduled (a run that takes 2.5 minutes alone took 23 in one `make test`).
+    # another to be scheduled. (Its peak memory, 1.0 GB, is bounded in the script itself.)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         capture_output=True,
