@@ -19,6 +19,7 @@ import json
 import re
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -43,6 +44,17 @@ DASHBOARD = CHART / "dashboards" / "ladle.json"
 RELEASE = "ladle-e2e"  # tests/e2e/conftest.py installs the chart under this name
 ENGINE = {"kvCacheMemory": "64Mi", "maxModelLen": 512}
 FROZEN_FOR = "10s"
+# Chart values shortened so that each fault's alert fires within seconds, not minutes.
+SHORTENED = {
+    "autoscalerFrozenFor": FROZEN_FOR,
+    "kvCacheUsage": "0.3",
+    "kvCacheFor": "10s",
+    "autoscalerAtMaxFor": "10s",
+    "preemptionsFor": "10s",
+    "fallbackTrafficFor": "10s",
+    "podsUnschedulableFor": "10s",
+    "quotaExhaustedFor": "10s",
+}
 System = Any  # the `ladle_system` fixture's type lives in conftest.py
 # The panels whose queries may return nothing here, and why; every other panel must return
 # data, and every query must evaluate without error or warning.
@@ -114,8 +126,8 @@ def render_monitoring(namespace: str) -> list[dict[str, Any]]:
     argv += ["--kube-version", "1.34.0"]
     for value in values:
         argv += ["--set", f"monitoring.{value}.enabled=true"]
-    # A chart value, shortened so that the test's frozen autoscaler fires within seconds.
-    argv += ["--set", f"monitoring.alerts.autoscalerFrozenFor={FROZEN_FOR}"]
+    for value, shortened in SHORTENED.items():
+        argv += ["--set", f"monitoring.alerts.{value}={shortened}"]
     rendered = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     return [d for d in yaml.safe_load_all(rendered) if d]
 
@@ -351,8 +363,11 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
         } <= jobs
 
     wait_until(targets_up, "every target to be scraped", timeout=120)
-    operators = prometheus.query('sum(up{job="ladle-operator"})')
-    assert float(operators[0]["value"][1]) == 2  # both replicas, leader and standby
+    wait_until(
+        lambda: prometheus.query('sum(up{job="ladle-operator"}) == 2'),
+        "both operator replicas, leader and standby, to be scraped",
+        timeout=120,
+    )
 
     # Traffic, then the first fault: a burst beta's runtime answers with 429s opens its breaker.
     for model in (alpha, beta):
@@ -409,6 +424,84 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
         timeout=180,
     )
     assert not prometheus.firing("LadleAvailabilityBudgetBurn", inferenceservice="beta")
+    # Beta's traffic keeps going to alpha: more than 10% of it, for longer than 10 s.
+    wait_until(
+        lambda: (
+            traffic(gateway_url, beta, 2)
+            and prometheus.firing(
+                "LadleFallbackTrafficHigh", namespace=namespace, inferenceservice="beta"
+            )
+        ),
+        "LadleFallbackTrafficHigh to fire for beta",
+        timeout=180,
+    )
+
+    # Saturation: six streams of 300 tokens at once want about 1,900 tokens of alpha's 64 MiB
+    # KV cache (about 1,400), so its engine preempts, its KV usage stays high, and its
+    # autoscaler sits at maxReplicas (1) while saturated.
+    saturated = ("LadleKVCacheHigh", "LadlePreemptionsHigh", "LadleAutoscalerAtMax")
+    stop = threading.Event()
+
+    def saturate() -> None:
+        while not stop.is_set():
+            complete(gateway_url, alpha, 300)
+
+    with ThreadPoolExecutor(6) as pool:
+        loops = [pool.submit(saturate) for _ in range(6)]
+        try:
+            wait_until(
+                lambda: all(
+                    prometheus.firing(a, namespace=namespace, inferenceservice="alpha")
+                    for a in saturated
+                ),
+                f"{', '.join(saturated)} to fire for alpha",
+                timeout=300,
+            )
+        finally:
+            stop.set()
+    for loop in loops:
+        loop.result()  # a request that raised fails the test here
+
+    # Capacity: a pool whose quota is smaller than its service asks for, and a pool of a GPU
+    # resource no node has. Only the operator and the scheduler are involved (the pods would
+    # go to kwok's GPU nodes, or nowhere).
+    pools = {
+        f"quota-{namespace}": {
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "quota": {"gpus": 1},
+        },
+        f"missing-{namespace}": {"nodeSelector": {}, "resourceName": "example.com/missing-gpu"},
+    }
+    capacity = [
+        *(
+            {"apiVersion": "ladle.dev/v1alpha1", "kind": "GPUPool", "metadata": {"name": name},
+             "spec": spec}
+            for name, spec in pools.items()
+        ),
+        # GPU replicas size their KV cache by gpuMemoryUtilization, not kvCacheMemory.
+        service("gamma", f"gamma-{namespace}", replicas=2, gpuPool=f"quota-{namespace}",
+                resources={"gpus": 1}, engine={}),
+        service("delta", f"delta-{namespace}", gpuPool=f"missing-{namespace}",
+                resources={"gpus": 1}, engine={}),
+    ]  # fmt: skip
+    try:
+        applied = system.kubectl(
+            "apply", "-n", namespace, "-f", "-", stdin=yaml.safe_dump_all(capacity)
+        )
+        assert applied.returncode == 0, applied.stderr
+        wait_until(
+            lambda: (
+                prometheus.firing("LadleGPUPoolQuotaExhausted", gpupool=f"quota-{namespace}")
+                and prometheus.firing(
+                    "LadlePodsUnschedulable", namespace=namespace, inferenceservice="delta"
+                )
+            ),
+            "LadleGPUPoolQuotaExhausted and LadlePodsUnschedulable to fire",
+            timeout=180,
+        )
+    finally:
+        system.kubectl("delete", "lisvc", "gamma", "delta", "-n", namespace, "--wait=true")
+        system.kubectl("delete", "gpupool", *pools, "--wait=false")
 
     # The second fault: a gateway replica is Running but answers nothing, so the autoscaler
     # cannot read alpha's held requests and holds its count; the operator's gauge says so and
