@@ -9,7 +9,7 @@ STAMP := $(VENV)/.ladle-installed
 # iptables serves kube-proxy, and libseccomp-dev and pkg-config build runc.
 DEB_PACKAGES := buildah skopeo mmdebstrap containernetworking-plugins iptables libseccomp-dev pkg-config
 
-.PHONY: setup run test lint cluster-build system-packages
+.PHONY: setup run test lint cluster-build system-packages mutants
 setup: $(STAMP)
 
 system-packages:
@@ -43,3 +43,8 @@ cluster-build: setup system-packages
 # rest of the suite.
 test: lint cluster-build
 	$(BIN)/pytest -n 2 --dist loadgroup --durations=15
+
+# Proof that the checks can fail: each breakage in tests/mutants/breakages.toml, applied to a
+# copy of the checkout, must make the tests named for it fail (docs/testing.md).
+mutants: setup
+	$(BIN)/python tests/mutants/run.py

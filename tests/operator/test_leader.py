@@ -23,6 +23,9 @@ class LeaseServer:
     def __init__(self) -> None:
         self.lease: dict[str, Any] | None = None
         self.hang = asyncio.Event()
+        # Seconds each write takes to answer, and when the last one arrived (monotonic).
+        self.write_delay = 0.0
+        self.written_at = 0.0
 
     async def handle(self, request: web.Request) -> web.Response:
         if self.hang.is_set():
@@ -32,7 +35,9 @@ class LeaseServer:
                 return web.json_response({"reason": "NotFound", "message": "no"}, status=404)
             return web.json_response(self.lease)
         if request.method in ("POST", "PUT"):
+            self.written_at = time.monotonic()
             self.lease = await request.json()
+            await asyncio.sleep(self.write_delay)
             return web.json_response(self.lease)
         return web.json_response({})
 
@@ -53,6 +58,20 @@ async def server() -> Any:
 
 def client(url: str, **kwargs: Any) -> KubeClient:
     return KubeClient("test", lambda: kopf.ConnectionInfo(server=url), **kwargs)
+
+
+async def test_the_term_runs_from_when_the_winning_request_was_sent(server: Any) -> None:
+    """A standby counts the lease from the write it saw; the leader must count its own term
+    from before it sent that write, never from when the slow answer came back."""
+    lease, url = server
+    lease.write_delay = TIMING.attempt_seconds / 2
+    lease_client = client(url, timeout_seconds=60)
+    try:
+        elector = LeaderElector(lease_client, "ns", "lease", "me", TIMING)
+        await elector.acquire()
+    finally:
+        await lease_client.close()
+    assert elector.valid_until <= lease.written_at + TIMING.renew_deadline_seconds
 
 
 async def test_a_renewal_that_hangs_ends_the_term_at_the_deadline(server: Any) -> None:
