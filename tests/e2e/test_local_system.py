@@ -234,9 +234,14 @@ def test_kubectl_logs_shows_the_runtimes_json_lines(
     assert all({"level", "logger", "time"} <= line.keys() for line in lines)
 
 
-def test_the_pvc_example_serves_the_volumes_model_behind_its_api_key(
+def test_the_pvc_examples_wiring_serves_a_model_from_the_volume_behind_its_api_key(
     ladle_system: System, services: dict[str, dict[str, Any]]
 ) -> None:
+    """What this proves of examples/pvc-model.yaml is its wiring: the claim mounted read-only,
+    the model read from the path the spec names, the API key Secret enforced, the engine flags
+    through the ConfigMap. Not the 8B model: the volume holds the embedded 135M model at the
+    8B path (no model hub here, and 16 GB of weights would not fit beside the suite), and the
+    fixture sizes the engine down for it and drops the GPU pool."""
     system = ladle_system
     pod = system.ready_pod("llama-8b")
     model = model_name(services, "llama-8b")
