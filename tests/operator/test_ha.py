@@ -73,12 +73,6 @@ def test_killing_the_active_operator_fails_over_without_rewriting_anything(
     pool = f"{k8s_namespace}-none"
     try:
         wait_until(lambda: second.get("/readyz")[0] == 200, "the standby to be ready")
-        # The standby stays passive: no leadership, no reconciles.
-        for _ in range(5):
-            assert second.metric("ladle_operator_leader") == 0.0
-            time.sleep(0.2)
-        assert not second.metric("ladle_operator_reconcile_total")
-        assert lease(k8s_api, ladle_chart)[0] == "ha-first"
 
         # One healthy service, and one that is Degraded because of its pods: the new leader must
         # know those pods before it speaks, or it would call the service recovered.
@@ -87,8 +81,16 @@ def test_killing_the_active_operator_fails_over_without_rewriting_anything(
         kube.apply(isvc_manifest("stuck", gpuPool=pool), k8s_namespace)
         kube.wait_condition(k8s_namespace, "before", "Ready")
         kube.wait_condition(k8s_namespace, "stuck", "Degraded", reason="InsufficientGPUs")
-        time.sleep(1)  # the pool's status settles too
+        # The pool's status settles too: a reconcile of it ends after a change of no consequence.
+        first.reconcile_after(
+            lambda: kube.kubectl("annotate", "gpupool", pool, "test.ladle.dev/poke=1"), kind="pool"
+        )
         kube.wait_event(k8s_namespace, "stuck", "Warning", "InsufficientGPUs")  # posted after
+        # Meanwhile the standby stayed passive, through all of the leader's work: no
+        # leadership, no reconciles.
+        assert second.metric("ladle_operator_leader") == 0.0
+        assert not second.metric("ladle_operator_reconcile_total")
+        assert lease(k8s_api, ladle_chart)[0] == "ha-first"
         settled = {
             name: kube.isvc(k8s_namespace, name)["metadata"]["resourceVersion"]
             for name in ("before", "stuck")
