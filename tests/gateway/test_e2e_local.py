@@ -267,6 +267,14 @@ def test_a_zero_replica_service_holds_the_request_until_a_pod_is_ready(
     assert asyncio.run(run()).status_code == 200
 
 
+def alpha_pods(kube: Kube, namespace: str) -> list[dict[str, Any]]:
+    out = kube.kubectl(
+        "get", "pods", "-n", namespace, "-l", "ladle.dev/inferenceservice=alpha", "-o", "json"
+    )  # fmt: skip
+    items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+    return items
+
+
 def running(pod: dict[str, Any]) -> float:
     """The sequences a runtime pod is generating now, from its own metrics."""
     text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10).text
@@ -283,13 +291,6 @@ def test_killing_a_pod_mid_load_loses_no_unstarted_request(
     """Streams long enough (256 tokens) to be cut, and the pod killed is one that its own
     metrics say is generating: its streams end in an error event, every other stream ends in
     [DONE], and requests sent after the kill all go to the survivor."""
-
-    def alpha_pods() -> list[dict[str, Any]]:
-        out = kube.kubectl(
-            "get", "pods", "-n", services, "-l", "ladle.dev/inferenceservice=alpha", "-o", "json"
-        )  # fmt: skip
-        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
-        return items
 
     async def run() -> tuple[list[str], list[int]]:
         async with httpx.AsyncClient(timeout=300, headers=OPS) as client:
@@ -308,7 +309,7 @@ def test_killing_a_pod_mid_load_loses_no_unstarted_request(
             streams = [asyncio.ensure_future(stream(i)) for i in range(6)]
             busy = await asyncio.to_thread(
                 wait_until,
-                lambda: next((p for p in alpha_pods() if running(p) >= 1), None),
+                lambda: next((p for p in alpha_pods(kube, services) if running(p) >= 1), None),
                 "an alpha pod generating",
                 120,
             )
@@ -426,12 +427,9 @@ def test_a_pod_that_stops_answering_is_ejected_and_gets_no_traffic_while_ejected
     )  # fmt: skip
 
     def ready_alpha() -> list[dict[str, Any]] | None:
-        out = kube.kubectl(
-            "get", "pods", "-n", services, "-l", "ladle.dev/inferenceservice=alpha", "-o", "json"
-        )  # fmt: skip
         pods = [
             p
-            for p in json.loads(out.stdout)["items"]
+            for p in alpha_pods(kube, services)
             if not p["metadata"].get("deletionTimestamp")
             and any(
                 c["type"] == "Ready" and c["status"] == "True"

@@ -81,7 +81,7 @@ def pytest(copy: Path, tests: tuple[str, ...]) -> tuple[int, str]:
     return done.returncode, tail[-1] if tail else ""
 
 
-def count(copy: Path, b: Breakage) -> str:
+def checked_text(copy: Path, b: Breakage) -> str:
     """The file's text, once its ``old`` text is found there exactly once."""
     text = (copy / b.file).read_text()
     found = text.count(b.old)
@@ -94,7 +94,7 @@ def count(copy: Path, b: Breakage) -> str:
 
 
 def apply(copy: Path, b: Breakage) -> None:
-    (copy / b.file).write_text(count(copy, b).replace(b.old, b.new))
+    (copy / b.file).write_text(checked_text(copy, b).replace(b.old, b.new))
 
 
 def environment(copy: Path) -> dict[str, str]:
@@ -120,7 +120,7 @@ def run(breakages: list[Breakage]) -> list[Outcome]:
         copy_checkout(base)
         check_imports_the_copy(base)
         for b in breakages:  # a stale list stops the run before anything is timed
-            count(base, b)
+            checked_text(base, b)
         tests = tuple(dict.fromkeys(t for b in breakages for t in b.tests))
         code, last = pytest(base, tests)
         if code != 0:

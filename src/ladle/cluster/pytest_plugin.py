@@ -75,21 +75,21 @@ def wait_until(
     None) and its last error (chained too): a failure shows where the wait was stuck, not only
     that it was."""
     deadline = time.monotonic() + timeout
-    seen: list[str] = []
+    returned: T | None = None
     error: Exception | None = None
     while True:
         try:
-            result = predicate()
+            result = returned = predicate()
         except AssertionError:
             raise
         except Exception as err:
             error, result = err, None
-        else:
-            seen[:] = [] if result is None else [f"last returned {_short(result)}"]
         if result:
             return result
         if time.monotonic() > deadline:
-            details = [*seen, *([f"last error {_short(error)}"] if error is not None else [])]
+            details = [] if returned is None else [f"last returned {_short(returned)}"]
+            if error is not None:
+                details.append(f"last error {_short(error)}")
             suffix = f" ({'; '.join(details)})" if details else ""
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}{suffix}") from (
                 error
