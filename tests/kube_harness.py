@@ -34,6 +34,19 @@ def free_port() -> int:
         return port
 
 
+def metric_total(text: str, name: str, **labels: str) -> float | None:
+    """The sum of the samples of ``name`` in a Prometheus exposition whose labels include
+    ``labels``; None when there are none."""
+    total = None
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name)] not in " {":
+            continue
+        series, _, value = line.rpartition(" ")
+        if all(f'{key}="{val}"' in series for key, val in labels.items()):
+            total = (total or 0.0) + float(value)
+    return total
+
+
 class OperatorProcess:
     """``ladle operator`` as a child process, with its log file and its HTTP endpoints."""
 
@@ -82,16 +95,7 @@ class OperatorProcess:
             return 0, ""
 
     def metric(self, name: str, **labels: str) -> float | None:
-        """The sum of the samples of ``name`` whose labels include ``labels``."""
-        _, text = self.get("/metrics")
-        total = None
-        for line in text.splitlines():
-            if not line.startswith(name) or line[len(name)] not in " {":
-                continue
-            series, _, value = line.rpartition(" ")
-            if all(f'{key}="{val}"' in series for key, val in labels.items()):
-                total = (total or 0.0) + float(value)
-        return total
+        return metric_total(self.get("/metrics")[1], name, **labels)
 
     def reconciles(self, kind: str = "isvc") -> float:
         """Reconciles of ``kind`` ended so far (ok or error)."""
@@ -271,6 +275,7 @@ class Relay:
         self._server_ssl.load_cert_chain(str(cert), str(key))
         self._client_ssl = ssl.create_default_context(cafile=str(pki_dir / "ca.crt"))
         self.forwarded: list[tuple[float, str, str]] = []  # (monotonic, method, path) of writes
+        self.held = 0  # requests stalled now, not yet forwarded or dropped
         self._match: Callable[[str, str], bool] | None = None
         self._streams = False
         self._watch_epoch = 0  # watches begun before this epoch are expired
@@ -312,12 +317,17 @@ class Relay:
 
         assert self._healed is not None
         match = self._match
-        if match is not None and match(request.method, request.path):
-            await self._healed.wait()
-        body = await request.read()
+        held = match is not None and match(request.method, request.path)
+        self.held += held
+        try:
+            if held:
+                await self._healed.wait()
+            body = await request.read()
+            if request.method != "GET":
+                self.forwarded.append((time.monotonic(), request.method, request.path))
+        finally:
+            self.held -= held
         headers = {k: v for k, v in request.headers.items() if k.lower() not in self.HOP_HEADERS}
-        if request.method != "GET":
-            self.forwarded.append((time.monotonic(), request.method, request.path))
         epoch = self._watch_epoch
         watching = request.query.get("watch") in ("true", "1")
         async with self._session.request(

@@ -201,18 +201,26 @@ def test_the_old_leader_writes_nothing_once_a_new_one_holds_the_lease(
             )
             taken = time.monotonic()
             new.wait_leading(timeout=15)
-            time.sleep(3)  # the old leader keeps running (and, unfenced, would keep writing)
+            # Work arrives that the old leader, unfenced, would take up: the new one does it.
+            first = len(created)
+            wait_until(lambda: len(created) >= first + 2, "two services after the handover")
+            for name in created[first : first + 2]:
+                kube.wait_condition(k8s_namespace, name, "Ready", timeout=60)
         finally:
             if fault == "sigstop":
                 os.kill(old.pid, signal.SIGCONT)
             relay.heal()
-        time.sleep(3)  # whatever it still had in flight arrives now
+        # Whatever the old leader still had in flight arrives, and it says it stands by.
+        wait_until(
+            lambda: relay.held == 0 and old.metric("ladle_operator_leader") == 0.0,
+            "the old leader to stand by with nothing held",
+            timeout=20,
+        )
         stop.set()
         creator.join()
 
         late = relay.writes_after(taken)
         assert late == [], f"the old leader wrote after {fault}: {late[:5]}"
-        wait_until(lambda: not old.is_leader(), "the old leader to stand by", timeout=20)
         for name in created[-2:]:  # the new leader reconciles what arrived meanwhile
             kube.wait_condition(k8s_namespace, name, "Ready", timeout=60)
     finally:
