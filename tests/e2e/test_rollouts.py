@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import urllib3
+from kube_harness import metric_total
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -442,7 +443,7 @@ def test_a_canary_that_damages_the_output_rolls_back_on_the_quality_gate(
     assert {variant for _, variant in answers} == {"stable"}
     wait_until(lambda: list(deployments(rollouts)) == [f"{NAME}-stable"], "the canary removed", 60)
     # The failed revision is held: nothing starts again until the spec changes or a retry.
-    time.sleep(3)
+    reconcile_after(rollouts)
     assert rollout(rollouts)["phase"] == "RolledBack"
     assert list(deployments(rollouts)) == [f"{NAME}-stable"]
 
@@ -526,6 +527,26 @@ def leader_pod(system: System) -> dict[str, Any]:
     return found[0]
 
 
+def reconcile_after(system: System) -> None:
+    """Annotate the service and return once the leading operator has reconciled a service
+    after that: "nothing changed" is then checked against a look it took, not a sleep."""
+
+    def reconciles() -> float:
+        pod = leader_pod(system)
+        port = next(
+            p["containerPort"]
+            for c in pod["spec"]["containers"]
+            for p in c.get("ports", ())
+            if p.get("name") == "metrics"
+        )
+        text = httpx.get(f"http://{pod['status']['podIP']}:{port}/metrics", timeout=5).text
+        return metric_total(text, "ladle_operator_reconcile_total", kind="isvc") or 0.0
+
+    before = reconciles()
+    kubectl_ok(system, "annotate", "--overwrite", "lisvc", NAME, f"test.ladle.dev/poke={before}")
+    wait_until(lambda: reconciles() > before, "a reconcile of the service", 60)
+
+
 def test_pause_resume_a_leader_failover_and_manual_promotion(
     rollouts: System, gateway_url: str
 ) -> None:
@@ -546,12 +567,15 @@ def test_pause_resume_a_leader_failover_and_manual_promotion(
     # need starts on resume: without it the split is sampled quickly.)
     pause(rollouts, True)
     paused = wait_rollout(rollouts, lambda b: b.get("phase") == "Paused", "the pause", 30)
+    interval_over = time.monotonic() + FAST_INTERVAL
     assert (paused["step"], canary_weight(paused), paused["stage"]) == (1, 50, "Analysing")
     verdicts = [r for r in reasons(rollouts, since) if r.startswith("Analysis")]
     sample = split(gateway_url, 12)  # a 50% canary unseen in 12 draws: 0.05%
     assert sample["canary"] >= 1, sample
     assert sample["stable"] >= 1, sample
-    time.sleep(FAST_INTERVAL + 2)  # an interval would have ended meanwhile
+    # An interval would have ended by now; the operator looks once more after that.
+    time.sleep(max(0.0, interval_over - time.monotonic()))
+    reconcile_after(rollouts)
     held = rollout(rollouts)
     assert (held["phase"], held["step"], canary_weight(held)) == ("Paused", 1, 50), held
     assert [r for r in reasons(rollouts, since) if r.startswith("Analysis")] == verdicts
