@@ -130,22 +130,29 @@ async def test_first_token_timeout_is_a_504_and_a_breaker_failure(
                 "model": "m",
                 "endpoints": [pod.url],
                 "timeouts": {"firstTokenSeconds": 1},
-                "circuitBreaker": {"minimumCalls": 1},
+                "circuitBreaker": {"minimumCalls": 1, "openSeconds": 30},
             }
         ]
     )
     async with httpx.AsyncClient(timeout=10) as client:
         started = time.monotonic()
         r = await post(client, gw.url, {"model": "m", "prompt": "x"})
+        answered = time.monotonic()
         assert r.status_code == 504
         assert r.json()["error"]["code"] == "first_token_timeout"
         # Not before the deadline; that it fired at all is the 504 (the pod never answers, and
         # the client would have timed out after 10 s).
-        assert time.monotonic() - started >= 0.9
+        assert answered - started >= 0.9
+        await asyncio.sleep(2)  # so that the time left differs from the whole open period
+        asked = time.monotonic()
         again = await post(client, gw.url, {"model": "m", "prompt": "x"})
+        replied = time.monotonic()
     assert again.status_code == 503
     assert again.json()["error"]["code"] == "circuit_open"
-    assert int(again.headers["retry-after"]) >= 1
+    # The breaker opened between the request and its 504, and the refusal was decided between
+    # asking and the reply: Retry-After is what is left of the 30 s, rounded up.
+    left = (30 - (replied - started), 30 - (asked - answered))
+    assert math.ceil(left[0]) <= int(again.headers["retry-after"]) <= math.ceil(left[1])
     # Both count against the service in requests_total, which the availability SLO reads; the
     # refusal before any variant was picked has none.
     for variant, code in (("stable", "504"), ("", "503")):
