@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from ladle.cluster.pytest_plugin import wait_until
 
 from .conftest import start_server
 
@@ -38,15 +39,19 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
     server.wait_metric("ladle:num_requests_running", 2)
     server.proc.send_signal(signal.SIGTERM)
 
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{server.url}/health/ready").status_code != 503:
-        assert time.monotonic() < deadline, "readiness did not turn 503"
-        time.sleep(0.05)
+    wait_until(
+        lambda: httpx.get(f"{server.url}/health/ready").status_code == 503,
+        "readiness to turn 503",
+        30,
+        interval=0.05,
+    )
     assert httpx.get(f"{server.url}/health/ready").json() == {"status": "draining"}
     assert httpx.get(f"{server.url}/health/live").status_code == 200
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "draining"
+    # A keep-alive client is told to reconnect, so its next request can find another replica.
+    assert refused.headers["connection"] == "close"
 
     short.join()
     long.join()
