@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import json
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
+from ladle.http_errors import error_info
 
 
 class GatewayError(Exception):
@@ -39,13 +32,8 @@ class GatewayError(Exception):
         return error_body(self.status, self.message, self.code, self.param)
 
 
-def error_type(status: int) -> str:
-    return _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
-    info = {"message": message, "type": error_type(status), "param": param, "code": code}
-    return json.dumps({"error": info}).encode()
+    return json.dumps({"error": error_info(status, message, code, param)}).encode()
 
 
 def sse_error(status: int, message: str, code: str) -> bytes:

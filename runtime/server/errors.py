@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from ladle import json_body
-from ladle.http_errors import unknown_endpoint, wrong_method
+from ladle.http_errors import error_info, unknown_endpoint, wrong_method
 from ladle.runtime.errors import RequestError
 from ladle.runtime.server.protocol import ErrorInfo, ErrorResponse
 
@@ -25,17 +25,6 @@ log = logging.getLogger("ladle.server")
 
 # pydantic's errors for a value that is not a mapping where a model was expected.
 _NOT_A_MAPPING = frozenset({"model_attributes_type", "model_type", "dict_type"})
-
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-}
 
 
 class APIError(Exception):
@@ -62,10 +51,7 @@ class APIError(Exception):
 def error_body(
     status_code: int, message: str, code: str | None = None, param: str | None = None
 ) -> ErrorResponse:
-    kind = _TYPES.get(
-        status_code, "server_error" if status_code >= 500 else "invalid_request_error"
-    )
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return ErrorResponse(error=ErrorInfo(**error_info(status_code, message, code, param)))
 
 
 def error_response(

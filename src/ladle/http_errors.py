@@ -1,6 +1,8 @@
-"""The words both HTTP servers (``ladle serve`` and ``ladle gateway``) answer with when a
-request names no endpoint they have, or the wrong method: a base URL without ``/v1`` and a
-misspelt path are a newcomer's first 404s, so the answer names the path that exists.
+"""What both HTTP servers (``ladle serve`` and ``ladle gateway``) share in their errors: the
+OpenAI ``type`` for each status, so that a client branching on it meets one table whichever
+server answered, and the words for a request that names no endpoint they have, or the wrong
+method (a base URL without ``/v1`` and a misspelt path are a newcomer's first 404s, so the
+answer names the path that exists).
 
 Only the standard library: the gateway runs without FastAPI.
 """
@@ -9,6 +11,24 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import Any
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_info(status: int, message: str, code: str | None, param: str | None) -> dict[str, Any]:
+    """The ``error`` object of an OpenAI error body."""
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"message": message, "type": kind, "param": param, "code": code}
 
 
 def unknown_endpoint(path: str, endpoints: Iterable[str]) -> str:

@@ -148,6 +148,8 @@ async def test_first_token_timeout_is_a_504_and_a_breaker_failure(
         again = await post(client, gw.url, {"model": "m", "prompt": "x"})
         replied = time.monotonic()
     assert again.status_code == 503
+    # The same type as the runtime's own 503s (one error table for both servers).
+    assert again.json()["error"]["type"] == "service_unavailable_error"
     assert again.json()["error"]["code"] == "circuit_open"
     # The breaker opened between the request and its 504, and the refusal was decided between
     # asking and the reply: Retry-After is what is left of the 30 s, rounded up.

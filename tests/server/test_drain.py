@@ -50,6 +50,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path: Path) -> None:
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "draining"
+    assert refused.json()["error"]["type"] == "service_unavailable_error"
     # A keep-alive client is told to reconnect, so its next request can find another replica.
     assert refused.headers["connection"] == "close"
 
