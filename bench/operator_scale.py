@@ -36,10 +36,10 @@ import psutil
 from kubernetes import client
 from kubernetes.client import ApiClient
 
+from ladle.api import parse_isvc
 from ladle.cluster import build
 from ladle.cluster.control_plane import Cluster, Options
 from ladle.cluster.pytest_plugin import KubeCluster
-from ladle.operator.api import parse_isvc
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import desired_children, desired_service
 

@@ -17,11 +17,11 @@ import prometheus_client
 import uvicorn
 
 from ladle import logs
+from ladle.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
 from ladle.audit import AuditLog
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
 from ladle.gateway.cache import ResponseCache
-from ladle.gateway.kube import KubeApi
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import Hooks, Router
 from ladle.gateway.routes import Pod, Service, build_table, parse_pod, parse_routable
@@ -29,9 +29,8 @@ from ladle.gateway.scrape import Scraper
 from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
+from ladle.kube import KubeClient, login
 from ladle.listen import bind
-from ladle.operator.api import API_VERSION, ISVC_PLURAL, LABEL_ISVC
-from ladle.operator.kube import login
 from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.gateway")
@@ -120,7 +119,7 @@ class Gateway:
         self._pod_informers: list[Informer[Pod]] = []
         self._static: tuple[list[Service], list[Pod]] | None = None
         self._rebuild_scheduled = False
-        self.api: KubeApi | None = None
+        self.api: KubeClient | None = None
         if settings.static is not None:
             try:
                 self._static = load_static(settings.static)
@@ -173,7 +172,7 @@ class Gateway:
     def _start_watching(self) -> None:
         from ladle.gateway.status import FIELD_MANAGER, StatusWriter
 
-        api = self.api = KubeApi(FIELD_MANAGER)
+        api = self.api = KubeClient(FIELD_MANAGER)
         if self.settings.write_status:
             writer = StatusWriter(api, self.settings.identity)
             self.router.hooks = Hooks(

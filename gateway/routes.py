@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ladle.api import LABEL_ISVC, LABEL_VARIANT, STABLE
 from ladle.gateway.breaker import BreakerConfig
 from ladle.gateway.outlier import OutlierConfig
-from ladle.operator.api import LABEL_ISVC, LABEL_VARIANT, STABLE
 
 ServiceKey = tuple[str, str]  # (namespace, name)
 DEFAULT_POD_PORT = 8000

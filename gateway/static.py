@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
+from ladle.api import STABLE
 from ladle.gateway.routes import Pod, Service, parse_service
-from ladle.operator.api import STABLE
 from ladle.settings import yaml_problem
 
 _SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts", "responseCache")

@@ -18,12 +18,11 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from ladle.api import API_VERSION, ISVC_KIND, JSON
 from ladle.gateway.breaker import State
-from ladle.gateway.kube import JSON, KubeApi
 from ladle.gateway.proxy import ServiceState
 from ladle.gateway.routes import Conflict, RouteTable, ServiceKey
-from ladle.operator.api import API_VERSION, ISVC_KIND, ISVC_PLURAL
-from ladle.operator.kube import REQUEST_ERRORS, ApiError
+from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient
 
 log = logging.getLogger("ladle.gateway.status")
 
@@ -82,7 +81,7 @@ def conflict_condition(key: ServiceKey, conflict: Conflict, since: float) -> JSO
 
 
 class StatusWriter:
-    def __init__(self, api: KubeApi, reporter: str) -> None:
+    def __init__(self, api: KubeClient, reporter: str) -> None:
         self.api = api
         self.reporter = reporter
         self._states: dict[ServiceKey, ServiceState] = {}
@@ -173,9 +172,8 @@ class StatusWriter:
             "metadata": {"name": name, "namespace": namespace},
             "status": status,
         }
-        path = f"/apis/{API_VERSION}/namespaces/{namespace}/{ISVC_PLURAL}/{name}"
         try:
-            await self.api.apply_status(path, body)
+            await self.api.apply(body, subresource="status")
         except ApiError as err:
             if err.status == 404:
                 return True  # deleted meanwhile

@@ -18,9 +18,9 @@ from typing import Any, Generic, TypeVar
 
 import aiohttp
 
-from ladle.gateway.kube import JSON, KubeApi
+from ladle.api import JSON
+from ladle.kube import ApiError, KubeClient
 from ladle.logs import Recurring
-from ladle.operator.kube import ApiError
 
 log = logging.getLogger("ladle.gateway.watch")
 
@@ -39,7 +39,7 @@ class Informer(Generic[T]):
 
     def __init__(
         self,
-        api: KubeApi,
+        api: KubeClient,
         path: str,
         parse: Callable[[JSON], T | None],
         on_change: Callable[[], None],
@@ -82,7 +82,7 @@ class Informer(Generic[T]):
                 await asyncio.sleep(delay)
 
     async def _relist(self) -> str:
-        objects, version = await self.api.list(self.path, self.params)
+        objects, version = await self.api.list_at(self.path, self.params)
         fresh: dict[tuple[str, str], T] = {}
         for obj in objects:
             parsed = self._parse(obj)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ladle.operator.api import QualityGateSpec, SLOGateSpec
+from ladle.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.rollout import QUALITY, GateOutcome, Result
 from ladle.runtime.eval.metrics import GATES, Gate
 from ladle.words import plural

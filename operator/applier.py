@@ -33,10 +33,10 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.operator.api import JSON
+from ladle.api import JSON
+from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.desired import object_digest
 from ladle.operator.events import EventRecorder, ObjectRef
-from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.store import Store, child_version, trim_child
 from ladle.operator.telemetry import Metrics
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import aiohttp
 
-from ladle.operator.api import API_VERSION, ISVC_KIND, JSON, InferenceService
+from ladle.api import API_VERSION, ISVC_KIND, JSON, InferenceService
+from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.events import EventRecorder, ObjectRef, now_rfc3339
-from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     Decision,

@@ -19,6 +19,15 @@ from typing import Any
 
 import httpx
 
+from ladle.api import (
+    API_VERSION,
+    CANARY,
+    ISVC_KIND,
+    ROLLOUT_ACTION_ANNOTATION,
+    STABLE,
+    InferenceService,
+)
+from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.analysis import (
     PodMetrics,
     QualityNumbers,
@@ -29,15 +38,6 @@ from ladle.operator.analysis import (
     slo_gates,
     sum_pods,
 )
-from ladle.operator.api import (
-    API_VERSION,
-    CANARY,
-    ISVC_KIND,
-    ROLLOUT_ACTION_ANNOTATION,
-    STABLE,
-    InferenceService,
-)
-from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.revisions import weights_of
 from ladle.operator.rollout import (
     Decision,

@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from ladle.operator.kube import login
+    from ladle.kube import login
     from ladle.operator.main import Options, run
 
     try:

@@ -27,8 +27,7 @@ from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ladle.logs import object_id
-from ladle.operator.api import (
+from ladle.api import (
     ISVC_KIND,
     POOL_KIND,
     GPUPool,
@@ -36,12 +35,13 @@ from ladle.operator.api import (
     parse_isvc,
     parse_pool,
 )
+from ladle.kube import REQUEST_ERRORS, ApiError, Fenced, KubeClient
+from ladle.logs import object_id
 from ladle.operator.applier import ChildApplier
 from ladle.operator.autoscaler import Autoscaler
 from ladle.operator.config import OperatorConfig
 from ladle.operator.events import EventRecorder
 from ladle.operator.inference import InferenceServiceReconciler
-from ladle.operator.kube import REQUEST_ERRORS, ApiError, Fenced, KubeClient
 from ladle.operator.pools import PoolReconciler
 from ladle.operator.status import ISVC_CONDITIONS, ISVC_STATUS_FIELDS
 from ladle.operator.status_writer import StatusWriter

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ladle.operator.api import (
+from ladle.api import (
     API_VERSION,
     CANARY,
     ISVC_KIND,
@@ -30,9 +30,9 @@ from ladle.operator.api import (
     InferenceService,
 )
 from ladle.operator.config import OperatorConfig
-from ladle.operator.quantity import parse_quantity, quantity_to_int
 from ladle.operator.revisions import with_template
 from ladle.operator.rollout import RolloutState, split
+from ladle.quantity import parse_quantity, quantity_to_int
 
 HTTP_PORT = 8000
 SERVICE_PORT = 80

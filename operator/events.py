@@ -14,9 +14,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from ladle.api import GROUP, JSON
+from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.logs import object_id
-from ladle.operator.api import GROUP, JSON
-from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.telemetry import Metrics
 
 log = logging.getLogger("ladle.operator.events")

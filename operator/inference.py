@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ladle.operator.api import (
+from ladle.api import (
     API_VERSION,
     CANARY,
     ISVC_KIND,
@@ -27,6 +27,7 @@ from ladle.operator.api import (
     GPUPoolSpec,
     InferenceService,
 )
+from ladle.kube import ApiError, KubeClient, resource_path
 from ladle.operator.applier import ChildApplier, ChildConflict, Owner, SyncResult, child_key
 from ladle.operator.canary import CanaryAnalysis, Measured
 from ladle.operator.config import OperatorConfig
@@ -42,7 +43,6 @@ from ladle.operator.desired import (
     variant_name,
 )
 from ladle.operator.events import EventRecorder, ObjectRef, now_rfc3339
-from ladle.operator.kube import ApiError, KubeClient, resource_path
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import Decision, Observation, RolloutState, decide, from_status, split

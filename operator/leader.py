@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from ladle.api import JSON
+from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.logs import Recurring
-from ladle.operator.api import JSON
-from ladle.operator.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 
 log = logging.getLogger("ladle.operator.leader")
 

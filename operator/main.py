@@ -23,9 +23,9 @@ from typing import Any, Literal
 import kopf
 
 from ladle import logs
+from ladle.kube import REQUEST_ERRORS, KubeClient, login
 from ladle.operator.config import OperatorConfig
 from ladle.operator.controller import Controller
-from ladle.operator.kube import REQUEST_ERRORS, KubeClient, login
 from ladle.operator.leader import (
     ElectionTiming,
     LeaderElector,

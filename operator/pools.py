@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ladle.operator.api import (
+from ladle.api import (
     API_VERSION,
     POOL_FINALIZER,
     POOL_KIND,
@@ -22,9 +22,9 @@ from ladle.operator.api import (
     GPUPoolSpec,
     InferenceService,
 )
+from ladle.kube import KubeClient
 from ladle.operator.config import OperatorConfig
 from ladle.operator.events import ObjectRef, now_rfc3339
-from ladle.operator.kube import KubeClient
 from ladle.operator.quota import Claim, PoolPlan, plan_pool
 from ladle.operator.status import (
     POOL_CONDITIONS,

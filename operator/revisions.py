@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, replace
 from typing import Any
 
-from ladle.operator.api import JSON, InferenceService, parse_quantization, parse_spec
+from ladle.api import JSON, InferenceService, parse_quantization, parse_spec
 
 # spec fields (top level) that a revision consists of; model.source is the other part.
 TEMPLATE_FIELDS = ("quantization", "runtime", "engine")

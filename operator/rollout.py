@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from ladle.operator.api import CANARY, JSON, STABLE, RolloutSpec
+from ladle.api import CANARY, JSON, STABLE, RolloutSpec
 
 Phase = Literal["Idle", "Progressing", "Paused", "Promoted", "RolledBack", "Failed"]
 PHASES: tuple[Phase, ...] = ("Progressing", "Paused", "Promoted", "RolledBack", "Failed", "Idle")

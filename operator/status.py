@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ladle.operator.api import JSON, GPUPool, InferenceService
+from ladle.api import JSON, GPUPool, InferenceService
 from ladle.operator.quota import PoolPlan
 from ladle.operator.rollout import RolloutState, to_status
 from ladle.operator.store import NodeInfo, epoch_seconds, node_matches

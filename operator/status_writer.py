@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ladle.operator.api import JSON
+from ladle.api import JSON
+from ladle.kube import ApiError, KubeClient
 from ladle.operator.events import EventRecorder, ObjectRef
-from ladle.operator.kube import ApiError, KubeClient
 from ladle.operator.status import DEGRADED, PROGRESSING, READY, owned_status
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ladle.operator.api import (
+from ladle.api import (
     JSON,
     LABEL_ISVC,
     LABEL_POOL,
@@ -24,7 +24,7 @@ from ladle.operator.api import (
     STABLE,
     GPUPoolSpec,
 )
-from ladle.operator.quantity import quantity_to_int
+from ladle.quantity import quantity_to_int
 from ladle.words import plural
 
 ObjKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds

@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from ladle.operator.api import (
+from ladle.api import (
     API_VERSION,
     ISVC_KIND,
     ISVC_PLURAL,

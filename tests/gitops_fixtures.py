@@ -22,9 +22,7 @@ from typing import Any
 
 import yaml
 
-from ladle.gateway.routes import Conflict
-from ladle.gateway.status import conflict_condition
-from ladle.operator.api import (
+from ladle.api import (
     API_VERSION,
     CANARY,
     STABLE,
@@ -32,6 +30,8 @@ from ladle.operator.api import (
     parse_pool,
     parse_quantization,
 )
+from ladle.gateway.routes import Conflict
+from ladle.gateway.status import conflict_condition
 from ladle.operator.autoscaler import autoscaling_status
 from ladle.operator.desired import label_selector
 from ladle.operator.quota import Claim, plan_pool

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from ladle.api import GROUP, ISVC_PLURAL, POOL_PLURAL, VERSION
 from ladle.cluster.pytest_plugin import wait_until
-from ladle.operator.api import GROUP, ISVC_PLURAL, POOL_PLURAL, VERSION
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient

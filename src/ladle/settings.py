@@ -169,7 +169,7 @@ def boolean(text: str) -> bool:
 def memory(text: str) -> int:
     """Bytes, from a Kubernetes quantity (``4Gi`` is 4 * 2^30, ``4G`` is 4 * 10^9) or a byte
     count; a trailing ``B`` is accepted (``4GiB``, ``4GB``), nothing else is guessed."""
-    from ladle.operator.quantity import parse_quantity
+    from ladle.quantity import parse_quantity
 
     raw = str(text).strip()
     allowed = (

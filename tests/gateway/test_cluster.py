@@ -20,10 +20,10 @@ from kube_harness import wait_until
 from kubernetes import client
 
 from ladle.cluster.pytest_plugin import KubeCluster
-from ladle.gateway.kube import KubeApi
 from ladle.gateway.routes import parse_pod
 from ladle.gateway.split import choose_variant
 from ladle.gateway.watch import Informer
+from ladle.kube import KubeClient
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle, start_runtime
 
@@ -436,7 +436,7 @@ def test_the_watch_cache_lists_again_after_a_gap(
     create_ready_pod(k8s_api, namespace, "a", "chat", 8000)
 
     async def scenario() -> None:
-        api = KubeApi("test")
+        api = KubeClient("test")
         changes = 0
 
         def changed() -> None:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from kube_harness import Kube, OperatorFactory, OperatorProcess
 
+from ladle.api import API_VERSION
 from ladle.cluster.pytest_plugin import KubeCluster
-from ladle.operator.api import API_VERSION
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient

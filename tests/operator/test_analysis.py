@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 
+from ladle.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.analysis import (
     Histogram,
     PodMetrics,
@@ -23,7 +24,6 @@ from ladle.operator.analysis import (
     quality_thresholds,
     slo_gates,
 )
-from ladle.operator.api import QualityGateSpec, SLOGateSpec
 from ladle.runtime.eval.metrics import GATES, Gate
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from ladle.operator.api import parse_isvc
+from ladle.api import parse_isvc
 from ladle.operator.autoscaler import autoscaling_status, policy_for
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ladle.operator.api import ROLLOUT_ACTION_ANNOTATION, InferenceService, parse_isvc
+from ladle.api import ROLLOUT_ACTION_ANNOTATION, InferenceService, parse_isvc
+from ladle.kube import ApiError
 from ladle.operator.canary import CanaryAnalysis, interval_key
-from ladle.operator.kube import ApiError
 from ladle.operator.rollout import RolloutState, from_status, to_status
 from ladle.operator.store import Store
 

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from ladle import settings
+from ladle.api import parse_isvc
 from ladle.cli import build_parser
 from ladle.cluster import build
-from ladle.operator.api import parse_isvc
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import desired_children
 

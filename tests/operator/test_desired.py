@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from ladle import settings
+from ladle.api import parse_isvc, parse_pool
 from ladle.cli import build_parser
-from ladle.operator.api import parse_isvc, parse_pool
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
     CONFIG_HASH_ANNOTATION,

@@ -12,8 +12,8 @@ from typing import Any, cast
 import pytest
 
 from ladle import logs
+from ladle.kube import KubeClient
 from ladle.operator.events import EventRecorder, ObjectRef
-from ladle.operator.kube import KubeClient
 from ladle.operator.telemetry import Metrics
 
 POOL = ObjectRef("ladle.dev/v1alpha1", "GPUPool", "", "a100", "uid-1")

@@ -11,7 +11,7 @@ import kopf
 import pytest
 from aiohttp import web
 
-from ladle.operator.kube import Fenced, KubeClient
+from ladle.kube import Fenced, KubeClient
 from ladle.operator.leader import ElectionTiming, LeaderElector, LeadershipLost
 
 TIMING = ElectionTiming(lease_seconds=3, renew_deadline_seconds=1.0, retry_seconds=0.2)

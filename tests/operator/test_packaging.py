@@ -209,7 +209,7 @@ def closure(roots: list[str]) -> set[str]:
 def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
     """The operator and the runtime meet at the command line (and the same keys in --config):
     render a spec that sets every engine field and check each flag against `ladle serve`."""
-    from ladle.operator.api import parse_isvc
+    from ladle.api import parse_isvc
     from ladle.operator.config import OperatorConfig
     from ladle.operator.desired import desired_children, engine_config
 

@@ -2,7 +2,7 @@ from decimal import Decimal
 
 import pytest
 
-from ladle.operator.quantity import parse_quantity, quantity_to_int
+from ladle.quantity import parse_quantity, quantity_to_int
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ladle.api import QualityGateSpec, RolloutSpec
 from ladle.operator.analysis import QualityNumbers, quality_outcome
-from ladle.operator.api import QualityGateSpec, RolloutSpec
 from ladle.operator.rollout import (
     Decision,
     GateOutcome,

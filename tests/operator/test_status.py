@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ladle.operator.api import InferenceService, parse_isvc, parse_pool
+from ladle.api import InferenceService, parse_isvc, parse_pool
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.rollout import RolloutState
 from ladle.operator.status import (

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ladle.api import QualityGateSpec
 from ladle.operator.analysis import quality_outcome, quality_thresholds
-from ladle.operator.api import QualityGateSpec
 from ladle.operator.canary import run_eval
 from ladle.runtime.eval.online import Endpoint, EvalError, evaluate_online
 from ladle.runtime.eval.prompts import Prompt, load_prompts

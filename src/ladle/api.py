@@ -1,6 +1,7 @@
-"""The InferenceService and GPUPool API, as the operator reads it.
+"""The InferenceService and GPUPool API, as every component reads it (the operator, and the
+gateway for its names, labels and variants).
 
-``crds/`` is the contract: by the time an object reaches the operator, the API server has
+``crds/`` is the contract: by the time an object reaches Ladle, the API server has
 validated and defaulted it. Parsing therefore only maps JSON onto typed values; the fallbacks
 mirror the CRD defaults so that objects stored before a default existed still reconcile.
 """

@@ -1,18 +1,20 @@
-"""A thin asyncio Kubernetes client: server-side apply, get, list, create, replace, delete.
+"""The Kubernetes layer that the operator and the gateway share: one login and a thin asyncio
+client (server-side apply, get, list, create, replace, delete).
 
-kopf owns the watch streams; this client does the writes. It reuses kopf's login (the same
-credentials kopf watches with) and speaks plain REST over aiohttp, so the operator needs
-neither the ``kubernetes`` package nor threads.
+In the operator kopf owns the watch streams and this client does the writes. It reuses kopf's
+login (the same credentials kopf watches with) and speaks plain REST over aiohttp, so neither
+component needs the ``kubernetes`` package nor threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import aiohttp
 import kopf
 import yaml
 
-from ladle.operator.api import API_VERSION, ISVC_KIND, JSON, POOL_KIND
+from ladle.api import API_VERSION, ISVC_KIND, JSON, POOL_KIND
 from ladle.settings import yaml_problem
 
 # (apiVersion, kind) → (plural, namespaced), for every kind the operator touches.
@@ -260,15 +262,50 @@ class KubeClient:
             raise
 
     async def list(self, path: str, params: Mapping[str, str] | None = None) -> list[JSON]:
-        items: list[JSON] = []
-        query = dict(params or {})
+        return (await self.list_at(path, params))[0]
+
+    async def list_at(
+        self, path: str, params: Mapping[str, str] | None = None
+    ) -> tuple[builtins.list[JSON], str]:
+        """Every object (paging through ``continue``) and the list's resourceVersion, where a
+        watch of the same objects starts."""
+        items: builtins.list[JSON] = []
+        query = {**(params or {}), "limit": "500"}
         while True:
             page = await self.request("GET", path, params=query)
             items.extend(page.get("items") or ())
-            token = (page.get("metadata") or {}).get("continue")
-            if not token:
-                return items
-            query["continue"] = token
+            meta = page.get("metadata") or {}
+            if not meta.get("continue"):
+                return items, str(meta.get("resourceVersion") or "")
+            query["continue"] = meta["continue"]
+
+    async def watch(
+        self, path: str, params: Mapping[str, str], resource_version: str, timeout_seconds: int
+    ) -> AsyncIterator[JSON]:
+        """Watch events from ``resource_version`` until the server ends the watch."""
+        query = {
+            **params,
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(timeout_seconds),
+        }
+        # No read timeout of our own beyond the server's, plus slack for a silent connection.
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 30)
+        headers = {"Accept": "application/json", **self._info.as_http_headers()}
+        async with self._open().get(path, params=query, headers=headers, timeout=timeout) as resp:
+            if resp.status == 401:
+                self._info = self._login()  # for the next try: projected tokens rotate
+            if resp.status >= 400:
+                raise _api_error(resp.status, await resp.text())
+            # One JSON event per line; lines may exceed aiohttp's readline limit (big pods).
+            pending = b""
+            async for data in resp.content.iter_any():
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)
 
     async def create(self, path: str, obj: Mapping[str, Any]) -> JSON:
         return await self.request(
