@@ -319,8 +319,11 @@ class Router:
         live = [variant for variant, weight in service.weights if weight > 0]
         if len(live) != 1:
             return None  # a canary split: which variant will answer is not known yet
+        revision = service.revision(live[0])
+        if revision is None:
+            return None  # its pods are changing revision, or none has been reported yet
         scope = req.key.cache_scope if req.key is not None else ""
-        return cache_key(service.key, service.revision, live[0], scope, req.path, req.inbound.doc)
+        return cache_key(service.key, revision, live[0], scope, req.path, req.inbound.doc)
 
     async def _from_cache(
         self, key: bytes, service: Service, req: ClientRequest, send: Send, out: Outcome

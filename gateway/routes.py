@@ -11,8 +11,6 @@ namespaces one gateway routes.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,14 +55,17 @@ class Service:
     timeouts: Timeouts = field(default_factory=Timeouts)
     # The breaker state a gateway last wrote into status.gateway (None: never written).
     reported_breaker: str | None = None
-    # spec.responseCache.enabled, and what a cached answer is valid for: a digest of the
-    # model, quantization and engine settings.
+    # spec.responseCache.enabled, and what a cached answer is valid for: the revision each
+    # variant's pods all run (variant, revision).
     response_cache: bool = False
-    revision: str = ""
+    revisions: tuple[tuple[str, str], ...] = ()
 
     @property
     def key(self) -> ServiceKey:
         return (self.namespace, self.name)
+
+    def revision(self, variant: str) -> str | None:
+        return dict(self.revisions).get(variant)
 
 
 @dataclass(frozen=True)
@@ -176,15 +177,22 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
         ),
         reported_breaker=((status.get("gateway") or {}).get("breaker") or {}).get("state"),
         response_cache=bool((spec.get("responseCache") or {}).get("enabled", False)),
-        revision=_revision(spec),
+        revisions=_revisions(status),
     )
 
 
-def _revision(spec: Mapping[str, Any]) -> str:
-    """What the answers depend on besides the request: a changed model, quantization or engine
-    setting is a new revision, and the response cache never serves across revisions."""
-    material = [spec.get(k) for k in ("model", "quantization", "engine")]
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
+def _revisions(status: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The revision each variant's pods run, as the operator names it in status (the one digest
+    of model source, quantization, engine and runtime image, ``operator.revisions``). The spec
+    does not say it: during a canary the stable pods still run the old revision. A variant whose
+    pods are being replaced has none, since its pods answer from two revisions."""
+    return tuple(
+        (str(v["name"]), str(v["revision"]))
+        for v in status.get("variants") or ()
+        if v.get("name")
+        and v.get("revision")
+        and int(v.get("updatedReplicas") or 0) == int(v.get("replicas") or 0)
+    )
 
 
 def parse_routable(obj: Mapping[str, Any]) -> Service | None:

@@ -110,7 +110,10 @@ def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
             "status": {
                 "rollout": {
                     "weights": [{"variant": v, "weight": w} for v, (w, _) in variants.items()]
-                }
+                },
+                # What the endpoints run is not known here, and the file is read once: one
+                # revision per variant for the process's life keys the response cache.
+                "variants": [{"name": v, "revision": "static"} for v in variants],
             },
         }
         try:

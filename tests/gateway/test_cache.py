@@ -7,6 +7,7 @@ import pytest
 from ladle.gateway.apikeys import KeyFileError, parse_keys
 from ladle.gateway.cache import Entry, ResponseCache, cache_key, cacheable
 from ladle.gateway.routes import parse_service
+from ladle.operator.revisions import revision_of, template_of
 
 DOC = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}
 
@@ -62,20 +63,30 @@ def test_the_key_separates_everything_an_answer_depends_on() -> None:
     assert len({base, *different}) == len(different) + 1
 
 
-def test_the_revision_follows_the_model_and_engine_but_not_scaling() -> None:
-    def service(**spec: object) -> str:
-        obj = {"metadata": {"name": "s"}, "spec": {"model": {"name": "m"}, **spec}}
-        return parse_service(obj).revision
+def isvc(spec: dict[str, object], variants: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "metadata": {"name": "s"},
+        "spec": {"model": {"name": "m"}, "responseCache": {"enabled": True}, **spec},
+        "status": {"variants": variants},
+    }
 
-    base = service()
-    assert service(replicas=5) == base
-    assert service(engine={"maxModelLen": 1024}) != base
-    assert service(quantization={"weights": "int8"}) != base
-    obj = {"metadata": {"name": "s"}, "spec": {"model": {"name": "m", "uri": "pvc://x/v2"}}}
-    assert parse_service(obj).revision != base
-    assert parse_service(
-        {**obj, "spec": {**obj["spec"], "responseCache": {"enabled": True}}}
-    ).response_cache
+
+def test_answers_are_keyed_on_the_revision_the_pods_run_not_on_the_spec() -> None:
+    spec = {"model": {"name": "m"}}
+    old, new = (revision_of(template_of(spec, image)) for image in ("runtime:1", "runtime:2"))
+    assert old != new  # a new runtime image alone is a new revision
+    stable = {"name": "stable", "revision": old, "replicas": 2, "updatedReplicas": 2}
+    # An int8 canary is asked for, and the stable pods still run the old revision: their
+    # answers are the old revision's (a key from the spec would file them under the new one).
+    service = parse_service(isvc({"quantization": {"weights": "int8"}}, [stable]))
+    assert service.response_cache
+    assert service.revision("stable") == old
+    assert parse_service(isvc({"replicas": 5}, [stable])).revision("stable") == old
+    # Pods of two revisions answer while a variant's pods are replaced; before the operator
+    # reports, nothing is known. Either way there is no key, so nothing is cached.
+    rolling = {**stable, "revision": new, "updatedReplicas": 1}
+    assert parse_service(isvc({}, [rolling])).revision("stable") is None
+    assert parse_service(isvc({}, [])).revision("stable") is None
 
 
 def test_the_cache_is_bounded_and_least_recently_used_goes_first() -> None:
