@@ -14,11 +14,9 @@ from dataclasses import dataclass
 
 from ladle.gateway.routes import Pod
 from ladle.gateway.upstream import Pool, UpstreamError
+from ladle.runtime_metrics import KV_USAGE, WAITING, samples
 
 log = logging.getLogger("ladle.gateway")
-
-_WAITING = b"ladle:num_requests_waiting"
-_KV = b"ladle:kv_cache_usage_perc"
 
 
 @dataclass(frozen=True)
@@ -28,25 +26,16 @@ class PodLoad:
 
 
 def parse_load(text: bytes) -> PodLoad | None:
-    """The two gauges from a Prometheus text exposition (summed over label sets)."""
-    waiting = kv = None
-    for line in text.splitlines():
-        if line.startswith(_WAITING) or line.startswith(_KV):
-            name_end = line.find(b"{") if b"{" in line else line.find(b" ")
-            name = line[:name_end]
-            try:
-                value = float(line.rsplit(b" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-            if math.isnan(value) or value < 0:  # nonsense: ignore it
-                continue
-            if name == _WAITING:
-                waiting = (waiting or 0.0) + value
-            elif name == _KV:
-                kv = max(kv or 0.0, value)
-    if waiting is None or kv is None:
+    """The two gauges from a pod's page (queued requests summed over label sets, the fullest
+    cache); None when the page does not parse, lacks one, or says nonsense (NaN, negative)."""
+    try:
+        found = samples(text.decode("utf-8", "replace"), (WAITING, KV_USAGE))
+    except ValueError:
         return None
-    return PodLoad(waiting, kv)
+    values = [v for got in found.values() for _, v in got]
+    if not all(found.values()) or any(math.isnan(v) or v < 0 for v in values):
+        return None
+    return PodLoad(sum(v for _, v in found[WAITING]), max(v for _, v in found[KV_USAGE]))
 
 
 class Scraper:

@@ -27,16 +27,12 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from ladle.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.rollout import QUALITY, GateOutcome, Result
 from ladle.runtime.eval.metrics import GATES, Gate
+from ladle.runtime_metrics import REJECTED, STARTED, SUCCESS, TPOT, TTFT, samples
 from ladle.words import plural
 
-PREFIX = "ladle:"
-TTFT = "time_to_first_token_seconds"
-TPOT = "request_time_per_output_token_seconds"
 # A p95 below this counts as this: sub-millisecond latencies are bucket noise, not speed.
 LATENCY_FLOOR_SECONDS = 0.001
 
@@ -119,31 +115,25 @@ class PodMetrics:
 
 def parse_metrics(text: str) -> PodMetrics:
     """A runtime pod's ``/metrics`` page, summed over its label sets (model names)."""
-    requests = errors = 0.0
-    hist: dict[str, dict[float, float]] = {TTFT: {}, TPOT: {}}
-    started = None
-    for family in text_string_to_metric_families(text):
-        name = family.name
-        for sample in family.samples:
-            if name == PREFIX + "request_success" and sample.name.endswith("_total"):
-                requests += sample.value
-                if sample.labels.get("finished_reason") == "abort":
-                    errors += sample.value
-            elif name == PREFIX + "request_rejected" and sample.name.endswith("_total"):
-                requests += sample.value
-                errors += sample.value
-            elif name.startswith(PREFIX) and name[len(PREFIX) :] in hist:
-                if sample.name.endswith("_bucket"):
-                    le = float(sample.labels["le"])
-                    table = hist[name[len(PREFIX) :]]
-                    table[le] = table.get(le, 0.0) + sample.value
-            elif name == "process_start_time_seconds":
-                started = sample.value
+    found = samples(text, (SUCCESS, REJECTED, STARTED, TTFT + "_bucket", TPOT + "_bucket"))
+    finished = found[SUCCESS]
+    rejected = sum(v for _, v in found[REJECTED])
+    aborted = sum(v for labels, v in finished if labels.get("finished_reason") == "abort")
 
-    def histogram(table: Mapping[float, float]) -> Histogram:
+    def histogram(name: str) -> Histogram:
+        table: dict[float, float] = {}
+        for labels, value in found[name + "_bucket"]:
+            le = float(labels["le"])
+            table[le] = table.get(le, 0.0) + value
         return Histogram(tuple(sorted(table.items())))
 
-    return PodMetrics(requests, errors, histogram(hist[TTFT]), histogram(hist[TPOT]), started)
+    return PodMetrics(
+        requests=sum(v for _, v in finished) + rejected,
+        errors=aborted + rejected,
+        ttft=histogram(TTFT),
+        tpot=histogram(TPOT),
+        started=found[STARTED][-1][1] if found[STARTED] else None,
+    )
 
 
 def interval(

@@ -10,18 +10,14 @@ error string that the decision treats as unknown data, never as zero load.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.operator.scaling import GatewayMetrics, PodMetrics
+from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 
-RUNNING = "ladle:num_requests_running"
-WAITING = "ladle:num_requests_waiting"
-KV_USAGE = "ladle:kv_cache_usage_perc"
-ITL = "ladle:inter_token_latency_seconds"
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
 GATEWAY_HELD = "ladle_gateway_held_requests"
 SCRAPE_TIMEOUT_SECONDS = 1.0
@@ -33,27 +29,16 @@ class Target:
     url: str  # the full /metrics URL
 
 
-def _samples(text: str, names: Iterable[str]) -> dict[str, list[tuple[Mapping[str, str], float]]]:
-    """The samples of the named metrics; an exposition that does not parse raises ValueError."""
-    wanted = set(names)
-    found: dict[str, list[tuple[Mapping[str, str], float]]] = {name: [] for name in wanted}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                found[sample.name].append((sample.labels, float(sample.value)))
-    return found
-
-
 def parse_pod(name: str, text: str) -> PodMetrics:
     """One runtime pod's gauges; a missing gauge is an error, not a zero. The inter-token
     histogram's totals are for the pace, and a runtime without them is only not paced."""
     try:
-        found = _samples(text, (RUNNING, WAITING, KV_USAGE, ITL + "_sum", ITL + "_count"))
+        found = samples(text, (RUNNING, WAITING, KV_USAGE, ITL + "_sum", ITL + "_count"))
     except ValueError as err:
         return PodMetrics(name, error=f"unreadable metrics: {err}")
     totals = [found.pop(ITL + suffix) for suffix in ("_sum", "_count")]
     itl_sum, itl_count = (sum(v for _, v in t) if t else None for t in totals)
-    missing = sorted(metric for metric, samples in found.items() if not samples)
+    missing = sorted(metric for metric, got in found.items() if not got)
     if missing:
         return PodMetrics(name, error=f"metrics lack {', '.join(missing)}")
     running = sum(v for _, v in found[RUNNING])
@@ -72,7 +57,7 @@ def parse_pod(name: str, text: str) -> PodMetrics:
 
 def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float]:
     """(in flight, held) for one service from one gateway replica's exposition."""
-    found = _samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD))
+    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD))
 
     def total(metric: str) -> float:
         return sum(

@@ -8,6 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ladle.gateway.scrape import parse_load
+from ladle.operator.analysis import parse_metrics
 from ladle.operator.pace import Pace
 from ladle.operator.scrape import parse_pod
 
@@ -259,3 +261,24 @@ def test_the_autoscaler_reads_a_runtimes_load_and_its_pace_samples(server: Serve
     assert after.itl_sum > before.itl_sum
     pace = Pace().observe(0.0, [before], target=4).observe(2.0, [after], target=4)
     assert pace.weight == 1
+
+
+def test_every_reader_of_metrics_finds_its_series_on_a_real_runtime(server: Server) -> None:
+    """The gateway's picker, the autoscaler and the canary analysis read one page through one
+    parser (ladle.runtime_metrics); a series renamed in the runtime fails here, not in a
+    cluster where a reader would see an unknown load or an empty interval."""
+
+    def page() -> str:
+        return httpx.get(f"{server.url}/metrics", timeout=30).text
+
+    before = parse_metrics(page())
+    post(server, "/v1/completions", {"prompt": "Count on", "max_tokens": 3, "ignore_eos": True})
+    text = page()
+    after = parse_metrics(text)
+    assert after.requests - before.requests == 1
+    assert after.errors == before.errors
+    assert (after.ttft - before.ttft).count == 1
+    assert (after.tpot - before.tpot).count == 1
+    assert after.started is not None
+    assert parse_load(text.encode()) is not None
+    assert parse_pod("p", text).error is None

@@ -1,0 +1,40 @@
+"""The contract between a runtime pod's ``/metrics`` and its readers: the names that the
+gateway (picking), the autoscaler and the canary analysis read, and the one parser they read
+them with. The runtime exports them (``ladle.runtime.server.metrics``, vLLM's set under
+``ladle:``); a test reads a real runtime's page through every reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Gauges: the engine's load now.
+RUNNING = "ladle:num_requests_running"
+WAITING = "ladle:num_requests_waiting"
+KV_USAGE = "ladle:kv_cache_usage_perc"
+# Histograms (read as their _bucket, _sum and _count samples).
+ITL = "ladle:inter_token_latency_seconds"
+TTFT = "ladle:time_to_first_token_seconds"
+TPOT = "ladle:request_time_per_output_token_seconds"
+# Counters: every finished request by finish reason, and every refused one.
+SUCCESS = "ladle:request_success_total"
+REJECTED = "ladle:request_rejected_total"
+# The process's own start (restarts between two scrapes).
+STARTED = "process_start_time_seconds"
+
+Sample = tuple[Mapping[str, str], float]
+
+
+def samples(text: str, names: Iterable[str]) -> dict[str, list[Sample]]:
+    """The samples of each named series (sample names: ``_total``, ``_bucket``, ``_sum`` and
+    ``_count`` included), empty for one the page lacks. A page that does not parse raises
+    ValueError."""
+    wanted = set(names)
+    found: dict[str, list[Sample]] = {name: [] for name in wanted}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                found[sample.name].append((sample.labels, float(sample.value)))
+    return found
