@@ -9,11 +9,9 @@ it ends.
 from __future__ import annotations
 
 import asyncio
-import calendar
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ladle.api import parse_rfc3339
 from ladle.audit import AuditLog
 from ladle.gateway import audit as auditing
 from ladle.gateway.apikeys import ApiKey, KeyStore
@@ -348,7 +347,7 @@ class GatewayApp:
             {
                 "id": svc.model,
                 "object": "model",
-                "created": _epoch(svc.created),
+                "created": int(parse_rfc3339(svc.created) or 0),
                 "owned_by": f"{svc.namespace}/{svc.name}",
             }
             for svc in self.router.models()
@@ -387,10 +386,3 @@ def _deadline(header: bytes | None, arrival: float) -> float:
             "invalid_timeout",
         )
     return arrival + seconds
-
-
-def _epoch(created: str) -> int:
-    try:
-        return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
-    except ValueError:
-        return 0

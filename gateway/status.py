@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from typing import Any
 
-from ladle.api import API_VERSION, ISVC_KIND, JSON
+from ladle.api import API_VERSION, ISVC_KIND, JSON, rfc3339
 from ladle.gateway.breaker import State
 from ladle.gateway.proxy import ServiceState
 from ladle.gateway.routes import Conflict, RouteTable, ServiceKey
@@ -29,10 +29,6 @@ log = logging.getLogger("ladle.gateway.status")
 FIELD_MANAGER = "ladle-gateway"
 CONFLICT_CONDITION = "ModelNameConflict"
 MIN_INTERVAL = 1.0  # seconds between writes to one service
-
-
-def rfc3339(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def gateway_status(
@@ -191,4 +187,4 @@ class StatusWriter:
 
 
 def _now() -> float:
-    return datetime.now(UTC).timestamp()
+    return time.time()

@@ -21,9 +21,9 @@ from typing import Any
 
 import aiohttp
 
-from ladle.api import API_VERSION, ISVC_KIND, JSON, InferenceService
+from ladle.api import API_VERSION, ISVC_KIND, JSON, InferenceService, rfc3339
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
-from ladle.operator.events import EventRecorder, ObjectRef, now_rfc3339
+from ladle.operator.events import EventRecorder, ObjectRef
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     Decision,
@@ -239,7 +239,7 @@ class Autoscaler:
         self._export(isvc, policy, decision, len(targets))
         ref = ObjectRef(API_VERSION, ISVC_KIND, namespace, name, isvc.meta.uid)
         if decision.replicas != current:
-            tracked.last_scale_time = now_rfc3339()
+            tracked.last_scale_time = rfc3339()
             direction = "up" if decision.replicas > current else "down"
             self.recorder.emit(
                 ref,
@@ -260,9 +260,7 @@ class Autoscaler:
     ) -> None:
         """Write the decision when it changed (not every tick's new demand figure)."""
         previous = tracked.written or _owned(isvc.status)
-        status = autoscaling_status(
-            isvc, decision, previous, tracked.last_scale_time, now_rfc3339()
-        )
+        status = autoscaling_status(isvc, decision, previous, tracked.last_scale_time, rfc3339())
         if _gist(status) == _gist(previous):
             return
         body = {

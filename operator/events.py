@@ -12,9 +12,8 @@ import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
-from ladle.api import GROUP, JSON
+from ladle.api import GROUP, JSON, rfc3339
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.logs import object_id
 from ladle.operator.telemetry import Metrics
@@ -24,10 +23,6 @@ log = logging.getLogger("ladle.operator.events")
 POSTERS = 2
 # Remembered events (client-go keeps 4096 too); the API server's event TTL is an hour.
 REMEMBERED = 4096
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -106,7 +101,7 @@ class EventRecorder:
                 log.warning("could not post event", extra={"reason": key[2], "error": str(err)})
 
     async def _post(self, key: AggregationKey, ref: ObjectRef) -> None:
-        now = now_rfc3339()
+        now = rfc3339()
         posted = self._posted.get(key)
         if posted is not None:
             self._posted.move_to_end(key)

@@ -26,6 +26,7 @@ from ladle.api import (
     STABLE,
     GPUPoolSpec,
     InferenceService,
+    rfc3339,
 )
 from ladle.kube import ApiError, KubeClient, resource_path
 from ladle.operator.applier import ChildApplier, ChildConflict, Owner, SyncResult, child_key
@@ -42,7 +43,7 @@ from ladle.operator.desired import (
     template_hash,
     variant_name,
 )
-from ladle.operator.events import EventRecorder, ObjectRef, now_rfc3339
+from ladle.operator.events import EventRecorder, ObjectRef
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import Decision, Observation, RolloutState, decide, from_status, split
@@ -271,7 +272,7 @@ class InferenceServiceReconciler:
             variants,
             url=self.config.gateway_url or service_url(isvc, self.config.cluster_domain),
             selector=label_selector(isvc.meta.name),
-            now=now_rfc3339(),
+            now=rfc3339(),
             previous=previous,
             blockers=blockers,
             service_exists=self.store.get("Service", service[1:]) is not None,

@@ -21,18 +21,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
-from ladle.api import JSON
+from ladle.api import JSON, rfc3339
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.logs import Recurring
 
 log = logging.getLogger("ladle.operator.leader")
-
-
-def micro_time(now: datetime | None = None) -> str:
-    """metav1.MicroTime, the format Lease timestamps use."""
-    return (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @dataclass(frozen=True)
@@ -104,7 +98,7 @@ class LeaderElector:
 
     async def try_acquire_or_renew(self) -> bool:
         lease = await self.client.get(self.path)
-        now = micro_time()
+        now = rfc3339(digits=6)
         if lease is None:
             body: JSON = {
                 "apiVersion": "coordination.k8s.io/v1",
@@ -204,7 +198,7 @@ class LeaderElector:
                     or (lease.get("spec") or {}).get("holderIdentity") != self.identity
                 ):
                     return
-                now = micro_time()
+                now = rfc3339(digits=6)
                 lease["spec"] = {
                     **lease["spec"],
                     "holderIdentity": "",

@@ -21,10 +21,11 @@ from ladle.api import (
     GPUPool,
     GPUPoolSpec,
     InferenceService,
+    rfc3339,
 )
 from ladle.kube import KubeClient
 from ladle.operator.config import OperatorConfig
-from ladle.operator.events import ObjectRef, now_rfc3339
+from ladle.operator.events import ObjectRef
 from ladle.operator.quota import Claim, PoolPlan, plan_pool
 from ladle.operator.status import (
     POOL_CONDITIONS,
@@ -297,7 +298,7 @@ class PoolReconciler:
             pool.meta.uid, pool.status, POOL_STATUS_FIELDS, POOL_CONDITIONS
         )
         status = derive_pool_status(
-            pool, list(self.store.values("Node")), plan, facts, now_rfc3339(), previous
+            pool, list(self.store.values("Node")), plan, facts, rfc3339(), previous
         )
         self.metrics.observe_pool(name, status, pool.spec.quota_gpus)
         if status == previous:

@@ -33,10 +33,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
 
-from ladle.api import CANARY, JSON, STABLE, RolloutSpec
+from ladle.api import CANARY, JSON, STABLE, RolloutSpec, parse_rfc3339, rfc3339
 
 Phase = Literal["Idle", "Progressing", "Paused", "Promoted", "RolledBack", "Failed"]
 PHASES: tuple[Phase, ...] = ("Progressing", "Paused", "Promoted", "RolledBack", "Failed", "Idle")
@@ -50,18 +49,6 @@ SETTLE_SECONDS = 3.0
 QUALITY_RETRY_SECONDS = 5.0
 # Reason of a quality check that is still running when an interval ends.
 QUALITY = "quality"
-
-
-def rfc3339(epoch: float) -> str:
-    """Milliseconds are kept: a rollout's timing is finer than a condition's."""
-    seconds, millis = divmod(round(epoch * 1000), 1000)
-    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%S") + f".{millis:03d}Z"
-
-
-def from_rfc3339(text: str | None) -> float | None:
-    if not text:
-        return None
-    return round(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() * 1000) / 1000
 
 
 @dataclass(frozen=True)
@@ -812,7 +799,7 @@ def to_status(state: RolloutState) -> JSON:
         ("settleUntil", state.settle_until),
     ):
         if value is not None:
-            out[key] = rfc3339(value)
+            out[key] = rfc3339(value, digits=3)
     if state.stage == "Finalizing":
         out["outcome"] = state.outcome
     if state.failures:
@@ -822,7 +809,7 @@ def to_status(state: RolloutState) -> JSON:
     if state.analysis is not None:
         out["lastAnalysis"] = {
             "step": state.analysis.step,
-            "time": rfc3339(state.analysis.at),
+            "time": rfc3339(state.analysis.at, digits=3),
             "result": state.analysis.result,
             "gates": [_gate_json(g) for g in state.analysis.gates],
         }
@@ -833,7 +820,7 @@ def to_status(state: RolloutState) -> JSON:
             "step": q.step,
             "result": q.result,
             "message": q.message,
-            "time": rfc3339(q.at),
+            "time": rfc3339(q.at, digits=3),
             **{k: round(v, 6) for k, v in q.numbers.items()},
         }
     return out
@@ -866,16 +853,16 @@ def from_status(raw: Mapping[str, Any] | None) -> RolloutState:
         reason=raw.get("reason"),
         step=int(raw.get("step") or 0),
         weight=weights.get(CANARY, 0),
-        step_started=from_rfc3339(raw.get("stepStartedAt")),
-        interval_started=from_rfc3339(raw.get("intervalStartedAt")),
-        paused_at=from_rfc3339(raw.get("pausedAt")),
-        settle_until=from_rfc3339(raw.get("settleUntil")),
+        step_started=parse_rfc3339(raw.get("stepStartedAt")),
+        interval_started=parse_rfc3339(raw.get("intervalStartedAt")),
+        paused_at=parse_rfc3339(raw.get("pausedAt")),
+        settle_until=parse_rfc3339(raw.get("settleUntil")),
         outcome=_phase(raw.get("outcome")),
         failures=int(raw.get("consecutiveFailures") or 0),
         approved=bool(raw.get("promotionApproved")),
         analysis=Analysis(
             step=int(analysis.get("step") or 0),
-            at=from_rfc3339(analysis.get("time")) or 0.0,
+            at=parse_rfc3339(analysis.get("time")) or 0.0,
             gates=tuple(
                 GateOutcome(str(g["gate"]), g["result"], str(g.get("message") or ""))
                 for g in analysis.get("gates") or ()
@@ -888,7 +875,7 @@ def from_status(raw: Mapping[str, Any] | None) -> RolloutState:
             step=int(quality.get("step") or 0),
             result=quality.get("result", "Inconclusive"),
             message=str(quality.get("message") or ""),
-            at=from_rfc3339(quality.get("time")) or 0.0,
+            at=parse_rfc3339(quality.get("time")) or 0.0,
             numbers={
                 k: float(v)
                 for k, v in quality.items()

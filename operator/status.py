@@ -28,10 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ladle.api import JSON, GPUPool, InferenceService
+from ladle.api import JSON, GPUPool, InferenceService, parse_rfc3339
 from ladle.operator.quota import PoolPlan
 from ladle.operator.rollout import RolloutState, to_status
-from ladle.operator.store import NodeInfo, epoch_seconds, node_matches
+from ladle.operator.store import NodeInfo, node_matches
 from ladle.words import plural
 
 READY = "Ready"
@@ -240,7 +240,7 @@ def _event_time(event: Mapping[str, Any]) -> float:
         event.get("eventTime"),
         event.get("firstTimestamp"),
     ):
-        when = epoch_seconds(stamp)
+        when = parse_rfc3339(stamp)
         if when is not None:
             return when
     return 0.0

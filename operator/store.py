@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from ladle.api import (
@@ -23,6 +22,7 @@ from ladle.api import (
     LABEL_VARIANT,
     STABLE,
     GPUPoolSpec,
+    parse_rfc3339,
 )
 from ladle.quantity import quantity_to_int
 from ladle.words import plural
@@ -237,16 +237,6 @@ def _oom_message(pod: Mapping[str, Any], container: Mapping[str, Any]) -> str:
     )
 
 
-def epoch_seconds(stamp: object) -> float | None:
-    """An RFC 3339 time (a Time or a MicroTime) as seconds since the epoch; None if unreadable."""
-    if not isinstance(stamp, str) or not stamp:
-        return None
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def _starting_since(pod: Mapping[str, Any]) -> float | None:
     """When a pod bound to a node began waiting to start, if no container of it has started
     (the kubelet's startTime; the binding or creation time before the kubelet reports)."""
@@ -270,7 +260,7 @@ def _starting_since(pod: Mapping[str, Any]) -> float | None:
         None,
     )
     for stamp in (status.get("startTime"), scheduled, meta.get("creationTimestamp")):
-        since = epoch_seconds(stamp)
+        since = parse_rfc3339(stamp)
         if since is not None:
             return since
     return None

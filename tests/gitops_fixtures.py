@@ -29,6 +29,7 @@ from ladle.api import (
     parse_isvc,
     parse_pool,
     parse_quantization,
+    parse_rfc3339,
 )
 from ladle.gateway.routes import Conflict
 from ladle.gateway.status import conflict_condition
@@ -36,7 +37,7 @@ from ladle.operator.autoscaler import autoscaling_status
 from ladle.operator.desired import label_selector
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.revisions import revision_of, template_of
-from ladle.operator.rollout import RolloutState, from_rfc3339
+from ladle.operator.rollout import RolloutState
 from ladle.operator.scaling import Decision
 from ladle.operator.status import (
     PodProblem,
@@ -286,7 +287,7 @@ def isvc_degraded_model_name_conflict() -> JSON:
     obj = isvc_object(replicas=1)
     obj = with_status(obj, [variant(obj)])
     conflict = Conflict("smollm2", ("team-b", "chat"), (("team-a", "chat"),))
-    since = from_rfc3339(NOW)
+    since = parse_rfc3339(NOW)
     assert since is not None
     obj["status"]["conditions"].append(conflict_condition(("team-a", "chat"), conflict, since))
     return obj
@@ -309,8 +310,8 @@ def isvc_progressing_canary() -> JSON:
         step=2,
         weight=50,
         message="step 2/3: 50% to the canary; analysing",
-        step_started=from_rfc3339("2026-11-30T11:58:00Z"),
-        interval_started=from_rfc3339("2026-11-30T11:59:00Z"),
+        step_started=parse_rfc3339("2026-11-30T11:58:00Z"),
+        interval_started=parse_rfc3339("2026-11-30T11:59:00Z"),
     )
     return with_status(obj, canary_variants(obj, state), rollout=state)
 
@@ -325,8 +326,8 @@ def isvc_suspended_paused_rollout() -> JSON:
         step=1,
         weight=25,
         message="paused at step 1 with 25% to the canary (spec.rollout.paused)",
-        step_started=from_rfc3339("2026-11-30T11:50:00Z"),
-        paused_at=from_rfc3339("2026-11-30T11:52:00Z"),
+        step_started=parse_rfc3339("2026-11-30T11:50:00Z"),
+        paused_at=parse_rfc3339("2026-11-30T11:52:00Z"),
     )
     return with_status(obj, canary_variants(obj, state), rollout=state)
 
@@ -360,8 +361,8 @@ def isvc_suspended_paused_while_scaling() -> JSON:
         step=0,
         weight=0,
         message="paused at step 0 with 0% to the canary (spec.rollout.paused)",
-        step_started=from_rfc3339("2026-11-30T11:59:00Z"),
-        paused_at=from_rfc3339("2026-11-30T11:59:30Z"),
+        step_started=parse_rfc3339("2026-11-30T11:59:00Z"),
+        paused_at=parse_rfc3339("2026-11-30T11:59:30Z"),
     )
     live = deployment("chat-canary", 1, available=0)
     return with_status(obj, canary_variants(obj, state, live=live), rollout=state)
@@ -379,7 +380,7 @@ def isvc_suspended_awaiting_promotion() -> JSON:
         weight=100,
         message="every step passed; waiting for promotion "
         "(kubectl annotate lisvc NAME ladle.dev/rollout-action=promote)",
-        step_started=from_rfc3339("2026-11-30T11:50:00Z"),
+        step_started=parse_rfc3339("2026-11-30T11:50:00Z"),
     )
     return with_status(obj, canary_variants(obj, state, replicas=2), rollout=state)
 
@@ -394,7 +395,7 @@ def isvc_degraded_canary_pods_pending() -> JSON:
         step=0,
         weight=0,
         message="step 1/3: waiting for canary replicas: 0/1 available",
-        step_started=from_rfc3339("2026-11-30T11:58:00Z"),
+        step_started=parse_rfc3339("2026-11-30T11:58:00Z"),
     )
     pods = (PodProblem("chat-canary-6b8f-k2l9w", "Unschedulable", INSUFFICIENT),)
     live = deployment("chat-canary", 1, available=0)

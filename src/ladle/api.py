@@ -8,8 +8,10 @@ mirror the CRD defaults so that objects stored before a default existed still re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 GROUP = "ladle.dev"
@@ -46,6 +48,27 @@ ROLLOUT_ACTIONS = ("promote", "abort", "retry")
 PROFILING_ANNOTATION = "ladle.dev/profiling"
 
 JSON = dict[str, Any]
+
+
+def rfc3339(epoch: float | None = None, digits: int = 0) -> str:
+    """A Kubernetes timestamp (now, by default): metav1.Time has whole seconds, metav1.MicroTime
+    (a Lease's times) six digits, and a rollout's status keeps milliseconds (3)."""
+    scale = 10**digits
+    whole, part = divmod(round((time.time() if epoch is None else epoch) * scale), scale)
+    text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{text}.{part:0{digits}d}Z" if digits else f"{text}Z"
+
+
+def parse_rfc3339(stamp: object) -> float | None:
+    """Seconds since the epoch of a Time or MicroTime; None if absent or unreadable."""
+    if not isinstance(stamp, str) or not stamp:
+        return None
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 SourceKind = Literal["builtin", "pvc", "image"]
 
 

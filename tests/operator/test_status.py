@@ -7,7 +7,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ladle.api import InferenceService, parse_isvc, parse_pool
+from ladle.api import InferenceService, parse_isvc, parse_pool, parse_rfc3339
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.rollout import RolloutState
 from ladle.operator.status import (
@@ -22,7 +22,7 @@ from ladle.operator.status import (
     start_failure,
     startup_look,
 )
-from ladle.operator.store import NodeInfo, PodInfo, epoch_seconds
+from ladle.operator.store import NodeInfo, PodInfo
 
 Builder = Any
 NOW = "2026-03-01T12:00:00Z"
@@ -321,11 +321,11 @@ def test_a_pod_waiting_to_start_is_read_from_its_status_until_a_container_starts
     creating = {"state": {"waiting": {"reason": "ContainerCreating"}}}
     started = "2026-03-01T12:00:00Z"
     waiting = pod({"phase": "Pending", "startTime": started, "containerStatuses": [creating]})
-    assert waiting.starting_since == epoch_seconds(started)
+    assert waiting.starting_since == parse_rfc3339(started)
     assert waiting.problem is None
     # Bound, but the kubelet has not reported yet: since the binding.
     bound = {"type": "PodScheduled", "status": "True", "lastTransitionTime": started}
-    assert pod({"phase": "Pending", "conditions": [bound]}).starting_since == epoch_seconds(started)
+    assert pod({"phase": "Pending", "conditions": [bound]}).starting_since == parse_rfc3339(started)
     # Not bound; running; or waiting for a reason of its own: not "starting".
     assert pod({"phase": "Pending"}, node=None).starting_since is None
     running = {"state": {"running": {"startedAt": started}}}
