@@ -10,10 +10,20 @@ import argparse
 import socket
 
 from ladle.audit import add_audit_args
-from ladle.settings import Default, add_log_level, existing_file, integer, memory, seconds
+from ladle.gateway.settings import GatewaySettings
+from ladle.settings import (
+    Default,
+    add_log_level,
+    existing_file,
+    integer,
+    memory,
+    seconds,
+    size_text,
+)
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    defaults = GatewaySettings()
     parser = sub.add_parser(
         "gateway",
         help="the OpenAI-compatible front door for every InferenceService",
@@ -22,8 +32,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "fallback, API keys and limits. Every flag can also be set as a LADLE_GATEWAY_<FLAG> "
         "environment variable (upper case, dashes as underscores); the command line wins.",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (pods: 0.0.0.0)")
-    parser.add_argument("--port", type=integer(0, 65535), default=8080, help="port to bind")
+    parser.add_argument("--host", default=defaults.host, help="address to bind (pods: 0.0.0.0)")
+    parser.add_argument(
+        "--port", type=integer(0, 65535), default=defaults.port, help="port to bind"
+    )
     parser.add_argument(
         "--namespace",
         action="append",
@@ -49,47 +61,47 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser.add_argument(
         "--max-held-requests",
         type=integer(0),
-        default=256,
+        default=defaults.max_held_requests,
         help="per service, how many requests may wait for a ready pod",
     )
     parser.add_argument(
         "--scrape-interval",
         type=seconds(0),
-        default=2.0,
+        default=defaults.scrape_interval,
         metavar="SECONDS",
         help="seconds between reads of each pod's queue and KV usage; 0 turns it off",
     )
     parser.add_argument(
         "--connect-timeout",
         type=seconds(above=0),
-        default=5.0,
+        default=defaults.connect_timeout,
         metavar="SECONDS",
         help="seconds to open a connection to a pod before trying another",
     )
     parser.add_argument(
         "--max-request-size",
         type=memory,
-        default="8Mi",
+        default=Default(defaults.max_request_size, size_text(defaults.max_request_size)),
         metavar="SIZE",
         help="larger request bodies get 413 (a quantity such as 8Mi, or bytes)",
     )
     parser.add_argument(
         "--drain-timeout",
         type=seconds(0),
-        default=30.0,
+        default=defaults.drain_timeout,
         metavar="SECONDS",
         help="after SIGTERM, seconds in-flight requests may take to finish",
     )
     parser.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=defaults.access_log,
         help="one JSON line per request",
     )
     parser.add_argument(
         "--write-status",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=defaults.write_status,
         help="write breaker state and held requests into InferenceService status",
     )
     parser.add_argument(
@@ -100,7 +112,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser.add_argument(
         "--response-cache-size",
         type=memory,
-        default="256Mi",
+        default=Default(defaults.response_cache_size, size_text(defaults.response_cache_size)),
         metavar="SIZE",
         help="memory for cached responses of services with spec.responseCache.enabled (least "
         "recently used out first; one answer takes at most an eighth)",
@@ -108,7 +120,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     parser.add_argument(
         "--response-cache",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=defaults.response_cache,
         help="answer repeated deterministic requests from memory, for services that opt in",
     )
     add_audit_args(parser)
@@ -117,6 +129,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ladle.gateway.main import GatewaySettings, serve
+    from ladle.gateway.main import serve
 
     return serve(GatewaySettings.from_namespace(args))

@@ -3,13 +3,10 @@ and uvicorn (httptools, uvloop) serving the raw ASGI app."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import kopf
@@ -26,71 +23,16 @@ from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.proxy import Hooks, Router
 from ladle.gateway.routes import Pod, Service, build_table, parse_pod, parse_routable
 from ladle.gateway.scrape import Scraper
+from ladle.gateway.settings import GatewaySettings, SettingsError
 from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
 from ladle.kube import KubeClient, login
 from ladle.listen import bind
-from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.gateway")
 
 TICK_SECONDS = 1.0
-
-
-class SettingsError(SettingError):
-    """A setting the gateway cannot start with (the command prints it in one line)."""
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    host: str = "127.0.0.1"
-    port: int = 8080
-    namespaces: tuple[str, ...] = ()
-    static: Path | None = None
-    api_keys_file: Path | None = None
-    max_held_requests: int = 256
-    scrape_interval: float = 2.0
-    connect_timeout: float = 5.0
-    max_request_size: int = 8 << 20
-    drain_timeout: float = 30.0
-    access_log: bool = True
-    write_status: bool = True
-    identity: str = "ladle-gateway"
-    log_level: str = "info"
-    audit_log: str | None = None
-    audit_text: bool = False
-    response_cache: bool = True
-    response_cache_size: int = 256 << 20
-    namespaces_all: bool = field(init=False, default=True)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "namespaces_all", not self.namespaces)
-        if self.max_held_requests < 0:
-            raise SettingsError(f"--max-held-requests must be >= 0, got {self.max_held_requests}")
-
-    @classmethod
-    def from_namespace(cls, args: argparse.Namespace) -> GatewaySettings:
-        return cls(
-            host=args.host,
-            port=args.port,
-            namespaces=tuple(dict.fromkeys(n.strip() for n in args.namespace if n.strip())),
-            static=args.static,
-            api_keys_file=args.api_keys_file,
-            max_held_requests=args.max_held_requests,
-            scrape_interval=args.scrape_interval,
-            connect_timeout=args.connect_timeout,
-            max_request_size=args.max_request_size,
-            drain_timeout=args.drain_timeout,
-            access_log=args.access_log,
-            write_status=args.write_status,
-            identity=args.identity,
-            log_level=args.log_level,
-            audit_log=args.audit_log,
-            audit_text=args.audit_text,
-            response_cache=args.response_cache,
-            response_cache_size=args.response_cache_size,
-        )
 
 
 class Gateway:

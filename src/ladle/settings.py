@@ -190,6 +190,14 @@ def memory(text: str) -> int:
     return int(value)
 
 
+def size_text(size: int) -> str:
+    """Bytes as help shows them and ``memory`` reads them back (``8Mi``)."""
+    for suffix, shift in (("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if size and size % (1 << shift) == 0:
+            return f"{size >> shift}{suffix}"
+    return str(size)
+
+
 def address(text: str) -> tuple[str, int]:
     host, sep, port = str(text).strip().rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:

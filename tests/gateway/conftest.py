@@ -28,7 +28,8 @@ import pytest
 import uvicorn
 import yaml
 
-from ladle.gateway.main import Gateway, GatewaySettings
+from ladle.gateway.main import Gateway
+from ladle.gateway.settings import GatewaySettings
 
 
 @dataclass
