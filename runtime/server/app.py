@@ -16,6 +16,7 @@ from ladle import __version__
 from ladle.runtime.async_engine import AsyncLLM
 from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.profiler import EngineProfiler, ProfilerStateError, export
+from ladle.runtime.server.chat_template import render_chat
 from ladle.runtime.server.errors import APIError, install_handlers
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.middleware import ServerMiddleware
@@ -33,7 +34,9 @@ from ladle.runtime.server.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
-from ladle.runtime.server.serving import OpenAIServing, decode
+from ladle.runtime.server.serving_chat import OpenAIServingChat
+from ladle.runtime.server.serving_completion import OpenAIServingCompletion
+from ladle.runtime.server.serving_engine import check_model, decode
 
 log = logging.getLogger("ladle.server")
 T = TypeVar("T")
@@ -56,7 +59,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Ladle", version=__version__, lifespan=lifespan)
     app.add_middleware(ServerMiddleware, state=state)
     install_handlers(app)
-    serving = OpenAIServing(state)
+    completion = OpenAIServingCompletion(state)
+    chat = OpenAIServingChat(state)
 
     def loaded() -> AsyncLLM:
         """Endpoints that need only the tokenizer still wait for the model to load."""
@@ -66,11 +70,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: CompletionRequest, raw: Request) -> Response:
-        return await serving.completions(request, raw)
+        return await completion.create_completion(request, raw)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.chat(request, raw)
+        return await chat.create_chat_completion(request, raw)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -87,11 +91,11 @@ def create_app(state: ServerState) -> FastAPI:
         request: TokenizeCompletionRequest | TokenizeChatRequest,
     ) -> TokenizeResponse:
         llm = loaded()
-        serving.check_model(llm, request.model)
+        check_model(llm, request.model)
         tokenizer = llm.engine.tokenizer
         if isinstance(request, TokenizeChatRequest):
-            _, ids = serving.render_chat(
-                llm,
+            _, ids = render_chat(
+                tokenizer,
                 request.messages,
                 request.add_generation_prompt,
                 request.continue_final_message,
@@ -108,7 +112,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         llm = loaded()
-        serving.check_model(llm, request.model)
+        check_model(llm, request.model)
         vocab = llm.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.tokens):
             raise RequestError(f"tokens: ids must be in [0, {vocab})", "tokens")

@@ -20,8 +20,8 @@ from ladle.runtime.sampling_params import RequestOutputKind
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError, from_validation_errors
 from ladle.runtime.server.metrics import LATENCY_BUCKETS, one_two_five_buckets
+from ladle.runtime.server.params import build_sampling_params
 from ladle.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from ladle.runtime.server.serving import build_sampling_params
 from ladle.runtime.server.settings import ServerSettings
 from ladle.settings import SettingError
 
