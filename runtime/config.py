@@ -7,7 +7,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ladle.settings import Default, Invalid, SettingError, existing_path, integer, memory, number
+from ladle.settings import (
+    Default,
+    Invalid,
+    SettingError,
+    existing_path,
+    integer,
+    memory,
+    number,
+    size_text,
+)
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -153,6 +162,7 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Add the engine flags, spelled as vLLM spells them."""
         group = parser.add_argument_group("engine")
+        defaults = EngineArgs()
         group.add_argument(
             "--model",
             type=_model_path,
@@ -164,11 +174,13 @@ class EngineArgs:
             default=Default(None, "the model folder's name"),
             help="the OpenAI `model` name",
         )
-        group.add_argument("--dtype", choices=DTYPES, default="auto", help="weights and compute")
+        group.add_argument(
+            "--dtype", choices=DTYPES, default=defaults.dtype, help="weights and compute"
+        )
         group.add_argument(
             "--device",
             type=_device,
-            default="auto",
+            default=defaults.device,
             help="auto (CUDA when present), cpu or cuda[:N]",
         )
         group.add_argument(
@@ -178,34 +190,40 @@ class EngineArgs:
             help="tokens per sequence, prompt and output together",
         )
         group.add_argument(
-            "--max-num-seqs", type=integer(1), default=256, help="sequences per engine step"
+            "--max-num-seqs",
+            type=integer(1),
+            default=defaults.max_num_seqs,
+            help="sequences per engine step",
         )
         group.add_argument(
             "--max-num-batched-tokens",
             type=integer(1),
-            default=2048,
+            default=defaults.max_num_batched_tokens,
             help="tokens per engine step (prefill chunks and decodes)",
         )
         group.add_argument(
-            "--block-size", type=integer(1), default=16, help="tokens per KV cache block"
+            "--block-size",
+            type=integer(1),
+            default=defaults.block_size,
+            help="tokens per KV cache block",
         )
         group.add_argument(
             "--enable-prefix-caching",
             action=argparse.BooleanOptionalAction,
-            default=True,
+            default=defaults.enable_prefix_caching,
             help="reuse the KV blocks of shared prompt prefixes",
         )
         group.add_argument(
             "--kv-cache-memory",
             type=memory,
-            default="4Gi",
+            default=Default(defaults.kv_cache_memory, size_text(defaults.kv_cache_memory)),
             help="KV cache budget on the CPU: a Kubernetes quantity (4Gi = 4 x 2^30 bytes, "
             "4G = 4 x 10^9; 4GiB and 4GB too) or bytes",
         )
         group.add_argument(
             "--gpu-memory-utilization",
             type=number(above=0, maximum=1),
-            default=0.9,
+            default=defaults.gpu_memory_utilization,
             help="fraction of GPU memory for weights, activations and the KV cache",
         )
         group.add_argument(
@@ -215,18 +233,21 @@ class EngineArgs:
             help="KV cache blocks on the GPU",
         )
         group.add_argument(
-            "--seed", type=integer(0), default=0, help="engine seed for unseeded requests"
+            "--seed",
+            type=integer(0),
+            default=defaults.seed,
+            help="engine seed for unseeded requests",
         )
         group.add_argument(
             "--scheduling-policy",
             choices=("fcfs", "priority"),
-            default="fcfs",
+            default=defaults.scheduling_policy,
             help="fcfs, or priority (a request's `priority`, lower first)",
         )
         group.add_argument(
             "--attention-backend",
             choices=("auto", "cpu", "torch", "triton"),
-            default="auto",
+            default=defaults.attention_backend,
             help="attention kernels",
         )
         group.add_argument(
@@ -237,7 +258,7 @@ class EngineArgs:
         group.add_argument(
             "--kv-cache-dtype",
             choices=KV_CACHE_DTYPES,
-            default="auto",
+            default=defaults.kv_cache_dtype,
             help="auto: the model's dtype; int8: per-token, per-head scales (a quarter of fp32's "
             "memory, half of bf16's)",
         )

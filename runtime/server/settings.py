@@ -22,6 +22,7 @@ from ladle.settings import (
     integer,
     memory,
     seconds,
+    size_text,
 )
 
 
@@ -90,8 +91,9 @@ class ServerSettings:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (pods: 0.0.0.0)")
-    group.add_argument("--port", type=integer(0, 65535), default=8000, help="port to bind")
+    defaults = ServerSettings()
+    group.add_argument("--host", default=defaults.host, help="address to bind (pods: 0.0.0.0)")
+    group.add_argument("--port", type=integer(0, 65535), default=defaults.port, help="port to bind")
     group.add_argument(
         "--config",
         default=Default(None, "none"),
@@ -124,28 +126,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--drain-timeout",
         type=seconds(0),
-        default=30.0,
+        default=defaults.drain_timeout,
         metavar="SECONDS",
         help="seconds in-flight requests may run after SIGTERM before they are aborted",
     )
     group.add_argument(
         "--log-prompts",
         action="store_true",
-        default=False,
+        default=defaults.log_prompts,
         help="log prompt text (it may hold personal data)",
     )
     add_log_level(group)
     group.add_argument(
         "--max-request-size",
         type=memory,
-        default="8Mi",
+        default=Default(defaults.max_request_size, size_text(defaults.max_request_size)),
         metavar="SIZE",
         help="larger request bodies get 413 (a quantity such as 8Mi, or bytes)",
     )
     group.add_argument(
         "--liveness-timeout",
         type=seconds(above=0),
-        default=60.0,
+        default=defaults.liveness_timeout,
         metavar="SECONDS",
         help="/health/live fails once one engine step runs longer than this many seconds, or "
         "work has waited this long without a token computed",
@@ -185,7 +187,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--profile-max-seconds",
         type=seconds(above=0),
-        default=60.0,
+        default=defaults.profile_max_seconds,
         metavar="SECONDS",
         help="a profile still running this long after /start_profile stops itself and writes "
         "its trace",

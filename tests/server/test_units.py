@@ -53,6 +53,14 @@ def test_command_line_beats_environment_beats_config_file(tmp_path: Path) -> Non
     assert engine.max_num_seqs == 256
 
 
+def test_the_bare_command_is_the_default_settings() -> None:
+    """The flags take their defaults from the dataclasses that the engine and the server are
+    built from, so ``ladle serve`` and ``LLM()`` or a test's ``ServerSettings()`` agree."""
+    args = resolved([], {})
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    assert ServerSettings.from_namespace(args) == ServerSettings()
+
+
 def test_config_path_from_environment_and_bad_values(tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("served-model-name: from-file\n")
