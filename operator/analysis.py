@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ladle.api import QualityGateSpec, SLOGateSpec
-from ladle.operator.rollout import QUALITY, GateOutcome, Result
+from ladle.operator.rollout_state import QUALITY, GateOutcome, Result
 from ladle.runtime.eval.metrics import GATES, Gate
 from ladle.runtime_metrics import REJECTED, STARTED, SUCCESS, TPOT, TTFT, samples
 from ladle.words import plural

@@ -39,12 +39,8 @@ from ladle.operator.analysis import (
     sum_pods,
 )
 from ladle.operator.revisions import weights_of
-from ladle.operator.rollout import (
-    Decision,
-    GateOutcome,
-    QualityVerdict,
-    RolloutState,
-)
+from ladle.operator.rollout import Decision
+from ladle.operator.rollout_state import GateOutcome, QualityVerdict, RolloutState
 from ladle.operator.store import PodInfo, Store
 
 log = logging.getLogger("ladle.operator.canary")

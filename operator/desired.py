@@ -31,7 +31,7 @@ from ladle.api import (
 )
 from ladle.operator.config import OperatorConfig
 from ladle.operator.revisions import with_template
-from ladle.operator.rollout import RolloutState, split
+from ladle.operator.rollout_state import RolloutState, split
 from ladle.quantity import parse_quantity, quantity_to_int
 
 HTTP_PORT = 8000

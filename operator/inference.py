@@ -46,7 +46,8 @@ from ladle.operator.desired import (
 from ladle.operator.events import EventRecorder, ObjectRef
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
-from ladle.operator.rollout import Decision, Observation, RolloutState, decide, from_status, split
+from ladle.operator.rollout import Decision, Observation, decide
+from ladle.operator.rollout_state import RolloutState, from_status, split
 from ladle.operator.status import (
     ISVC_CONDITIONS,
     ISVC_STATUS_FIELDS,

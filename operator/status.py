@@ -30,7 +30,7 @@ from typing import Any
 
 from ladle.api import JSON, GPUPool, InferenceService, parse_rfc3339
 from ladle.operator.quota import PoolPlan
-from ladle.operator.rollout import RolloutState, to_status
+from ladle.operator.rollout_state import RolloutState, to_status
 from ladle.operator.store import NodeInfo, node_matches
 from ladle.words import plural
 

@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ladle.operator.rollout import PHASES, RolloutState
+from ladle.operator.rollout_state import PHASES, RolloutState
 from ladle.settings import SettingError
 
 log = logging.getLogger("ladle.operator")

@@ -37,7 +37,7 @@ from ladle.operator.autoscaler import autoscaling_status
 from ladle.operator.desired import label_selector
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.revisions import revision_of, template_of
-from ladle.operator.rollout import RolloutState
+from ladle.operator.rollout_state import RolloutState
 from ladle.operator.scaling import Decision
 from ladle.operator.status import (
     PodProblem,

@@ -7,7 +7,7 @@ from typing import Any
 from ladle.api import ROLLOUT_ACTION_ANNOTATION, InferenceService, parse_isvc
 from ladle.kube import ApiError
 from ladle.operator.canary import CanaryAnalysis, interval_key
-from ladle.operator.rollout import RolloutState, from_status, to_status
+from ladle.operator.rollout_state import RolloutState, from_status, to_status
 from ladle.operator.store import Store
 
 from .conftest import isvc_object

@@ -11,14 +11,12 @@ from hypothesis import strategies as st
 
 from ladle.api import QualityGateSpec, RolloutSpec
 from ladle.operator.analysis import QualityNumbers, quality_outcome
-from ladle.operator.rollout import (
-    Decision,
+from ladle.operator.rollout import Decision, Observation, decide
+from ladle.operator.rollout_state import (
     GateOutcome,
-    Observation,
     QualityVerdict,
     RolloutState,
     canary_replicas,
-    decide,
     from_status,
     split,
     to_status,

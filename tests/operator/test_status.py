@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ladle.api import InferenceService, parse_isvc, parse_pool, parse_rfc3339
 from ladle.operator.quota import Claim, plan_pool
-from ladle.operator.rollout import RolloutState
+from ladle.operator.rollout_state import RolloutState
 from ladle.operator.status import (
     STARTUP_GRACE_SECONDS,
     PodProblem,
