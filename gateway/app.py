@@ -23,10 +23,11 @@ from ladle.api import parse_rfc3339
 from ladle.audit import AuditLog
 from ladle.gateway import audit as auditing
 from ladle.gateway.apikeys import ApiKey, KeyStore
+from ladle.gateway.context import ClientRequest, Outcome
 from ladle.gateway.errors import GatewayError
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
-from ladle.gateway.proxy import ClientRequest, Outcome, Router
+from ladle.gateway.proxy import Router
 from ladle.http_errors import unknown_endpoint, wrong_method
 from ladle.logs import request_id_var
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from ladle.audit import outcome
 from ladle.gateway.apikeys import ApiKey
+from ladle.gateway.context import Outcome
 from ladle.gateway.inbound import Inbound
-from ladle.gateway.proxy import Outcome
 
 # Body fields that are not parameters: what is routed, and the text (recorded only on opt-in).
 _NOT_PARAMS = frozenset({"model", "messages", "prompt", "stream"})

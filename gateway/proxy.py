@@ -10,24 +10,20 @@ Everything runs on one event loop, so none of it needs a lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import math
 import random
-import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from ladle.gateway.apikeys import ApiKey
 from ladle.gateway.breaker import Admission, CircuitBreaker, Transition
 from ladle.gateway.cache import Entry, ResponseCache, cache_key, cacheable
-from ladle.gateway.errors import GatewayError, sse_error
-from ladle.gateway.inbound import Inbound
+from ladle.gateway.context import ClientRequest, HeaderList, Outcome, Send
+from ladle.gateway.errors import GatewayError
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.outlier import OutlierDetector
 from ladle.gateway.picker import Candidate, HashRing, pick
+from ladle.gateway.relay import relay_events, usage_tokens
 from ladle.gateway.routes import Pod, RouteTable, Service, ServiceKey
 from ladle.gateway.scrape import PodLoad
 from ladle.gateway.split import choose_variant
@@ -36,8 +32,6 @@ from ladle.words import plural
 
 log = logging.getLogger("ladle.gateway")
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-HeaderList = list[tuple[bytes, bytes]]
 
 # Never forwarded in either direction (RFC 9110 §7.6.1), or set by the gateway itself.
 _HOP_BY_HOP = frozenset(
@@ -58,59 +52,9 @@ _HOP_BY_HOP = frozenset(
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
 _RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_FALLBACK_HOPS = 3
-_USAGE = re.compile(rb'"usage":\s*\{')
-# The OpenAI stream's last event.
-_DONE = b"data: [DONE]\n\n"
-# Seconds a pod has to end its body once the client's reply is complete.
-_DRAIN = 1.0
-# The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
 # Outcomes of an attempt that say nothing against the pod.
 _POD_FINE = frozenset({"ok", "http_4xx", "client_deadline"})
-
-
-@dataclass
-class ClientRequest:
-    """One request as the data path sees it; times are ``loop.time()``."""
-
-    request_id: str
-    method: bytes
-    path: bytes
-    headers: HeaderList
-    inbound: Inbound
-    arrival: float
-    deadline: float  # the client's own timeout, if it sent one, else infinity
-    key: ApiKey | None = None
-    session_header: bytes | None = None
-
-
-@dataclass
-class Outcome:
-    """What happened, for the access log, the metrics and the token bucket."""
-
-    status: int = 0
-    service: Service | None = None
-    variant: str = ""
-    pod: str = ""
-    attempts: int = 0
-    fallback_from: str | None = None
-    held_seconds: float = 0.0
-    tokens: int = 0
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    # The response body as sent, when someone needs it afterwards (audit text, the cache).
-    captured: list[bytes] | None = None
-    # The response cache's verdict for this request: hit, miss, or None (not cacheable).
-    cache: str | None = None
-    # The headers sent with the response, when it came from a pod.
-    reply_headers: HeaderList | None = None
-    error: str | None = None
-    # The service failed this request (a stream cut short, a deadline of its own): a breaker
-    # failure even though the status sent was 200.
-    failed: bool = False
-    started: bool = False
-    ttfb: float | None = None
-    overhead: float | None = None
 
 
 class ServiceState:
@@ -583,7 +527,7 @@ class Router:
                     return f"{pod.name}: {exc}"
                 payload = (first or b"") + rest
                 if count_usage:
-                    _usage_tokens(payload, out)
+                    usage_tokens(payload, out)
                 if out.captured is not None:
                     out.captured.append(payload)
                 reply.append((b"content-length", str(len(payload)).encode()))
@@ -597,7 +541,7 @@ class Router:
             if not stream:
                 await send({"type": "http.response.body", "body": payload})
             else:
-                failure = await _relay_events(
+                failure = await relay_events(
                     response,
                     first,
                     deadline,
@@ -651,110 +595,3 @@ def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderLi
     if out.cache is not None:
         headers.append((b"x-ladle-cache", out.cache.encode()))
     return headers
-
-
-async def _relay_events(
-    response: Response,
-    first: bytes | None,
-    deadline: float,
-    send: Send,
-    out: Outcome,
-    *,
-    expired: GatewayError,
-    strip_usage: bool,
-    count_usage: bool,
-) -> str | None:
-    """Forward server-sent events whole, so that a stream cut short can still end with a clean
-    error event. Returns the failure kind when the stream could not be finished."""
-    buffered = b""
-    piece = first
-    failure: str | None = None
-    while True:
-        if piece is None:
-            break
-        buffered += piece
-        end = buffered.rfind(b"\n\n")
-        if end >= 0:
-            ready, buffered = buffered[: end + 2], buffered[end + 2 :]
-            if count_usage and _USAGE.search(ready):
-                ready = _take_usage(ready, out, strip_usage)
-            if ready:
-                if out.captured is not None:
-                    out.captured.append(ready)
-                if ready.endswith(_DONE):
-                    # The client may hang up as soon as it reads [DONE] (the openai package
-                    # does), so the reply ends here; the upstream's end is read afterwards.
-                    await send({"type": "http.response.body", "body": ready})
-                    await _drain(response, deadline)
-                    return None
-                await send({"type": "http.response.body", "body": ready, "more_body": True})
-        try:
-            piece = await response.read(deadline)
-        except UpstreamTimeout:
-            failure = "client_deadline" if expired.code == "deadline_exceeded" else "timeout"
-            body = sse_error(504, f"{expired.message} mid-stream", expired.code)
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-            out.error = f"{expired.message} mid-stream"
-            break
-        except UpstreamError as exc:
-            failure = exc.kind
-            message = f"the model server went away mid-stream ({exc})"
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": sse_error(502, message, "upstream_disconnected"),
-                    "more_body": True,
-                }
-            )
-            out.error = message
-            break
-    await send({"type": "http.response.body", "body": b""})
-    return failure
-
-
-async def _drain(response: Response, deadline: float) -> None:
-    """Read an upstream body to its end after the client's reply is complete, so that the
-    connection goes back to the pool. The request counts as in flight until then (the
-    autoscaler reads that), so the pod gets at most ``_DRAIN`` seconds; one that misses
-    them, or fails now, only costs its connection."""
-    until = min(deadline, asyncio.get_running_loop().time() + _DRAIN)
-    with contextlib.suppress(UpstreamError, UpstreamTimeout):
-        await response.read_all(until)
-
-
-def _take_usage(events: bytes, out: Outcome, strip: bool) -> bytes:
-    """Count the tokens of the usage event; drop it if the gateway, not the client, asked."""
-    kept = []
-    for event in events.split(b"\n\n"):
-        if not event:
-            continue
-        if event.startswith(b"data: ") and _USAGE.search(event):
-            try:
-                doc = json.loads(event[6:])
-            except ValueError:
-                doc = None
-            if isinstance(doc, dict):
-                _read_usage(doc, out)
-                if strip and not doc.get("choices"):
-                    continue
-        kept.append(event + b"\n\n")
-    return b"".join(kept)
-
-
-def _usage_tokens(payload: bytes, out: Outcome) -> None:
-    try:
-        doc = json.loads(payload)
-    except ValueError:
-        return
-    if isinstance(doc, dict):
-        _read_usage(doc, out)
-
-
-def _read_usage(doc: dict[str, Any], out: Outcome) -> None:
-    usage = doc.get("usage")
-    if not isinstance(usage, dict):
-        return
-    counts = [usage.get(k) for k in ("total_tokens", "prompt_tokens", "completion_tokens")]
-    total, prompt, completion = (c if isinstance(c, int) else None for c in counts)
-    out.tokens = total or 0
-    out.prompt_tokens, out.completion_tokens = prompt, completion

@@ -17,8 +17,8 @@ import pytest
 from ladle.audit import fingerprint
 from ladle.gateway.apikeys import ApiKey, KeySpec, digest
 from ladle.gateway.audit import fields, output_text
+from ladle.gateway.context import Outcome
 from ladle.gateway.inbound import Inbound
-from ladle.gateway.proxy import Outcome
 from ladle.gateway.ratelimit import KeyLimiter
 from ladle.runtime.server.audit import AuditEntry
 

@@ -1,0 +1,61 @@
+"""One request's context along the gateway's data path: what the client asked
+(``ClientRequest``) and what happened to it (``Outcome``), which the access log, the metrics,
+the audit trail, the token bucket and the response cache all read afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ladle.gateway.apikeys import ApiKey
+from ladle.gateway.inbound import Inbound
+from ladle.gateway.routes import Service
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+HeaderList = list[tuple[bytes, bytes]]
+
+
+@dataclass
+class ClientRequest:
+    """One request as the data path sees it; times are ``loop.time()``."""
+
+    request_id: str
+    method: bytes
+    path: bytes
+    headers: HeaderList
+    inbound: Inbound
+    arrival: float
+    deadline: float  # the client's own timeout, if it sent one, else infinity
+    key: ApiKey | None = None
+    session_header: bytes | None = None
+
+
+@dataclass
+class Outcome:
+    """What happened, for the access log, the metrics and the token bucket."""
+
+    status: int = 0
+    service: Service | None = None
+    variant: str = ""
+    pod: str = ""
+    attempts: int = 0
+    fallback_from: str | None = None
+    held_seconds: float = 0.0
+    tokens: int = 0
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # The response body as sent, when someone needs it afterwards (audit text, the cache).
+    captured: list[bytes] | None = None
+    # The response cache's verdict for this request: hit, miss, or None (not cacheable).
+    cache: str | None = None
+    # The headers sent with the response, when it came from a pod.
+    reply_headers: HeaderList | None = None
+    error: str | None = None
+    # The service failed this request (a stream cut short, a deadline of its own): a breaker
+    # failure even though the status sent was 200.
+    failed: bool = False
+    started: bool = False
+    ttfb: float | None = None
+    overhead: float | None = None
