@@ -44,6 +44,7 @@ from ladle.operator.desired import (
     variant_name,
 )
 from ladle.operator.events import EventRecorder, ObjectRef
+from ladle.operator.pod_problems import PodProblem, start_failure, startup_look
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import Decision, Observation, decide
@@ -51,13 +52,10 @@ from ladle.operator.rollout_state import RolloutState, from_status, split
 from ladle.operator.status import (
     ISVC_CONDITIONS,
     ISVC_STATUS_FIELDS,
-    PodProblem,
     Problem,
     VariantObservation,
     derive_isvc_status,
     read_rollout,
-    start_failure,
-    startup_look,
 )
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store

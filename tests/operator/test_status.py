@@ -8,19 +8,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ladle.api import InferenceService, parse_isvc, parse_pool, parse_rfc3339
+from ladle.operator.pod_problems import (
+    STARTUP_GRACE_SECONDS,
+    PodProblem,
+    start_failure,
+    startup_look,
+)
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.rollout_state import RolloutState
 from ladle.operator.status import (
-    STARTUP_GRACE_SECONDS,
-    PodProblem,
     PoolFacts,
     Problem,
     VariantObservation,
     derive_isvc_status,
     derive_pool_status,
     read_rollout,
-    start_failure,
-    startup_look,
 )
 from ladle.operator.store import NodeInfo, PodInfo
 
