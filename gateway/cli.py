@@ -10,16 +10,9 @@ import argparse
 import socket
 
 from ladle.audit import add_audit_args
+from ladle.flag_types import existing_file, integer, memory, seconds, size_text
 from ladle.gateway.settings import GatewaySettings
-from ladle.settings import (
-    Default,
-    add_log_level,
-    existing_file,
-    integer,
-    memory,
-    seconds,
-    size_text,
-)
+from ladle.settings import Default, add_log_level
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -27,8 +27,8 @@ from typing import Any
 import yaml
 
 from ladle.api import STABLE
+from ladle.flag_types import yaml_problem
 from ladle.gateway.routes import Pod, Service, parse_service
-from ladle.settings import yaml_problem
 
 _SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts", "responseCache")
 _ENTRY_KEYS = ("name", "model", "namespace", "endpoints", "variants", *_SPEC_KEYS)

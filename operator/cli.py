@@ -14,17 +14,9 @@ import os
 import socket
 from pathlib import Path
 
+from ladle.flag_types import address, integer, number, seconds, text
 from ladle.operator.config import DEFAULT_RUNTIME_IMAGE
-from ladle.settings import (
-    Default,
-    SettingError,
-    add_log_level,
-    address,
-    integer,
-    number,
-    seconds,
-    text,
-)
+from ladle.settings import Default, SettingError, add_log_level
 
 SYSTEM_NAMESPACE = "ladle-system"
 # `ladle serve --env-profile`'s names (ladle.runtime.server.profiles, which desired.py checks).

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from ladle.settings import Default, integer, memory, number
+from ladle.flag_types import integer, memory, number
+from ladle.settings import Default
 
 if TYPE_CHECKING:
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]

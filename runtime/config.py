@@ -7,16 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ladle.settings import (
-    Default,
-    Invalid,
-    SettingError,
-    existing_path,
-    integer,
-    memory,
-    number,
-    size_text,
-)
+from ladle.flag_types import Invalid, existing_path, integer, memory, number, size_text
+from ladle.settings import Default, SettingError
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")

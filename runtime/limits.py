@@ -11,8 +11,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+from ladle.flag_types import integer
 from ladle.runtime.config import ConfigError
-from ladle.settings import integer
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ladle.settings import Default, Invalid, Settings, integer
+from ladle.flag_types import Invalid, integer
+from ladle.settings import Default, Settings
 from ladle.words import plural
 
 PRECISIONS = ("fp32", "int8", "int4")

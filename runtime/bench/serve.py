@@ -32,7 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ladle.settings import Default, Invalid, integer, memory, number, seconds
+from ladle.flag_types import Invalid, integer, memory, number, seconds
+from ladle.settings import Default
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 

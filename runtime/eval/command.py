@@ -13,9 +13,10 @@ import json
 import sys
 from pathlib import Path
 
+from ladle.flag_types import existing_file, integer
 from ladle.runtime.eval.metrics import GATES, EvalResult
 from ladle.runtime.eval.prompts import PromptFileError, load_prompts
-from ladle.settings import Default, existing_file, integer
+from ladle.settings import Default
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

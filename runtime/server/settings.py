@@ -12,18 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladle.audit import add_audit_args
+from ladle.flag_types import existing_file, integer, memory, seconds, size_text
 from ladle.runtime.config import ConfigError, parse_memory_size
 from ladle.runtime.server.profiles import ENV_PROFILES
-from ladle.settings import (
-    Default,
-    add_env_profile,
-    add_log_level,
-    existing_file,
-    integer,
-    memory,
-    seconds,
-    size_text,
-)
+from ladle.settings import Default, add_env_profile, add_log_level
 
 
 @dataclass

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ladle.settings import Invalid
+from ladle.flag_types import Invalid
 
 LOGGER = "ladle.audit"
 MESSAGE = "audit"

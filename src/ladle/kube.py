@@ -23,7 +23,7 @@ import kopf
 import yaml
 
 from ladle.api import API_VERSION, ISVC_KIND, JSON, POOL_KIND
-from ladle.settings import yaml_problem
+from ladle.flag_types import yaml_problem
 
 # (apiVersion, kind) → (plural, namespaced), for every kind the operator touches.
 RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {

@@ -13,7 +13,8 @@ import pytest
 
 from ladle import logs
 from ladle.cli import build_parser
-from ladle.settings import LOG_LEVELS, env_name, leaf_parsers
+from ladle.flag_types import LOG_LEVELS
+from ladle.settings import env_name, leaf_parsers
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

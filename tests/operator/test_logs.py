@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from kube_harness import Kube, OperatorProcess, isvc_manifest, pool_manifest, wait_until
 
-from ladle.settings import LOG_LEVELS
+from ladle.flag_types import LOG_LEVELS
 
 pytestmark = pytest.mark.cluster
 

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ladle.settings import Default, integer, seconds
+from ladle.flag_types import integer, seconds
+from ladle.settings import Default
 
 
 def default_state_dir() -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ladle.cluster.cli import add_node_args, add_state_arg, default_state_dir, node_options
-from ladle.settings import seconds
+from ladle.flag_types import seconds
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
