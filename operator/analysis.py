@@ -79,7 +79,7 @@ class Histogram:
 
 
 @dataclass(frozen=True)
-class PodMetrics:
+class PodTotals:
     """What one pod (or a variant's pods, summed) counted, cumulatively or over an interval."""
 
     requests: float = 0.0
@@ -89,8 +89,8 @@ class PodMetrics:
     # process_start_time_seconds, when the pod exports it (restarts and late starts).
     started: float | None = None
 
-    def __sub__(self, before: PodMetrics) -> PodMetrics:
-        return PodMetrics(
+    def __sub__(self, before: PodTotals) -> PodTotals:
+        return PodTotals(
             self.requests - before.requests,
             self.errors - before.errors,
             self.ttft - before.ttft,
@@ -98,22 +98,22 @@ class PodMetrics:
             self.started,
         )
 
-    def __add__(self, other: PodMetrics) -> PodMetrics:
-        return PodMetrics(
+    def __add__(self, other: PodTotals) -> PodTotals:
+        return PodTotals(
             self.requests + other.requests,
             self.errors + other.errors,
             self.ttft + other.ttft,
             self.tpot + other.tpot,
         )
 
-    def went_down_from(self, before: PodMetrics) -> bool:
+    def went_down_from(self, before: PodTotals) -> bool:
         """A counter decreased: the process restarted since ``before``."""
         pairs = [(self.requests, before.requests), (self.errors, before.errors)]
         pairs += [(self.ttft.count, before.ttft.count), (self.tpot.count, before.tpot.count)]
         return any(now < then for now, then in pairs)
 
 
-def parse_metrics(text: str) -> PodMetrics:
+def parse_metrics(text: str) -> PodTotals:
     """A runtime pod's ``/metrics`` page, summed over its label sets (model names)."""
     found = samples(text, (SUCCESS, REJECTED, STARTED, TTFT + "_bucket", TPOT + "_bucket"))
     finished = found[SUCCESS]
@@ -127,7 +127,7 @@ def parse_metrics(text: str) -> PodMetrics:
             table[le] = table.get(le, 0.0) + value
         return Histogram(tuple(sorted(table.items())))
 
-    return PodMetrics(
+    return PodTotals(
         requests=sum(v for _, v in finished) + rejected,
         errors=aborted + rejected,
         ttft=histogram(TTFT),
@@ -137,13 +137,13 @@ def parse_metrics(text: str) -> PodMetrics:
 
 
 def interval(
-    before: Mapping[str, PodMetrics],
-    after: Mapping[str, PodMetrics],
+    before: Mapping[str, PodTotals],
+    after: Mapping[str, PodTotals],
     started: float,
-) -> PodMetrics:
+) -> PodTotals:
     """One variant over an interval that began at ``started``: each pod's increase, summed.
     ``before`` and ``after`` are scrapes by pod name."""
-    total = PodMetrics()
+    total = PodTotals()
     for pod, end in after.items():
         start = before.get(pod)
         if start is not None and not end.went_down_from(start):
@@ -162,7 +162,7 @@ def _seconds(value: float) -> str:
 
 
 def error_rate_gate(
-    canary: PodMetrics, stable: PodMetrics, spec: SLOGateSpec, min_requests: int
+    canary: PodTotals, stable: PodTotals, spec: SLOGateSpec, min_requests: int
 ) -> GateOutcome:
     counts = f"{canary.requests:.0f} and {stable.requests:.0f} requests"
     if min(canary.requests, stable.requests) < min_requests:
@@ -209,7 +209,7 @@ def latency_gate(
 
 
 def slo_gates(
-    canary: PodMetrics, stable: PodMetrics, spec: SLOGateSpec, min_requests: int
+    canary: PodTotals, stable: PodTotals, spec: SLOGateSpec, min_requests: int
 ) -> tuple[GateOutcome, ...]:
     """Every enabled SLO gate over one interval (a ratio of 0 turns its gate off)."""
     gates = []
@@ -316,13 +316,13 @@ def quality_outcome(numbers: QualityNumbers, gate: Gate) -> GateOutcome:
     return GateOutcome(QUALITY, "Pass", f"{', '.join(shown)} ({sample})")
 
 
-def variant_pods(names: Iterable[str], scraped: Mapping[str, PodMetrics]) -> dict[str, PodMetrics]:
+def variant_pods(names: Iterable[str], scraped: Mapping[str, PodTotals]) -> dict[str, PodTotals]:
     """The scrapes of ``names`` that succeeded."""
     return {n: scraped[n] for n in names if n in scraped}
 
 
-def sum_pods(pods: Sequence[PodMetrics]) -> PodMetrics:
-    total = PodMetrics()
+def sum_pods(pods: Sequence[PodTotals]) -> PodTotals:
+    total = PodTotals()
     for pod in pods:
         total += pod
     return total

@@ -29,7 +29,7 @@ from ladle.api import (
 )
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.analysis import (
-    PodMetrics,
+    PodTotals,
     QualityNumbers,
     interval,
     parse_metrics,
@@ -60,8 +60,8 @@ class Scrape:
     """Both variants' pods, scraped at one moment (pods that did not answer are missing)."""
 
     at: float
-    stable: Mapping[str, PodMetrics]
-    canary: Mapping[str, PodMetrics]
+    stable: Mapping[str, PodTotals]
+    canary: Mapping[str, PodTotals]
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ class CanaryAnalysis:
 
     async def _scrape_pods(
         self, http: httpx.AsyncClient, pods: Sequence[PodInfo]
-    ) -> dict[str, PodMetrics]:
-        async def one(pod: PodInfo) -> tuple[str, PodMetrics | None]:
+    ) -> dict[str, PodTotals]:
+        async def one(pod: PodInfo) -> tuple[str, PodTotals | None]:
             try:
                 response = await http.get(f"{pod.base_url}/metrics")
                 response.raise_for_status()

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from ladle.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.analysis import (
     Histogram,
-    PodMetrics,
+    PodTotals,
     QualityNumbers,
     error_rate_gate,
     interval,
@@ -69,7 +69,7 @@ class RuntimePage:
     def refuse(self) -> None:
         self.metrics.rejected("queue_full")
 
-    def scrape(self) -> PodMetrics:
+    def scrape(self) -> PodTotals:
         return parse_metrics(generate_latest(self.registry).decode())
 
 
@@ -129,16 +129,16 @@ def test_interval_is_the_increase_whatever_pods_did_meanwhile() -> None:
 
 def test_error_rate_is_floored_and_needs_enough_requests() -> None:
     spec = SLOGateSpec()
-    clean = PodMetrics(requests=100, errors=0)
-    assert error_rate_gate(PodMetrics(requests=40, errors=0), clean, spec, 20).result == "Pass"
+    clean = PodTotals(requests=100, errors=0)
+    assert error_rate_gate(PodTotals(requests=40, errors=0), clean, spec, 20).result == "Pass"
     # One error in 100 against a clean stable is 1% against the 1% floor: ratio 1.
-    assert error_rate_gate(PodMetrics(requests=100, errors=1), clean, spec, 20).result == "Pass"
-    failing = error_rate_gate(PodMetrics(requests=24, errors=24), clean, spec, 20)
+    assert error_rate_gate(PodTotals(requests=100, errors=1), clean, spec, 20).result == "Pass"
+    failing = error_rate_gate(PodTotals(requests=24, errors=24), clean, spec, 20)
     assert failing.result == "Fail"
     assert failing.message == (
         "error rate 100.0% vs stable 0.0%: 100.00x > 2x (24 and 100 requests)"
     )
-    thin = error_rate_gate(PodMetrics(requests=3, errors=3), clean, spec, 20)
+    thin = error_rate_gate(PodTotals(requests=3, errors=3), clean, spec, 20)
     assert thin.result == "Inconclusive"
     assert "too few requests (3 and 100 requests; at least 20 each)" in thin.message
 
