@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_weights import save_random_model, tiny_config
 
 from ladle.runtime.models.loader import resolve_model
-from ladle.runtime.models.random_weights import save_random_model, tiny_config
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from random_weights import save_random_model, tiny_config
 from transformers import AutoConfig
 
 from ladle.runtime.models.loader import resolve_model
-from ladle.runtime.models.random_weights import save_random_model, tiny_config
 
 
 @pytest.fixture(scope="session")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_weights import save_random_model, tiny_config
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from ladle.runtime.engine import LLMEngine
 from ladle.runtime.models.loader import resolve_model
-from ladle.runtime.models.random_weights import save_random_model, tiny_config
 
 
 @pytest.fixture(scope="session")

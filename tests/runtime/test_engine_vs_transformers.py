@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from random_weights import TINY_ARCHITECTURES
 
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine
-from ladle.runtime.models.random_weights import TINY_ARCHITECTURES
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import SamplingParams
 

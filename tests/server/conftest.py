@@ -20,11 +20,11 @@ import httpx
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from random_weights import save_random_model, tiny_config
 
 from ladle.runtime import AsyncLLM, EngineArgs
 from ladle.runtime.engine import LLMEngine
 from ladle.runtime.models.loader import resolve_model
-from ladle.runtime.models.random_weights import save_random_model, tiny_config
 from ladle.runtime.server.app import create_app
 from ladle.runtime.server.lifecycle import ServerState
 from ladle.runtime.server.settings import ServerSettings

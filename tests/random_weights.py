@@ -1,4 +1,5 @@
-"""Random-weight models built from configs, for tests and benchmarks where no hub is reachable.
+"""Random-weight models built from configs, for tests where no hub is reachable (test tooling,
+so the images do not ship it).
 
 Each supported architecture gets a tiny config that also exercises one RoPE variant, so that a
 test over all of them covers GQA, tied and untied embeddings, QKV bias, QK norm and every
