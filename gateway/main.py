@@ -9,7 +9,6 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-import kopf
 import prometheus_client
 import uvicorn
 
@@ -27,7 +26,7 @@ from ladle.gateway.settings import GatewaySettings, SettingsError
 from ladle.gateway.static import StaticConfigError, load_static
 from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
-from ladle.kube import KubeClient, login
+from ladle.kube import KubeClient, LoginError, login
 from ladle.listen import bind
 
 log = logging.getLogger("ladle.gateway")
@@ -70,7 +69,7 @@ class Gateway:
         else:
             try:
                 login()  # where the watches will connect: a kubeconfig mistake, said now
-            except kopf.LoginError as exc:
+            except LoginError as exc:
                 raise SettingsError(f"{exc}; or route to plain servers with --static") from None
         if settings.api_keys_file is not None:
             try:

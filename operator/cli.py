@@ -173,14 +173,12 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SettingError(f"--lease-duration, --renew-deadline, --retry-period: {err}") from None
 
-    import kopf
-
-    from ladle.kube import login
+    from ladle.kube import LoginError, login
     from ladle.operator.main import Options, run
 
     try:
         login()  # the connection every client will use: a kubeconfig mistake, said now
-    except kopf.LoginError as err:
+    except LoginError as err:
         raise SettingError(str(err)) from None
 
     host, port = args.metrics_bind_address

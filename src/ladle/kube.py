@@ -52,6 +52,11 @@ class ApiError(Exception):
         self.message = message
 
 
+class LoginError(kopf.LoginError):
+    """No credentials, or a kubeconfig that cannot be used: the message says what to fix. A
+    kopf LoginError, so that kopf's own login handling in the operator treats it as one."""
+
+
 class Fenced(Exception):
     """A write refused or cut off because this instance may no longer act as the leader."""
 
@@ -101,24 +106,24 @@ def login() -> kopf.ConnectionInfo:
     try:
         info = kopf.login_with_kubeconfig(settings=settings)
     except kopf.LoginError as err:  # "Current context is not set in kubeconfigs."
-        raise kopf.LoginError(f"{str(err).rstrip('.')}; {KUBECONFIG_HINT}") from None
+        raise LoginError(f"{str(err).rstrip('.')}; {KUBECONFIG_HINT}") from None
     except OSError as err:
-        raise kopf.LoginError(
+        raise LoginError(
             f"cannot read the kubeconfig {err.filename}: {err.strerror} (check KUBECONFIG)"
         ) from None
     except yaml.YAMLError as err:
-        raise kopf.LoginError(f"the kubeconfig is {yaml_problem(err)}; {KUBECONFIG_HINT}") from None
+        raise LoginError(f"the kubeconfig is {yaml_problem(err)}; {KUBECONFIG_HINT}") from None
     except KeyError as err:
-        raise kopf.LoginError(
+        raise LoginError(
             f"the kubeconfig names a context, cluster or user {err} that it does not define; "
             f"{KUBECONFIG_HINT}"
         ) from None
     except (TypeError, AttributeError):
-        raise kopf.LoginError(
+        raise LoginError(
             f"the kubeconfig is not one (expected clusters, contexts and users); {KUBECONFIG_HINT}"
         ) from None
     if info is None:
-        raise kopf.LoginError(f"no in-cluster ServiceAccount and no kubeconfig: {KUBECONFIG_HINT}")
+        raise LoginError(f"no in-cluster ServiceAccount and no kubeconfig: {KUBECONFIG_HINT}")
     # kubeconfig file paths are relative to the kubeconfig itself; kopf passes them through.
     first = os.environ.get("KUBECONFIG", "~/.kube/config").split(os.pathsep)[0]
     base = Path(os.path.expanduser(first)).resolve().parent
