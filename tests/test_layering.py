@@ -30,6 +30,11 @@ FORBIDDEN = {
 }
 
 
+# Frameworks a component must not import itself: kopf is the operator's framework (the
+# gateway logs in through ladle.kube), and the runtime knows nothing of Kubernetes.
+FRAMEWORKS = {"gateway": {"kopf"}, "runtime": {"kopf", "kubernetes"}}
+
+
 def layer(module: str) -> str | None:
     """``shared`` for ladle's top-level modules, the component's name for its packages, None
     for anything outside ladle."""
@@ -79,3 +84,12 @@ def test_no_import_crosses_a_layer() -> None:
         ):
             crossings.append(f"{importer} imports {imported}")
     assert crossings == []
+
+
+def test_kopf_and_kubernetes_stay_out_of_the_components_that_do_not_need_them() -> None:
+    used = [
+        f"{importer} imports {imported}"
+        for importer, imported in imports()
+        if imported.split(".")[0] in FRAMEWORKS.get(layer(importer) or "", set())
+    ]
+    assert used == []
