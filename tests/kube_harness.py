@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -176,6 +177,12 @@ class Kube:
         obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, ISVC_PLURAL, name)
         return cast(dict[str, Any], obj)
 
+    def isvc_versions(self, namespace: str, name: str) -> IsvcVersions:
+        """Start recording every version of an InferenceService that the API server stores
+        from now on (a watch, so a state that held for a moment is seen however busy the
+        machine is; a poller could sleep through it)."""
+        return IsvcVersions(self, namespace, name)
+
     def pool(self, name: str) -> dict[str, Any]:
         obj = self.custom.get_cluster_custom_object(GROUP, VERSION, POOL_PLURAL, name)
         return cast(dict[str, Any], obj)
@@ -243,6 +250,53 @@ class Kube:
 
 
 # ---- faults and a kubelet's part, from outside the operator ----------------------------------
+
+
+class IsvcVersions:
+    """Versions of one InferenceService in the order its watch delivers them."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str) -> None:
+        from kubernetes import watch
+
+        self.objects: list[dict[str, Any]] = []
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        version = kube.isvc(namespace, name)["metadata"]["resourceVersion"]
+
+        def record() -> None:
+            nonlocal version
+            try:
+                # Short watches resumed from the last version, so that a finished recording
+                # ends within two seconds rather than at a long watch's timeout.
+                while not self._done.is_set():
+                    for event in watch.Watch().stream(
+                        kube.custom.list_namespaced_custom_object, GROUP, VERSION, namespace,
+                        ISVC_PLURAL, field_selector=f"metadata.name={name}",
+                        resource_version=version, timeout_seconds=2,
+                    ):  # fmt: skip
+                        if event["type"] == "ERROR":
+                            raise AssertionError(f"the watch ended: {event['object']}")
+                        self.objects.append(event["object"])
+                        version = event["object"]["metadata"]["resourceVersion"]
+            except BaseException as exc:  # reported by until()
+                self._error = exc
+
+        self._thread = threading.Thread(target=record, daemon=True)
+        self._thread.start()
+
+    def until(self, obj: Mapping[str, Any], timeout: float = 60) -> list[dict[str, Any]]:
+        """Every version up to and including ``obj``'s."""
+        version = obj["metadata"]["resourceVersion"]
+
+        def delivered() -> int | None:
+            assert self._error is None, f"the watch failed: {self._error!r}"
+            versions = [o["metadata"]["resourceVersion"] for o in self.objects]
+            return versions.index(version) + 1 if version in versions else None
+
+        count = wait_until(delivered, f"the watch to deliver version {version}", timeout)
+        self._done.set()
+        self._thread.join(10)
+        return self.objects[:count]
 
 
 class Relay:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +150,6 @@ def test_a_spec_edit_rolls_out_without_ready_dropping(kube: Kube, k8s_namespace:
     kube.wait_condition(k8s_namespace, "chat", "Ready")
     before = deployment(kube, k8s_namespace, "chat-stable")
 
-    seen: list[tuple[int, str, str]] = []
-    stop = threading.Event()
-
     def state(obj: dict[str, Any]) -> tuple[int, str, str]:
         return (
             (obj.get("status") or {}).get("observedGeneration", 0),
@@ -161,20 +157,10 @@ def test_a_spec_edit_rolls_out_without_ready_dropping(kube: Kube, k8s_namespace:
             kube.condition(obj, "Progressing").get("status", ""),
         )
 
-    def record() -> None:
-        while not stop.is_set():
-            seen.append(state(kube.isvc(k8s_namespace, "chat")))
-            stop.wait(0.05)
-
-    watcher = threading.Thread(target=record)
-    watcher.start()
-    try:
-        kube.apply(isvc_manifest("chat", engine={"maxModelLen": 2048}), k8s_namespace)
-        obj = kube.wait_condition(k8s_namespace, "chat", "Progressing", "False")
-    finally:
-        stop.set()
-        watcher.join()
-    seen.append(state(obj))  # the poller may have stopped before its last sample got this far
+    versions = kube.isvc_versions(k8s_namespace, "chat")
+    kube.apply(isvc_manifest("chat", engine={"maxModelLen": 2048}), k8s_namespace)
+    obj = kube.wait_condition(k8s_namespace, "chat", "Progressing", "False")
+    seen = [state(o) for o in versions.until(obj)]
     generation = obj["metadata"]["generation"]
     assert generation == 2
     after = deployment(kube, k8s_namespace, "chat-stable")
