@@ -52,6 +52,7 @@ _HOP_BY_HOP = frozenset(
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
 _RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_FALLBACK_HOPS = 3
+# The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
 # Outcomes of an attempt that say nothing against the pod.
 _POD_FINE = frozenset({"ok", "http_4xx", "client_deadline"})

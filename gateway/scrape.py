@@ -27,7 +27,8 @@ class PodLoad:
 
 def parse_load(text: bytes) -> PodLoad | None:
     """The two gauges from a pod's page (queued requests summed over label sets, the fullest
-    cache); None when the page does not parse, lacks one, or says nonsense (NaN, negative)."""
+    cache); None when their lines do not parse, the page lacks one, or says nonsense (NaN,
+    negative)."""
     try:
         found = samples(text.decode("utf-8", "replace"), (WAITING, KV_USAGE))
     except ValueError:

@@ -117,8 +117,8 @@ def parse_metrics(text: str) -> PodTotals:
     """A runtime pod's ``/metrics`` page, summed over its label sets (model names)."""
     found = samples(text, (SUCCESS, REJECTED, STARTED, TTFT + "_bucket", TPOT + "_bucket"))
     finished = found[SUCCESS]
-    rejected = sum(v for _, v in found[REJECTED])
-    aborted = sum(v for labels, v in finished if labels.get("finished_reason") == "abort")
+    rejected = sum((v for _, v in found[REJECTED]), 0.0)
+    aborted = sum((v for labels, v in finished if labels.get("finished_reason") == "abort"), 0.0)
 
     def histogram(name: str) -> Histogram:
         table: dict[float, float] = {}
@@ -128,7 +128,7 @@ def parse_metrics(text: str) -> PodTotals:
         return Histogram(tuple(sorted(table.items())))
 
     return PodTotals(
-        requests=sum(v for _, v in finished) + rejected,
+        requests=sum((v for _, v in finished), 0.0) + rejected,
         errors=aborted + rejected,
         ttft=histogram(TTFT),
         tpot=histogram(TPOT),

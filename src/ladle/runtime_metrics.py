@@ -29,12 +29,21 @@ Sample = tuple[Mapping[str, str], float]
 
 def samples(text: str, names: Iterable[str]) -> dict[str, list[Sample]]:
     """The samples of each named series (sample names: ``_total``, ``_bucket``, ``_sum`` and
-    ``_count`` included), empty for one the page lacks. A page that does not parse raises
-    ValueError."""
+    ``_count`` included), empty for one the page lacks. Lines that hold a wanted sample where
+    the page does not parse raise ValueError.
+
+    Only the wanted lines are parsed: the gateway reads every pod's page every few seconds on
+    its request loop, and a whole page (about 280 lines) costs some 50 times more."""
     wanted = set(names)
     found: dict[str, list[Sample]] = {name: [] for name in wanted}
-    for family in text_string_to_metric_families(text):
+    lines = [line for line in text.splitlines() if _series(line) in wanted]
+    for family in text_string_to_metric_families("\n".join(lines) + "\n"):
         for sample in family.samples:
             if sample.name in wanted:
                 found[sample.name].append((sample.labels, float(sample.value)))
     return found
+
+
+def _series(line: str) -> str:
+    """A sample line's series name (comments and blank lines give names no one wants)."""
+    return line.partition("{")[0].partition(" ")[0]
