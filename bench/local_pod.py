@@ -35,9 +35,9 @@ import psutil
 import yaml
 from kubernetes import client, config
 
-from ladle.cluster import build, images
-from ladle.cluster.control_plane import Options
-from ladle.cluster.up import EXAMPLES, NAMESPACE, System
+from ladle_dev.cluster import build, images
+from ladle_dev.cluster.control_plane import Options
+from ladle_dev.cluster.up import EXAMPLES, NAMESPACE, System
 
 SERVICE = "cpu.yaml"
 MIB = 2**20

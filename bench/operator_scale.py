@@ -37,11 +37,11 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 
 from ladle.api import parse_isvc
-from ladle.cluster import build
-from ladle.cluster.control_plane import Cluster, Options
-from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import desired_children, desired_service
+from ladle_dev.cluster import build
+from ladle_dev.cluster.control_plane import Cluster, Options
+from ladle_dev.pytest_plugin import KubeCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "tests"))

@@ -50,7 +50,7 @@ def find_helm() -> str:
     found = shutil.which("helm")
     if found:
         return found
-    from ladle.cluster.build import bin_dir
+    from ladle_dev.cluster.build import bin_dir
 
     candidate = bin_dir() / "helm"
     if candidate.is_file():

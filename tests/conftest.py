@@ -15,7 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # can shadow a standard-library module.
 sys.path.append(str(Path(__file__).resolve().parent))
 
-pytest_plugins = ["ladle.cluster.pytest_plugin"]
+pytest_plugins = ["ladle_dev.pytest_plugin"]
 
 # `make test` runs two pytest-xdist workers with --dist loadgroup. A worker takes a whole
 # group: one module (its module fixtures, servers and models, are set up once), or the whole

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ladle.api import GROUP, ISVC_PLURAL, POOL_PLURAL, VERSION
-from ladle.cluster.pytest_plugin import wait_until
+from ladle_dev.pytest_plugin import wait_until
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient

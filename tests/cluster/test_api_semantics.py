@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
-from ladle.cluster.pytest_plugin import KubeCluster, wait_until
+from ladle_dev.pytest_plugin import KubeCluster, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ladle.cluster import build
+from ladle_dev.cluster import build
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle_dev.pytest_plugin import KubeCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -8,8 +8,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from ladle.cluster.nodes import GPU_RESOURCE
-from ladle.cluster.pytest_plugin import wait_until
+from ladle_dev.cluster.nodes import GPU_RESOURCE
+from ladle_dev.pytest_plugin import wait_until
 
 pytestmark = pytest.mark.cluster
 

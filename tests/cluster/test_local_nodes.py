@@ -30,11 +30,11 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ladle import __version__
-from ladle.cluster import images
-from ladle.cluster.control_plane import NODE_IMAGES
-from ladle.cluster.node import LocalNode
-from ladle.cluster.nodes import GPU_RESOURCE, LOCAL_NODE_LABEL
-from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
+from ladle_dev.cluster import images
+from ladle_dev.cluster.control_plane import NODE_IMAGES
+from ladle_dev.cluster.node import LocalNode
+from ladle_dev.cluster.nodes import GPU_RESOURCE, LOCAL_NODE_LABEL
+from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -325,7 +325,7 @@ def test_up_refuses_more_local_nodes_than_the_disk_holds(
 
 
 def _crictl() -> Path:
-    from ladle.cluster import build
+    from ladle_dev.cluster import build
 
     return build.bin_dir() / "crictl"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ladle.cluster import build, sre_tools
+from ladle_dev.cluster import build, sre_tools
 
 
 @pytest.fixture

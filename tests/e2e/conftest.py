@@ -26,8 +26,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from ladle.cluster.node import LocalNode
-from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
+from ladle_dev.cluster.node import LocalNode
+from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ladle"

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ladle.cluster.pytest_plugin import wait_until
+from ladle_dev.pytest_plugin import wait_until
 
 from .conftest import SELECTOR, Load, System
 

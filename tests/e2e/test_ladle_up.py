@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ladle.cluster import build, cgroups, network
-from ladle.cluster.node import RUN_ROOT, LocalNode, mount_points_under
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle_dev.cluster import build, cgroups, network
+from ladle_dev.cluster.node import RUN_ROOT, LocalNode, mount_points_under
+from ladle_dev.pytest_plugin import KubeCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

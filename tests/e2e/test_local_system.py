@@ -25,7 +25,7 @@ import psutil
 import pytest
 from kubernetes import client
 
-from ladle.cluster.pytest_plugin import wait_until
+from ladle_dev.pytest_plugin import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -32,9 +32,9 @@ import httpx
 import pytest
 import yaml
 
-from ladle.cluster import build, sre_tools
-from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 from ladle.monitoring import promconfig
+from ladle_dev.cluster import build, sre_tools
+from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 

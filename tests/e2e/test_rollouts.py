@@ -31,7 +31,7 @@ from kube_harness import metric_total
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ladle.cluster.pytest_plugin import wait_until
+from ladle_dev.pytest_plugin import wait_until
 
 from .conftest import Load, System
 

@@ -19,11 +19,11 @@ import pytest
 from kube_harness import wait_until
 from kubernetes import client
 
-from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.gateway.routes import parse_pod
 from ladle.gateway.split import choose_variant
 from ladle.gateway.watch import Informer
 from ladle.kube import KubeClient
+from ladle_dev.pytest_plugin import KubeCluster
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle, start_runtime
 

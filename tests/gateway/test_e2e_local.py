@@ -26,8 +26,8 @@ from kube_harness import Kube, OperatorProcess, wait_until
 from kubernetes import watch
 from urllib3.exceptions import ProtocolError
 
-from ladle.cluster.node import LocalNode
-from ladle.cluster.pytest_plugin import KubeCluster, local_namespace_annotations
+from ladle_dev.cluster.node import LocalNode
+from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations
 
 from .conftest import GATEWAY_ACCOUNT, Process, free_port, start_ladle
 

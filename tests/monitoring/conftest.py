@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ladle.cluster import build, sre_tools
+from ladle_dev.cluster import build, sre_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ladle"

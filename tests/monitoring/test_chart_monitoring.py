@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle_dev.pytest_plugin import KubeCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -98,8 +98,10 @@ def apply(copy: Path, b: Breakage) -> None:
 
 
 def environment(copy: Path) -> dict[str, str]:
-    """The copy's ``src`` first on the path, ahead of the editable install's finder."""
-    path = os.pathsep.join(filter(None, [str(copy / "src"), os.environ.get("PYTHONPATH")]))
+    """The copy's ``src`` and ``dev/src`` first on the path, ahead of the editable installs'
+    finders."""
+    found = [str(copy / "src"), str(copy / "dev" / "src"), os.environ.get("PYTHONPATH")]
+    path = os.pathsep.join(filter(None, found))
     return {**os.environ, "PYTHONPATH": path}
 
 

@@ -20,7 +20,7 @@ import pytest
 from kube_harness import Kube, OperatorFactory, OperatorProcess
 
 from ladle.api import API_VERSION
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle_dev.pytest_plugin import KubeCluster
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient

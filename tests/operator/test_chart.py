@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kube_harness import Kube, wait_until
 
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle_dev.pytest_plugin import KubeCluster
 
 pytestmark = pytest.mark.cluster
 

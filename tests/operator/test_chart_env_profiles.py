@@ -14,9 +14,9 @@ import yaml
 from ladle import settings
 from ladle.api import parse_isvc
 from ladle.cli import build_parser
-from ladle.cluster import build
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import desired_children
+from ladle_dev.cluster import build
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "ladle"
 PROFILES = ("dev", "staging", "prod")

@@ -25,7 +25,7 @@ import yaml
 from kube_harness import Kube, OperatorProcess, wait_until
 from lupa import lua51
 
-from ladle.cluster import sre_tools
+from ladle_dev.cluster import sre_tools
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ROOT / "manifests" / "argocd" / "resource_customizations" / "ladle.dev"

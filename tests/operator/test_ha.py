@@ -25,7 +25,7 @@ from kube_harness import (
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from ladle.cluster.pytest_plugin import KubeCluster
+from ladle_dev.pytest_plugin import KubeCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -14,8 +14,8 @@ from kube_harness import free_port
 
 from ladle import settings
 from ladle.cli import build_parser
-from ladle.cluster.pytest_plugin import KubeCluster
 from ladle.operator.config import DEFAULT_RUNTIME_IMAGE
+from ladle_dev.pytest_plugin import KubeCluster
 
 
 def run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

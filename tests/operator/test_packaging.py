@@ -7,9 +7,11 @@ they install carries the operator and imports nothing the operator image leaves 
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import json
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,8 +22,8 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from ladle.cluster import build
 from ladle.operator.desired import RUNTIME_UID
+from ladle_dev.cluster import build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,10 +124,25 @@ def tomllib_scripts() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built as the Dockerfiles' first stage builds it, from what they copy: a build from the
+    checkout itself would reuse whatever an earlier build left under build/."""
+    context = tmp_path_factory.mktemp("context")
+    steps = dockerfile("Dockerfile.runtime")
+    second = [i for i, (word, _) in enumerate(steps) if word == "FROM"][1]
+    for word, arg in steps[:second]:
+        if word != "COPY":
+            continue
+        *sources, target = arg.split()
+        for source in sources:
+            if (ROOT / source).is_dir():
+                skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
+                shutil.copytree(ROOT / source, context / target, symlinks=True, ignore=skip)
+            else:
+                shutil.copy(ROOT / source, context / target)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(ROOT)],
+         "-w", str(out), str(context)],
         check=True,
     )  # fmt: skip
     (path,) = out.glob("ladle-*.whl")
@@ -145,6 +162,29 @@ def test_wheel_carries_the_operator_and_the_console_script(wheel: Path) -> None:
     assert "ladle/cli.py" in names
     # The runtime builds its CPU kernels from this source on first use.
     assert "ladle/runtime/kernels/cpu_kernels.c" in names
+
+
+def test_wheel_holds_no_development_code(wheel: Path) -> None:
+    """The images install this wheel: the local cluster, its Go builds and the pytest plugin
+    live in the development package (dev/), and no module in the wheel imports test tooling."""
+    tooling = {"pytest", "hypothesis", "ladle_dev", "schemathesis", "openai"}
+    found = []
+    with zipfile.ZipFile(wheel) as zf:
+        names = [n for n in zf.namelist() if n.startswith("ladle/")]
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            for node in ast.walk(ast.parse(zf.read(name), name)):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                else:
+                    continue
+                found += [f"{name}: {m}" for m in modules if m.split(".")[0] in tooling]
+    assert len(names) > 100
+    assert not [n for n in names if n.startswith("ladle/cluster/") or "pytest" in n]
+    assert found == []
 
 
 @pytest.mark.parametrize("command", ["operator", "gateway"])

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from ladle.cluster.pytest_plugin import wait_until
+from ladle_dev.pytest_plugin import wait_until
 
 from .conftest import start_server
 

@@ -24,10 +24,10 @@ from typing import Any, TypeVar
 
 import yaml
 
-from ladle.cluster import build, images
-from ladle.cluster.control_plane import Cluster, ClusterError, Options
-from ladle.cluster.node import NodeError
 from ladle.words import plural
+from ladle_dev.cluster import build, images
+from ladle_dev.cluster.control_plane import Cluster, ClusterError, Options
+from ladle_dev.cluster.node import NodeError
 
 T = TypeVar("T")
 

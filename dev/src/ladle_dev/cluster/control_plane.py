@@ -6,7 +6,7 @@ Processes run in their own sessions and outlive ``ladle cluster up``; their pids
 times go into ``state.json`` so that ``down`` stops exactly those processes and nothing else,
 then removes what they leave: pods (through the CRI), mounts, cgroups and the namespace.
 Without local nodes the API server listens on loopback; with them, on the host's end of the
-cluster's veth (``ladle.cluster.network``), where pods reach it too.
+cluster's veth (``ladle_dev.cluster.network``), where pods reach it too.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from typing import Any
 import psutil
 import yaml
 
-from ladle.cluster import build, images, network, nodes, pki
-from ladle.cluster.node import (
+from ladle.words import plural
+from ladle_dev.cluster import build, images, network, nodes, pki
+from ladle_dev.cluster.node import (
     LocalNode,
     NodeError,
     NodeSpec,
@@ -44,7 +45,6 @@ from ladle.cluster.node import (
     release_run_root,
     share_layers,
 )
-from ladle.words import plural
 
 HOST = "127.0.0.1"
 # The Service range of a cluster without local nodes (with them, the network plan's).

@@ -1,5 +1,5 @@
 """A real local Kubernetes (etcd, kube-apiserver, controllers, scheduler, kwok) for tests and dev.
 
 Everything is built from pinned Go modules, because the machines have no Docker and no binary
-downloads; see ``ladle.cluster.build`` and ``ladle.cluster.control_plane``.
+downloads; see ``ladle_dev.cluster.build`` and ``ladle_dev.cluster.control_plane``.
 """

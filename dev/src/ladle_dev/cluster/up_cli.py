@@ -1,4 +1,4 @@
-"""``ladle up`` and ``ladle down``: the whole system on this machine (see ``ladle.cluster.up``).
+"""``ladle up`` and ``ladle down``: the whole system on this machine (see ``ladle_dev.cluster.up``).
 
 Imports only the standard library at import time (see ``ladle.cli``).
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from ladle.cluster.cli import add_node_args, add_state_arg, default_state_dir, node_options
 from ladle.flag_types import seconds
+from ladle_dev.cluster.cli import add_node_args, add_state_arg, default_state_dir, node_options
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,12 +36,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ladle.cluster.up import main_up
+    from ladle_dev.cluster.up import main_up
 
     return main_up(args.state_dir or default_state_dir(), node_options(args), args.wait)
 
 
 def _down(args: argparse.Namespace) -> int:
-    from ladle.cluster.up import main_down
+    from ladle_dev.cluster.up import main_down
 
     return main_down(args.state_dir or default_state_dir())

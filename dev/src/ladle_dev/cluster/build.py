@@ -27,7 +27,7 @@ from ladle.words import plural
 # Bump when the way binaries are built changes (flags, layout), so old caches are not reused.
 RECIPE = "1"
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 HACK_DIR = REPO_ROOT / "hack" / "k8s"
 
 # kwok has had no built-in stages since v0.8; these come from the module's kustomize/stage/.

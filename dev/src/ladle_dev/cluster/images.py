@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ladle import __version__
-from ladle.cluster.build import REPO_ROOT, BuildError, cache_root
+from ladle_dev.cluster.build import REPO_ROOT, BuildError, cache_root
 
 REGISTRY = "ghcr.io/ladle-dev"
 # Stands in for python:3.11-slim-bookworm, which cannot be pulled here.
@@ -205,7 +205,7 @@ def build_base() -> None:
 
 def pause_source() -> Path:
     """Kubernetes' pause.c, from the module the cluster binaries are built from."""
-    from ladle.cluster.build import _module_info, find_go
+    from ladle_dev.cluster.build import _module_info, find_go
 
     _, _, source = _module_info(find_go(), "kubernetes", "k8s.io/kubernetes")
     return source / "build" / "pause" / "linux" / "pause.c"

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ladle.cluster import build
-from ladle.cluster.build import BuildError, Tool
+from ladle_dev.cluster import build
+from ladle_dev.cluster.build import BuildError, Tool
 
 RECIPE = "1"
 PROMETHEUS_TAGS = ("remove_all_sd", "enable_kubernetes_sd")

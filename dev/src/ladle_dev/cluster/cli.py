@@ -2,7 +2,7 @@
 and local nodes (a real kubelet and containerd each) that run Ladle's images.
 
 Imports only the standard library at import time (see ``ladle.cli``); the work happens in
-``ladle.cluster.build`` and ``ladle.cluster.control_plane``, imported by the handlers.
+``ladle_dev.cluster.build`` and ``ladle_dev.cluster.control_plane``, imported by the handlers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ladle.settings import Default
 
 def default_state_dir() -> Path:
     """Where ``up`` keeps a cluster unless told otherwise (next to the binary cache)."""
-    from ladle.cluster.build import cache_root
+    from ladle_dev.cluster.build import cache_root
 
     return cache_root() / "clusters" / "default"
 
@@ -117,7 +117,7 @@ def add_node_args(parser: argparse.ArgumentParser, *, kwok_nodes: int) -> None:
 
 
 def node_options(args: argparse.Namespace) -> Any:
-    from ladle.cluster.control_plane import Options
+    from ladle_dev.cluster.control_plane import Options
 
     return Options(
         nodes=args.nodes,
@@ -131,7 +131,7 @@ def node_options(args: argparse.Namespace) -> Any:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ladle.cluster import build, images, sre_tools
+    from ladle_dev.cluster import build, images, sre_tools
 
     if args.print_bin_dir:
         print(build.bin_dir())
@@ -150,8 +150,8 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ladle.cluster.control_plane import Cluster, ClusterError
     from ladle.words import plural
+    from ladle_dev.cluster.control_plane import Cluster, ClusterError
 
     cluster = Cluster(args.state_dir or default_state_dir())
     options = node_options(args)
@@ -174,7 +174,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from ladle.cluster.control_plane import Cluster
+    from ladle_dev.cluster.control_plane import Cluster
 
     cluster = Cluster(args.state_dir or default_state_dir())
     if not cluster.kubeconfig.is_file():
@@ -189,7 +189,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from ladle.cluster.control_plane import Cluster
+    from ladle_dev.cluster.control_plane import Cluster
 
     cluster = Cluster(args.state_dir or default_state_dir())
     if not cluster.state_dir.exists():
@@ -201,7 +201,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ladle.cluster.control_plane import Cluster, ClusterError
+    from ladle_dev.cluster.control_plane import Cluster, ClusterError
 
     cluster = Cluster(args.state_dir or default_state_dir())
     try:

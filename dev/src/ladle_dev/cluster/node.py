@@ -13,10 +13,10 @@ have on a machine of its own:
   ``/var/log/containers``, CNI's cache in ``/var/lib/cni``), and its mounts (volumes, pod
   networks, container file systems) stay in that namespace and end with it;
 - its own cgroup root and address; the network namespace is the cluster's
-  (``ladle.cluster.network``), shared by all its nodes.
+  (``ladle_dev.cluster.network``), shared by all its nodes.
 
 Ladle's images are imported into each node's containerd (no registry is reachable), as a node
-image would have them pre-pulled; see ``ladle.cluster.images``.
+image would have them pre-pulled; see ``ladle_dev.cluster.images``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any, BinaryIO
 
 import yaml
 
-from ladle.cluster import cgroups, images
-from ladle.cluster.network import Plan
+from ladle_dev.cluster import cgroups, images
+from ladle_dev.cluster.network import Plan
 
 RUN_ROOT = Path("/run/ladle")
 # The host folders a node sees folders of its own in place of.

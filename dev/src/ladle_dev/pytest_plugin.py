@@ -1,6 +1,6 @@
 """pytest fixtures for tests against a real local Kubernetes.
 
-Enable with ``pytest_plugins = ["ladle.cluster.pytest_plugin"]`` in ``tests/conftest.py``.
+Enable with ``pytest_plugins = ["ladle_dev.pytest_plugin"]`` in ``tests/conftest.py``.
 The cluster starts once per session, the first time a test asks for it, and stops at the end;
 its local nodes (real kubelets running Ladle's images) start the first time a test asks for
 them, after the images are built or found in the cache. Tests isolate themselves with
@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pytest
 import yaml
 
-from ladle.cluster import build, images
-from ladle.cluster.control_plane import Cluster
-from ladle.cluster.node import LocalNode
-from ladle.cluster.nodes import LOCAL_NODE_LABEL
+from ladle_dev.cluster import build, images
+from ladle_dev.cluster.control_plane import Cluster
+from ladle_dev.cluster.node import LocalNode
+from ladle_dev.cluster.nodes import LOCAL_NODE_LABEL
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
