@@ -1,9 +1,9 @@
 """The gateway's HTTP surface as one raw ASGI app (no framework: every microsecond of the data
 path is the product): the OpenAI endpoints it proxies, ``/v1/models``, probes and metrics.
 
-Each proxied request: request id, API key and its limits, body (size-capped), parse, then the
-router; the access log line, the audit record and the metrics are written once it ends, however
-it ends.
+Each proxied request gets a request id and goes down the filter chain (``ladle.gateway.chain``);
+the access log line, the audit record and the metrics are written once it ends, however it
+ends.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ladle.api import parse_rfc3339
 from ladle.audit import AuditLog
 from ladle.gateway import audit as auditing
-from ladle.gateway.apikeys import ApiKey, KeyStore
+from ladle.gateway.apikeys import ApiKey
+from ladle.gateway.chain import Handler
+from ladle.gateway.cluster import Cluster
 from ladle.gateway.context import ClientRequest, Outcome
 from ladle.gateway.errors import GatewayError
+from ladle.gateway.filters.authn import Authentication, unauthenticated
+from ladle.gateway.filters.body import CLIENT_CLOSED as CLOSED_ERROR
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
-from ladle.gateway.proxy import Router
 from ladle.http_errors import unknown_endpoint, wrong_method
 from ladle.logs import request_id_var
 
@@ -69,20 +72,20 @@ async def _send_json(
 class GatewayApp:
     def __init__(
         self,
-        router: Router,
+        handler: Handler,
+        cluster: Cluster,
         metrics: GatewayMetrics,
         lifecycle: Lifecycle,
         *,
-        keys: KeyStore | None = None,
-        max_request_size: int = 8 << 20,
+        authentication: Authentication | None = None,
         access_log: bool = True,
         audit: AuditLog | None = None,
     ) -> None:
-        self.router = router
+        self.handler = handler
+        self.cluster = cluster
         self.metrics = metrics
         self.lifecycle = lifecycle
-        self.keys = keys
-        self.max_request_size = max_request_size
+        self.authentication = authentication
         self.access_log = access_log
         self.audit = audit or AuditLog(None, "gateway")
 
@@ -104,61 +107,13 @@ class GatewayApp:
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        auth = rid = session = timeout = declared = content_type = None
-        for name, value in headers:
-            if name == b"authorization":
-                auth = value
-            elif name == b"x-request-id":
-                rid = value
-            elif name == b"x-session-id":
-                session = value
-            elif name == b"x-ladle-timeout":
-                timeout = value
-            elif name == b"content-length":
-                declared = value
-            elif name == b"content-type":
-                content_type = value.decode("latin-1")
+        rid = next((v for k, v in headers if k == b"x-request-id"), None)
         request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
         out = Outcome(captured=[] if self.audit.text else None)
-        key: ApiKey | None = None
-        inbound: Inbound | None = None
-        task = asyncio.current_task()
-        watcher: asyncio.Task[None] | None = None
-        finished = False
-
-        async def watch_disconnect() -> None:
-            message = await receive()
-            if message["type"] == "http.disconnect" and not finished and task is not None:
-                out.error = "the client closed the connection"
-                task.cancel()
-
-        async def send_reply(message: Message) -> None:
-            # Once the last body piece is on its way, a hang-up (or the server's own
-            # http.disconnect after a complete response) no longer cuts the request short.
-            nonlocal finished
-            if message["type"] == "http.response.body" and not message.get("more_body"):
-                finished = True
-            await send(message)
-
+        req = ClientRequest(request_id, b"POST", path, headers, arrival, receive)
         try:
-            key = self._authenticate(auth, loop.time())
-            deadline = _deadline(timeout, arrival)
-            body = await self._body(receive, declared)
-            inbound = Inbound.parse(body, content_type)
-            watcher = loop.create_task(watch_disconnect())
-            request = ClientRequest(
-                request_id=request_id,
-                method=b"POST",
-                path=path,
-                headers=headers,
-                inbound=inbound,
-                arrival=arrival,
-                deadline=deadline,
-                key=key,
-                session_header=session,
-            )
-            await self.router.handle(request, send_reply, out)
+            await self.handler(req, send, out)
         except GatewayError as exc:
             out.status = exc.status
             out.error = exc.message
@@ -166,7 +121,7 @@ class GatewayApp:
                 extra = [(b"x-request-id", request_id.encode()), *exc.headers]
                 await _send_json(send, exc.status, exc.body(), extra)
         except asyncio.CancelledError:
-            if out.error != "the client closed the connection":
+            if out.error != CLOSED_ERROR:
                 raise
             out.status = CLIENT_CLOSED
         except Exception:
@@ -179,58 +134,8 @@ class GatewayApp:
                 )
                 await _send_json(send, 500, err.body(), [(b"x-request-id", request_id.encode())])
         finally:
-            finished = True
-            if watcher is not None and not watcher.done():
-                watcher.cancel()
-            self._account(out, key, inbound, loop.time() - arrival, request_id, path)
+            self._account(out, req.key, req.parsed, loop.time() - arrival, request_id, path)
             request_id_var.reset(token)
-
-    def _authenticate(self, auth: bytes | None, now: float) -> ApiKey | None:
-        if self.keys is None:
-            return None
-        key = self._key(auth, now)
-        if key is None:
-            raise GatewayError(
-                401,
-                "a valid API key is required (Authorization: Bearer <key>)",
-                "invalid_api_key",
-                headers=[(b"www-authenticate", b"Bearer")],
-            )
-        refusal = key.limiter.admit(now)
-        if refusal is not None:
-            self.metrics.rate_limited.labels(key.name, refusal.limit).inc()
-            raise GatewayError(
-                429,
-                refusal.message,
-                "rate_limit_exceeded",
-                headers=[(b"retry-after", str(max(1, round(refusal.retry_after + 0.5))).encode())],
-            )
-        return key
-
-    async def _body(self, receive: Receive, declared: bytes | None) -> bytes:
-        limit = self.max_request_size
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise GatewayError(
-                413, f"the request body exceeds the {limit}-byte limit", "request_too_large"
-            )
-        message = await receive()
-        body = message.get("body", b"")
-        if not message.get("more_body"):
-            return bytes(body)
-        parts = [body]
-        size = len(body)
-        while message.get("more_body"):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise asyncio.CancelledError
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise GatewayError(
-                    413, f"the request body exceeds the {limit}-byte limit", "request_too_large"
-                )
-            parts.append(chunk)
-        return b"".join(parts)
 
     def _account(
         self,
@@ -251,8 +156,6 @@ class GatewayApp:
                 m.ttfb(ns, name).observe(out.ttfb)
             if out.overhead is not None:
                 m.overhead(ns, name).observe(out.overhead)
-        if key is not None and out.tokens:
-            key.limiter.charge_tokens(asyncio.get_running_loop().time(), out.tokens)
         if self.audit.enabled:
             record = auditing.fields(path.decode(), out, key, inbound, seconds, self.audit.text)
             self.audit.write(request_id, record)
@@ -304,10 +207,8 @@ class GatewayApp:
             status = 200 if reason is None else 503
             await _send_json(send, status, json.dumps({"status": reason or "ok"}).encode(), [])
         elif path.startswith(b"/v1/models") and method == "GET" and not self._may_list(scope):
-            err = GatewayError(
-                401, "a valid API key is required (Authorization: Bearer <key>)", "invalid_api_key"
-            )
-            await _send_json(send, 401, err.body(), [(b"www-authenticate", b"Bearer")])
+            err = unauthenticated()
+            await _send_json(send, err.status, err.body(), err.headers)
         elif path == b"/v1/models" and method == "GET":
             await _send_json(send, 200, json.dumps(self._models()).encode(), [])
         elif path.startswith(b"/v1/models/") and method == "GET":
@@ -332,16 +233,11 @@ class GatewayApp:
 
     def _may_list(self, scope: Scope) -> bool:
         """Listing models needs a key too, when keys are configured (no limits are charged)."""
-        if self.keys is None:
+        if self.authentication is None:
             return True
         auth = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        return self._key(auth, asyncio.get_running_loop().time()) is not None
-
-    def _key(self, auth: bytes | None, now: float) -> ApiKey | None:
-        """The key presented as ``Authorization: Bearer <key>``, if it is one of ours."""
-        assert self.keys is not None
-        scheme, _, presented = (auth or b"").decode("latin-1").partition(" ")
-        return self.keys.lookup(presented.strip(), now) if scheme.lower() == "bearer" else None
+        now = asyncio.get_running_loop().time()
+        return self.authentication.key(auth, now) is not None
 
     def _models(self) -> dict[str, Any]:
         data = [
@@ -351,7 +247,7 @@ class GatewayApp:
                 "created": int(parse_rfc3339(svc.created) or 0),
                 "owned_by": f"{svc.namespace}/{svc.name}",
             }
-            for svc in self.router.models()
+            for svc in self.cluster.models()
         ]
         return {"object": "list", "data": data}
 
@@ -370,20 +266,3 @@ class GatewayApp:
                 await self.lifecycle.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-
-def _deadline(header: bytes | None, arrival: float) -> float:
-    if header is None:
-        return float("inf")
-    try:
-        seconds = float(header)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < 1e7:
-        shown = header.decode(errors="replace")
-        raise GatewayError(
-            400,
-            f"x-ladle-timeout must be a positive number of seconds, got {shown!r}",
-            "invalid_timeout",
-        )
-    return arrival + seconds

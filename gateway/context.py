@@ -1,6 +1,7 @@
-"""One request's context along the gateway's data path: what the client asked
-(``ClientRequest``) and what happened to it (``Outcome``), which the access log, the metrics,
-the audit trail, the token bucket and the response cache all read afterwards.
+"""One request's context along the gateway's filter chain (``ladle.gateway.chain``): what the
+client asked (``ClientRequest``, filled in as the filters learn it: the key, the body, the
+route) and what happened to it (``Outcome``), which the access log, the metrics, the audit
+trail, the token bucket and the response cache all read afterwards.
 """
 
 from __future__ import annotations
@@ -14,22 +15,40 @@ from ladle.gateway.inbound import Inbound
 from ladle.gateway.routes import Service
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
 HeaderList = list[tuple[bytes, bytes]]
 
 
 @dataclass
 class ClientRequest:
-    """One request as the data path sees it; times are ``loop.time()``."""
+    """One request as the filters see it; times are ``loop.time()``."""
 
     request_id: str
     method: bytes
     path: bytes
     headers: HeaderList
-    inbound: Inbound
     arrival: float
-    deadline: float  # the client's own timeout, if it sent one, else infinity
-    key: ApiKey | None = None
-    session_header: bytes | None = None
+    receive: Receive
+    key: ApiKey | None = None  # the authentication filter's
+    parsed: Inbound | None = None  # the body filter's
+    route: Service | None = None  # the route filter's
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((v for k, v in self.headers if k == name), None)
+
+    @property
+    def inbound(self) -> Inbound:
+        """The parsed body, for the filters after the body filter."""
+        if self.parsed is None:
+            raise RuntimeError("the body is read by the body filter, before this one")
+        return self.parsed
+
+    @property
+    def service(self) -> Service:
+        """The service the model names, for the filters after the route filter."""
+        if self.route is None:
+            raise RuntimeError("the route is chosen by the route filter, before this one")
+        return self.route
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""``ladle gateway``: the route table kept fresh from Kubernetes (or a static file), the router,
-and uvicorn (httptools, uvloop) serving the raw ASGI app."""
+"""``ladle gateway``: the route table kept fresh from Kubernetes (or a static file), the filter
+chain built from the settings, and uvicorn (httptools, uvloop) serving the raw ASGI app."""
 
 from __future__ import annotations
 
@@ -18,8 +18,15 @@ from ladle.audit import AuditLog
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
 from ladle.gateway.cache import ResponseCache
+from ladle.gateway.chain import Filter, Handler, chain
+from ladle.gateway.cluster import Cluster, Hooks
+from ladle.gateway.filters.authn import Authentication
+from ladle.gateway.filters.body import Body
+from ladle.gateway.filters.cache import Cache
+from ladle.gateway.filters.ratelimit import RateLimit
+from ladle.gateway.filters.route import Route
+from ladle.gateway.filters.router import Router
 from ladle.gateway.metrics import GatewayMetrics
-from ladle.gateway.proxy import Hooks, Router
 from ladle.gateway.routes import Pod, Service, build_table, parse_pod, parse_routable
 from ladle.gateway.scrape import Scraper
 from ladle.gateway.settings import GatewaySettings, SettingsError
@@ -45,13 +52,11 @@ class Gateway:
             Scraper(self.pool, settings.scrape_interval) if settings.scrape_interval else None
         )
         scraper = self.scraper
-        self.router = Router(
+        self.cluster = Cluster(
             self.metrics,
             self.pool,
             max_held=settings.max_held_requests,
             loads=(lambda: scraper.loads) if scraper is not None else dict,
-            count_usage=settings.audit_log is not None,
-            cache=ResponseCache(settings.response_cache_size) if settings.response_cache else None,
         )
         self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)
         self.keys: KeyStore | None = None
@@ -78,15 +83,30 @@ class Gateway:
                 raise SettingsError(str(exc)) from None
 
     def app(self) -> GatewayApp:
+        authentication = None if self.keys is None else Authentication(self.keys)
         return GatewayApp(
-            self.router,
+            self.data_path(authentication),
+            self.cluster,
             self.metrics,
             Lifecycle(self.not_ready, self.startup, self.shutdown),
-            keys=self.keys,
-            max_request_size=self.settings.max_request_size,
+            authentication=authentication,
             access_log=self.settings.access_log,
             audit=self.audit,
         )
+
+    def data_path(self, authentication: Authentication | None) -> Handler:
+        """The filter chain, in Envoy's order, with only the filters the settings need."""
+        settings = self.settings
+        filters: list[Filter] = []
+        if authentication is not None:
+            filters += [authentication, RateLimit(self.metrics)]
+        filters += [Body(settings.max_request_size), Route(self.cluster)]
+        if settings.response_cache:
+            filters.append(Cache(ResponseCache(settings.response_cache_size), self.metrics))
+        router = Router(
+            self.cluster, self.pool, self.metrics, count_usage=settings.audit_log is not None
+        )
+        return chain(filters, router)
 
     def not_ready(self) -> str | None:
         informers: list[Informer[Any]] = [*self._service_informers, *self._pod_informers]
@@ -99,7 +119,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         if self._static is not None:
             services, pods = self._static
-            self.router.update(build_table(services, pods), loop.time())
+            self.cluster.update(build_table(services, pods), loop.time())
         else:
             self._start_watching()
         self._spawn(self._ticker())
@@ -116,7 +136,7 @@ class Gateway:
         api = self.api = KubeClient(FIELD_MANAGER)
         if self.settings.write_status:
             writer = StatusWriter(api, self.settings.identity)
-            self.router.hooks = Hooks(
+            self.cluster.hooks = Hooks(
                 writer.on_transition, writer.on_hold, writer.on_new, writer.on_table
             )
             self._spawn(writer.run())
@@ -155,12 +175,12 @@ class Gateway:
         self._rebuild_scheduled = False
         services = [s for i in self._service_informers for s in i.items.values()]
         pods = [p for i in self._pod_informers for p in i.items.values()]
-        self.router.update(build_table(services, pods), asyncio.get_running_loop().time())
+        self.cluster.update(build_table(services, pods), asyncio.get_running_loop().time())
 
     def _pods(self) -> list[Pod]:
         return [
             p
-            for variants in self.router.table.pods.values()
+            for variants in self.cluster.table.pods.values()
             for ps in variants.values()
             for p in ps
         ]
@@ -169,7 +189,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(TICK_SECONDS)
-            self.router.tick(loop.time())
+            self.cluster.tick(loop.time())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)

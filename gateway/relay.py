@@ -20,7 +20,6 @@ _USAGE = re.compile(rb'"usage":\s*\{')
 _DONE = b"data: [DONE]\n\n"
 # Seconds a pod has to end its body once the client's reply is complete.
 _DRAIN = 1.0
-# The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 
 
 async def relay_events(

@@ -20,7 +20,7 @@ from typing import Any
 
 from ladle.api import API_VERSION, ISVC_KIND, JSON, rfc3339
 from ladle.gateway.breaker import State
-from ladle.gateway.proxy import ServiceState
+from ladle.gateway.cluster import ServiceState
 from ladle.gateway.routes import Conflict, RouteTable, ServiceKey
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient
 
@@ -89,7 +89,7 @@ class StatusWriter:
         self._wake = asyncio.Event()
         self.writes = 0
 
-    # -- hooks (called on the event loop by the router) ----------------------------------
+    # -- hooks (called on the event loop by the cluster) ----------------------------------
 
     def on_transition(self, state: ServiceState, _transition: object) -> None:
         self._transitioned[state.key] = _now()

@@ -327,7 +327,7 @@ async def test_scale_from_zero_holds_until_a_pod_is_ready(fake_pods: Any, run_ga
     gw = await run_gateway(
         [{"name": "chat", "model": "m", "endpoints": [], "timeouts": {"scaleFromZeroSeconds": 5}}]
     )
-    router = gw.gateway.router
+    cluster = gw.gateway.cluster
     async with httpx.AsyncClient(timeout=10) as client:
         request = asyncio.ensure_future(post(client, gw.url, {"model": "m", "prompt": "x"}))
         await asyncio.sleep(0.3)
@@ -336,13 +336,13 @@ async def test_scale_from_zero_holds_until_a_pod_is_ready(fake_pods: Any, run_ga
             sample(gw.gateway, "ladle_gateway_held_requests", namespace="default", service="chat")
             == 1
         )
-        service = router.table.services[("default", "chat")]
+        service = cluster.table.services[("default", "chat")]
         ready = Pod("default", "chat-0", "chat", "stable", "127.0.0.1", pod.port, True)
-        router.update(build_table([service], [ready]), asyncio.get_running_loop().time())
+        cluster.update(build_table([service], [ready]), asyncio.get_running_loop().time())
         r = await request
         assert r.status_code == 200
         assert len(pod.seen) == 1
-        router.update(build_table([service], []), asyncio.get_running_loop().time())
+        cluster.update(build_table([service], []), asyncio.get_running_loop().time())
         held = await post(
             client, gw.url, {"model": "m", "prompt": "x"}, headers={"x-ladle-timeout": "0.5"}
         )

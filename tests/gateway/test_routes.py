@@ -1,4 +1,4 @@
-"""InferenceServices and Pods → route table, and the router's pod choice over it (pure)."""
+"""InferenceServices and Pods → route table, and the cluster's pod choice over it (pure)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ladle.gateway.cluster import Cluster
 from ladle.gateway.metrics import GatewayMetrics
-from ladle.gateway.proxy import Router
 from ladle.gateway.routes import Pod, build_table, parse_pod, parse_service
 from ladle.gateway.status import conflict_condition
 from ladle.gateway.upstream import Pool
@@ -146,7 +146,7 @@ def test_pods_group_by_service_and_variant() -> None:
     st.lists(st.integers(0, 7), max_size=40),
     st.integers(0, 100),
 )
-def test_the_router_never_picks_an_unready_or_ejected_pod(
+def test_the_cluster_never_picks_an_unready_or_ejected_pod(
     pods: list[tuple[bool, str]], errors: list[int], canary_weight: int
 ) -> None:
     svc = parse_service(
@@ -168,15 +168,15 @@ def test_the_router_never_picks_an_unready_or_ejected_pod(
         Pod("ns", f"chat-{i}", "chat", variant, "127.0.0.1", 8000 + i, ready)
         for i, (ready, variant) in enumerate(pods)
     ]
-    router = Router(GatewayMetrics(), Pool(), rng=random.Random(0))
-    router.update(build_table([svc], objs), 0.0)
-    state = router.states[("ns", "chat")]
+    cluster = Cluster(GatewayMetrics(), Pool(), rng=random.Random(0))
+    cluster.update(build_table([svc], objs), 0.0)
+    state = cluster.states[("ns", "chat")]
     for i in errors:
         state.outlier.record(f"ns/chat-{i % len(objs)}", 1.0, True, state.pod_count)
     ejected = state.outlier.ejected(1.0)
     unready = {p.id for p in objs if not p.ready}
     for n in range(30):
-        choice = router._choose(state, set(), None, f"prefix {n}".encode(), 1.0)
+        choice = cluster.choose(state, set(), None, f"prefix {n}".encode(), 1.0)
         if choice is None:
             continue
         variant, pod = choice

@@ -1,0 +1,73 @@
+"""Body: read the request body (size-capped), parse what the gateway routes by, then watch the
+client's side of the stream, so that a client hanging up cancels the request wherever it is."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from ladle.gateway.chain import Handler
+from ladle.gateway.context import ClientRequest, Outcome, Receive, Send
+from ladle.gateway.errors import GatewayError
+from ladle.gateway.inbound import Inbound
+
+CLIENT_CLOSED = "the client closed the connection"
+
+
+@dataclass
+class Body:
+    max_size: int
+
+    async def __call__(self, req: ClientRequest, send: Send, out: Outcome, next_: Handler) -> None:
+        body = await self._read(req.receive, req.header(b"content-length"))
+        content_type = req.header(b"content-type")
+        req.parsed = Inbound.parse(body, None if content_type is None else content_type.decode())
+        task = asyncio.current_task()
+        finished = False
+
+        async def watch_disconnect() -> None:
+            message = await req.receive()
+            if message["type"] == "http.disconnect" and not finished and task is not None:
+                out.error = CLIENT_CLOSED
+                task.cancel()
+
+        async def send_reply(message: dict[str, Any]) -> None:
+            # Once the last body piece is on its way, a hang-up (or the server's own
+            # http.disconnect after a complete response) no longer cuts the request short.
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
+            await send(message)
+
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
+        try:
+            await next_(req, send_reply, out)
+        finally:
+            finished = True
+            if not watcher.done():
+                watcher.cancel()
+
+    async def _read(self, receive: Receive, declared: bytes | None) -> bytes:
+        limit = self.max_size
+        too_large = GatewayError(
+            413, f"the request body exceeds the {limit}-byte limit", "request_too_large"
+        )
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        message = await receive()
+        body = message.get("body", b"")
+        if not message.get("more_body"):
+            return bytes(body)
+        parts = [body]
+        size = len(body)
+        while message.get("more_body"):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+        return b"".join(parts)

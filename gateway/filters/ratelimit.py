@@ -1,0 +1,34 @@
+"""Rate limit: a key's requests are admitted against its buckets on the way in, and the tokens
+its answer used are charged on the way out, however the request ended."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ladle.gateway.chain import Handler
+from ladle.gateway.context import ClientRequest, Outcome, Send
+from ladle.gateway.errors import GatewayError
+from ladle.gateway.metrics import GatewayMetrics
+
+
+@dataclass
+class RateLimit:
+    metrics: GatewayMetrics
+
+    async def __call__(self, req: ClientRequest, send: Send, out: Outcome, next_: Handler) -> None:
+        key = req.key
+        if key is None:  # only behind the authentication filter, which sets it
+            raise RuntimeError("the rate limit filter runs after authentication")
+        refusal = key.limiter.admit(req.arrival)
+        if refusal is not None:
+            self.metrics.rate_limited.labels(key.name, refusal.limit).inc()
+            retry = str(max(1, round(refusal.retry_after + 0.5))).encode()
+            raise GatewayError(
+                429, refusal.message, "rate_limit_exceeded", headers=[(b"retry-after", retry)]
+            )
+        try:
+            await next_(req, send, out)
+        finally:
+            if out.tokens:
+                key.limiter.charge_tokens(asyncio.get_running_loop().time(), out.tokens)

@@ -1,0 +1,276 @@
+"""Router: the request's deadlines, its attempts at pods (a retry goes to another pod), and the
+answer relayed to the client as it arrives. The last filter: the cluster says where to go."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ladle.gateway.cluster import Cluster, ServiceState
+from ladle.gateway.context import ClientRequest, HeaderList, Outcome, Send
+from ladle.gateway.errors import GatewayError
+from ladle.gateway.metrics import GatewayMetrics
+from ladle.gateway.relay import relay_events, usage_tokens
+from ladle.gateway.routes import Pod
+from ladle.gateway.upstream import Pool, Response, UpstreamError, UpstreamTimeout
+
+# Never forwarded in either direction (RFC 9110 §7.6.1), or set by the gateway itself.
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+        b"host",
+        b"content-length",
+        b"x-request-id",
+    }
+)
+_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
+_RETRY_STATUSES = frozenset({502, 503, 504})
+# The gateway's own answers that mean the service failed (a missing pod is the hold's business).
+_BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
+
+
+@dataclass
+class Attempt:
+    """What every attempt of one request shares."""
+
+    state: ServiceState
+    req: ClientRequest
+    body: bytes
+    headers: HeaderList
+    deadline: float  # the earlier of the client's and the service's
+    client_deadline: float
+    add_usage: bool  # asked the pod for usage the client did not ask for: strip it
+    count_usage: bool
+
+    def expired(self) -> GatewayError:
+        """The answer when the deadline passes: the client's own (not the service's fault) or
+        the service's ``timeouts.requestSeconds`` (a breaker failure)."""
+        if self.client_deadline <= self.deadline:
+            return GatewayError(504, "the request's own deadline passed", "deadline_exceeded")
+        return GatewayError(504, "the service's request timeout passed", "request_timeout")
+
+
+@dataclass
+class Router:
+    cluster: Cluster
+    pool: Pool
+    metrics: GatewayMetrics
+    # Read every response's usage (the audit trail's token counts), not only limited keys'.
+    count_usage: bool = False
+
+    async def __call__(self, req: ClientRequest, send: Send, out: Outcome) -> None:
+        loop = asyncio.get_running_loop()
+        client_deadline = _client_deadline(req.header(b"x-ladle-timeout"), req.arrival)
+        admitted = self.cluster.admit(req.service, loop.time(), out)
+        success: bool | None = None
+        try:
+            success = await self._serve(admitted.state, req, send, out, client_deadline)
+        except GatewayError as exc:
+            if exc.code in _BREAKER_FAILURES:
+                success = False
+            raise
+        finally:
+            self.cluster.finish(admitted, success, loop.time())
+
+    async def _serve(
+        self,
+        state: ServiceState,
+        req: ClientRequest,
+        send: Send,
+        out: Outcome,
+        client_deadline: float,
+    ) -> bool:
+        """Run the attempts; True when the service did its job (for the breaker)."""
+        loop = asyncio.get_running_loop()
+        service = state.service
+        limited = req.key is not None and req.key.limiter.tokens is not None
+        counted = limited or self.count_usage
+        add_usage = counted and req.inbound.stream and not req.inbound.wants_usage
+        fallback = out.fallback_from is not None
+        headers = [(k, v) for k, v in req.headers if k not in _HOP_BY_HOP]
+        headers.append((b"x-request-id", req.request_id.encode()))
+        body = req.inbound.rewritten(
+            model=service.model if fallback else None, include_usage=add_usage
+        )
+        attempt = Attempt(
+            state,
+            req,
+            body,
+            headers,
+            min(client_deadline, req.arrival + service.timeouts.request_seconds),
+            client_deadline,
+            add_usage,
+            counted,
+        )
+        sticky = req.inbound.session_key(req.header(b"x-session-id"))
+        prefix = (
+            req.inbound.prefix(service.routing.prefix_chars)
+            if service.routing.prefix_affinity
+            else None
+        )
+        tried: set[str] = set()
+        hold_until: float | None = None
+        last_error: str = ""
+        while True:
+            choice = self.cluster.choose(state, tried, sticky, prefix, loop.time())
+            if choice is None:
+                if tried:
+                    break  # every pod tried: answer with the last error
+                if hold_until is None:
+                    hold_until = min(
+                        attempt.deadline, loop.time() + service.timeouts.scale_from_zero_seconds
+                    )
+                await self.cluster.hold(state, hold_until, out)
+                continue
+            variant, pod = choice
+            tried.add(pod.id)
+            out.attempts += 1
+            out.variant, out.pod = variant, pod.id
+            if out.attempts > 1:
+                self.metrics.retries.labels(*state.key).inc()
+            last = out.attempts > service.routing.retries
+            result = await self._attempt(attempt, variant, pod, send, out, last)
+            if result is None:
+                rate_limited = out.status == 429 and service.count_rate_limited
+                return out.status < 500 and not out.failed and not rate_limited
+            last_error = result
+            if last or loop.time() >= attempt.deadline:
+                break
+        raise GatewayError(
+            502,
+            f"no pod of {state.key[1]} could take the request: {last_error}",
+            "upstream_unavailable",
+        )
+
+    async def _attempt(
+        self, a: Attempt, variant: str, pod: Pod, send: Send, out: Outcome, last: bool
+    ) -> str | None:
+        """One try at one pod. Returns None once an answer went to the client, or why the
+        pod failed while nothing had been sent (the caller may retry elsewhere)."""
+        loop = asyncio.get_running_loop()
+        ns, name = a.state.key
+        req = a.req
+        in_flight = self.metrics.in_flight(ns, name, variant)
+        self.cluster.sent(pod)
+        in_flight.inc()
+        sent_at = loop.time()
+        first_deadline = min(a.deadline, sent_at + a.state.service.timeouts.first_token_seconds)
+        outcome = "ok"
+        response: Response | None = None
+        try:
+            try:
+                response = await self.pool.request(
+                    pod.host, pod.port, req.method, req.path, a.headers, a.body, first_deadline
+                )
+                if response.status in _RETRY_STATUSES and not last:
+                    outcome = "http_5xx"
+                    return f"{pod.name} answered {response.status}"
+                first = await response.read(first_deadline)
+            except UpstreamTimeout:
+                waited = loop.time() - sent_at
+                if a.client_deadline <= first_deadline:
+                    outcome = "client_deadline"
+                    raise GatewayError(
+                        504,
+                        f"the request's own deadline passed after {waited:.1f} s",
+                        "deadline_exceeded",
+                    ) from None
+                outcome = "timeout"
+                raise GatewayError(
+                    504,
+                    f"{pod.name} sent no first token within {waited:.0f} s",
+                    "first_token_timeout",
+                ) from None
+            except UpstreamError as exc:
+                outcome = exc.kind
+                return f"{pod.name}: {exc}"
+            got_first = loop.time()
+            if response.status >= 500:
+                outcome = "http_5xx"
+            elif response.status >= 400:
+                outcome = "http_4xx"
+            stream = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
+            reply = [(k, v) for k, v in response.headers if k not in _NOT_RETURNED]
+            reply += _gateway_headers(req, variant, out)
+            if not stream:
+                try:
+                    rest = await response.read_all(a.deadline)
+                except UpstreamTimeout:
+                    expired = a.expired()
+                    outcome = (
+                        "client_deadline" if expired.code == "deadline_exceeded" else "timeout"
+                    )
+                    raise expired from None
+                except UpstreamError as exc:
+                    outcome = exc.kind
+                    return f"{pod.name}: {exc}"
+                payload = (first or b"") + rest
+                if a.count_usage:
+                    usage_tokens(payload, out)
+                if out.captured is not None:
+                    out.captured.append(payload)
+                reply.append((b"content-length", str(len(payload)).encode()))
+            out.status = response.status
+            out.started = True
+            out.reply_headers = reply
+            first_sent = loop.time()
+            out.ttfb = first_sent - req.arrival
+            out.overhead = (sent_at - req.arrival - out.held_seconds) + (first_sent - got_first)
+            await send({"type": "http.response.start", "status": out.status, "headers": reply})
+            if not stream:
+                await send({"type": "http.response.body", "body": payload})
+            else:
+                failure = await relay_events(
+                    response,
+                    first,
+                    a.deadline,
+                    send,
+                    out,
+                    expired=a.expired(),
+                    strip_usage=a.add_usage,
+                    count_usage=a.count_usage,
+                )
+                if failure is not None:
+                    outcome = failure
+                    out.failed = failure != "client_deadline"
+            return None
+        finally:
+            if response is not None:
+                response.release()
+            in_flight.dec()
+            self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
+            self.cluster.answered(a.state, pod, outcome, loop.time())
+
+
+def _client_deadline(header: bytes | None, arrival: float) -> float:
+    """``x-ladle-timeout``: the client's own deadline, if it sent one, else infinity."""
+    if header is None:
+        return float("inf")
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e7:
+        shown = header.decode(errors="replace")
+        raise GatewayError(
+            400,
+            f"x-ladle-timeout must be a positive number of seconds, got {shown!r}",
+            "invalid_timeout",
+        )
+    return arrival + seconds
+
+
+def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:
+    headers = [(b"x-request-id", req.request_id.encode()), (b"x-ladle-variant", variant.encode())]
+    if out.fallback_from is not None and out.service is not None:
+        headers.append((b"x-ladle-fallback", out.service.name.encode()))
+    if out.cache is not None:
+        headers.append((b"x-ladle-cache", out.cache.encode()))
+    return headers
