@@ -13,6 +13,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass
 
+from ladle.api import BreakerConfig
 from ladle.words import plural
 
 
@@ -26,17 +27,6 @@ class Admission(enum.Enum):
     PASS = "pass"  # closed: an ordinary call
     PROBE = "probe"  # half-open: one of the permitted trial calls
     REJECT = "reject"  # open, or half-open with every probe slot taken
-
-
-@dataclass(frozen=True)
-class BreakerConfig:
-    enabled: bool = True
-    failure_rate: float = 0.5  # trip at or above this share of failed calls
-    window_seconds: int = 30
-    minimum_calls: int = 20
-    open_seconds: float = 30.0
-    half_open_probes: int = 3
-    no_ready_seconds: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class OutlierConfig:
-    consecutive_errors: int = 5
-    interval_seconds: float = 10.0
-    base_ejection_seconds: float = 30.0
-    max_ejection_percent: int = 10
+from ladle.api import OutlierConfig
 
 
 @dataclass

@@ -15,27 +15,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.api import LABEL_ISVC, LABEL_VARIANT, STABLE
-from ladle.gateway.breaker import BreakerConfig
-from ladle.gateway.outlier import OutlierConfig
+from ladle.api import (
+    LABEL_ISVC,
+    LABEL_VARIANT,
+    STABLE,
+    BreakerConfig,
+    OutlierConfig,
+    RoutingPolicy,
+    Timeouts,
+    parse_isvc,
+)
 
 ServiceKey = tuple[str, str]  # (namespace, name)
 DEFAULT_POD_PORT = 8000
-
-
-@dataclass(frozen=True)
-class RoutingPolicy:
-    prefix_affinity: bool = True
-    prefix_chars: int = 100
-    load_factor: float = 1.25
-    retries: int = 2
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    request_seconds: float = 600.0
-    first_token_seconds: float = 60.0
-    scale_from_zero_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +42,6 @@ class Service:
     weights: tuple[tuple[str, int], ...] = ((STABLE, 100),)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    count_rate_limited: bool = False
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     # The breaker state a gateway last wrote into status.gateway (None: never written).
@@ -120,63 +111,30 @@ class RouteTable:
         }
 
 
-def _int(raw: Mapping[str, Any], name: str, default: int) -> int:
-    value = raw.get(name)
-    return default if value is None else int(value)
-
-
 def parse_service(obj: Mapping[str, Any]) -> Service:
-    """One InferenceService; the CRD has validated and defaulted it, the defaults here only
-    cover objects stored before a field existed."""
-    meta = obj.get("metadata") or {}
-    spec = obj.get("spec") or {}
-    status = obj.get("status") or {}
-    routing = spec.get("routing") or {}
-    outlier = routing.get("outlierDetection") or {}
-    breaker = spec.get("circuitBreaker") or {}
-    timeouts = spec.get("timeouts") or {}
+    """One InferenceService, as ``ladle.api`` parses it for every component."""
+    isvc = parse_isvc(obj)
+    meta, spec, status = isvc.meta, isvc.spec, isvc.status
+    traffic = spec.traffic
     weights = tuple(
         (str(w["variant"]), int(w.get("weight", 0)))
         for w in ((status.get("rollout") or {}).get("weights") or ())
         if w.get("variant")
     )
     return Service(
-        namespace=str(meta.get("namespace") or ""),
-        name=str(meta["name"]),
-        model=str((spec.get("model") or {})["name"]),
-        created=str(meta.get("creationTimestamp") or ""),
-        fallback=spec.get("fallback") or None,
-        replicas=_int(spec, "replicas", 1),
+        namespace=meta.namespace,
+        name=meta.name,
+        model=spec.served_model_name,
+        created=meta.created,
+        fallback=traffic.fallback,
+        replicas=spec.replicas,
         weights=weights or ((STABLE, 100),),
-        routing=RoutingPolicy(
-            prefix_affinity=bool(routing.get("prefixAffinity", True)),
-            prefix_chars=_int(routing, "prefixChars", 100),
-            load_factor=_int(routing, "loadFactorPercent", 125) / 100.0,
-            retries=_int(routing, "retries", 2),
-        ),
-        breaker=BreakerConfig(
-            enabled=bool(breaker.get("enabled", True)),
-            failure_rate=_int(breaker, "failureRatePercent", 50) / 100.0,
-            window_seconds=_int(breaker, "windowSeconds", 30),
-            minimum_calls=_int(breaker, "minimumCalls", 20),
-            open_seconds=_int(breaker, "openSeconds", 30),
-            half_open_probes=_int(breaker, "halfOpenProbes", 3),
-            no_ready_seconds=_int(breaker, "noReadyPodsSeconds", 30),
-        ),
-        count_rate_limited=bool(breaker.get("countRateLimited", False)),
-        outlier=OutlierConfig(
-            consecutive_errors=_int(outlier, "consecutiveErrors", 5),
-            interval_seconds=_int(outlier, "intervalSeconds", 10),
-            base_ejection_seconds=_int(outlier, "baseEjectionSeconds", 30),
-            max_ejection_percent=_int(outlier, "maxEjectionPercent", 10),
-        ),
-        timeouts=Timeouts(
-            request_seconds=_int(timeouts, "requestSeconds", 600),
-            first_token_seconds=_int(timeouts, "firstTokenSeconds", 60),
-            scale_from_zero_seconds=_int(timeouts, "scaleFromZeroSeconds", 120),
-        ),
+        routing=traffic.routing,
+        breaker=traffic.breaker,
+        outlier=traffic.outlier,
+        timeouts=traffic.timeouts,
         reported_breaker=((status.get("gateway") or {}).get("breaker") or {}).get("state"),
-        response_cache=bool((spec.get("responseCache") or {}).get("enabled", False)),
+        response_cache=traffic.response_cache,
         revisions=_revisions(status),
     )
 

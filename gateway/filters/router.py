@@ -138,7 +138,7 @@ class Router:
             last = out.attempts > service.routing.retries
             result = await self._attempt(attempt, variant, pod, send, out, last)
             if result is None:
-                rate_limited = out.status == 429 and service.count_rate_limited
+                rate_limited = out.status == 429 and service.breaker.count_rate_limited
                 return out.status < 500 and not out.failed and not rate_limited
             last_error = result
             if last or loop.time() >= attempt.deadline:

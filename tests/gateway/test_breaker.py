@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ladle.gateway.breaker import Admission, BreakerConfig, CircuitBreaker, State
+from ladle.api import BreakerConfig
+from ladle.gateway.breaker import Admission, CircuitBreaker, State
 
 CFG = BreakerConfig(
     failure_rate=0.5,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ladle.gateway.outlier import OutlierConfig, OutlierDetector, max_ejected
+from ladle.api import OutlierConfig
+from ladle.gateway.outlier import OutlierDetector, max_ejected
 
 ENVOY = OutlierConfig()
 

@@ -86,7 +86,7 @@ def test_service_defaults_match_the_crd_and_knobs_are_read() -> None:
     assert tuned.outlier.consecutive_errors == 2
     assert tuned.breaker.minimum_calls == 3
     assert tuned.breaker.open_seconds == 4
-    assert tuned.count_rate_limited
+    assert tuned.breaker.count_rate_limited
     assert tuned.timeouts.first_token_seconds == 7
     assert tuned.weights == (("stable", 95), ("canary", 5))
 

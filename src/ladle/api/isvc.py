@@ -1,73 +1,15 @@
-"""The InferenceService and GPUPool API, as every component reads it (the operator, and the
-gateway for its names, labels and variants).
-
-``crds/`` is the contract: by the time an object reaches Ladle, the API server has
-validated and defaulted it. Parsing therefore only maps JSON onto typed values; the fallbacks
-mirror the CRD defaults so that objects stored before a default existed still reconcile.
-"""
+"""The InferenceService: what a service serves (model, quantization, engine), on what (resources,
+pool, replicas), how it scales, and how a change reaches its pods (the rollout)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
 
-GROUP = "ladle.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-ISVC_KIND = "InferenceService"
-ISVC_PLURAL = "inferenceservices"
-POOL_KIND = "GPUPool"
-POOL_PLURAL = "gpupools"
-
-# Labels on every child; the first two are also the Deployment/Service selectors.
-LABEL_ISVC = "ladle.dev/inferenceservice"
-LABEL_VARIANT = "ladle.dev/variant"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-MANAGED_BY = "ladle-operator"
-MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
-# On runtime pods: the GPUPool whose quota they count against, so that pods still draining
-# after their InferenceService is gone keep counting.
-LABEL_POOL = "ladle.dev/gpupool"
-# Keeps a GPUPool that InferenceServices still use from being deleted under them.
-POOL_FINALIZER = "ladle.dev/in-use"
-
-# The node label NVIDIA GPU feature discovery sets; GPUPool.spec.product selects on it.
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
-DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-
-# The variants of an InferenceService: the revision that serves, and the one on trial.
-STABLE = "stable"
-CANARY = "canary"
-# One-shot rollout commands (promote, abort, retry): the operator acts, then removes it.
-ROLLOUT_ACTION_ANNOTATION = "ladle.dev/rollout-action"
-ROLLOUT_ACTIONS = ("promote", "abort", "retry")
-# "enabled": the runtime pods run with --profile-dir on a bounded emptyDir (docs/pipeline.md).
-PROFILING_ANNOTATION = "ladle.dev/profiling"
-
-JSON = dict[str, Any]
-
-
-def rfc3339(epoch: float | None = None, digits: int = 0) -> str:
-    """A Kubernetes timestamp (now, by default): metav1.Time has whole seconds, metav1.MicroTime
-    (a Lease's times) six digits, and a rollout's status keeps milliseconds (3)."""
-    scale = 10**digits
-    whole, part = divmod(round((time.time() if epoch is None else epoch) * scale), scale)
-    text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{text}.{part:0{digits}d}Z" if digits else f"{text}Z"
-
-
-def parse_rfc3339(stamp: object) -> float | None:
-    """Seconds since the epoch of a Time or MicroTime; None if absent or unreadable."""
-    if not isinstance(stamp, str) or not stamp:
-        return None
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
+from ladle.api.meta import ObjectMeta, opt_float, opt_int, opt_str, parse_meta
+from ladle.api.names import JSON
+from ladle.api.traffic import TrafficSpec, parse_traffic
 
 SourceKind = Literal["builtin", "pvc", "image"]
 
@@ -212,18 +154,7 @@ class InferenceServiceSpec:
     api_key_secret: SecretKeyRef | None = None
     autoscaling: AutoscalingSpec | None = None
     rollout: RolloutSpec | None = None
-
-
-@dataclass(frozen=True)
-class ObjectMeta:
-    namespace: str
-    name: str
-    uid: str
-    generation: int
-    created: str
-    deleting: bool
-    finalizers: tuple[str, ...] = ()
-    annotations: Mapping[str, str] = field(default_factory=dict)
+    traffic: TrafficSpec = field(default_factory=TrafficSpec)
 
 
 @dataclass(frozen=True)
@@ -252,95 +183,6 @@ class InferenceService:
         return max(spec.min_replicas, min(wanted, spec.max_replicas or wanted))
 
 
-@dataclass(frozen=True)
-class Requirement:
-    """One ``matchExpressions`` entry of a metav1.LabelSelector."""
-
-    key: str
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: frozenset[str] = frozenset()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        if self.operator == "Exists":
-            return self.key in labels
-        if self.operator == "DoesNotExist":
-            return self.key not in labels
-        inside = labels.get(self.key) in self.values
-        return inside if self.operator == "In" else not inside
-
-
-@dataclass(frozen=True)
-class LabelSelector:
-    """metav1.LabelSelector: every label and every expression must match (empty: everything)."""
-
-    match_labels: Mapping[str, str]
-    expressions: tuple[Requirement, ...] = ()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        return all(labels.get(k) == v for k, v in self.match_labels.items()) and all(
-            r.matches(labels) for r in self.expressions
-        )
-
-    def __str__(self) -> str:
-        parts = [f"{k}={v}" for k, v in sorted(self.match_labels.items())]
-        for r in self.expressions:
-            if r.operator == "Exists":
-                parts.append(r.key)
-            elif r.operator == "DoesNotExist":
-                parts.append(f"!{r.key}")
-            else:
-                word = "in" if r.operator == "In" else "notin"
-                parts.append(f"{r.key} {word} ({','.join(sorted(r.values))})")
-        return ",".join(parts) or "(everything)"
-
-
-@dataclass(frozen=True)
-class GPUPoolSpec:
-    node_selector: Mapping[str, str]
-    tolerations: tuple[JSON, ...]
-    resource_name: str = DEFAULT_GPU_RESOURCE
-    product: str | None = None
-    quota_gpus: int | None = None
-    # Which namespaces may run InferenceServices in the pool (None: every namespace).
-    namespace_selector: LabelSelector | None = None
-
-    def scheduling_selector(self) -> dict[str, str]:
-        """The nodeSelector a runtime pod gets: the pool's own plus its GPU product."""
-        selector = dict(self.node_selector)
-        if self.product:
-            selector[GPU_PRODUCT_LABEL] = self.product
-        return selector
-
-
-@dataclass(frozen=True)
-class GPUPool:
-    meta: ObjectMeta
-    spec: GPUPoolSpec
-    status: JSON
-
-
-def _meta(obj: Mapping[str, Any]) -> ObjectMeta:
-    meta = obj.get("metadata") or {}
-    return ObjectMeta(
-        namespace=str(meta.get("namespace") or ""),
-        name=str(meta["name"]),
-        uid=str(meta.get("uid") or ""),
-        generation=int(meta.get("generation") or 0),
-        created=str(meta.get("creationTimestamp") or ""),
-        deleting=bool(meta.get("deletionTimestamp")),
-        finalizers=tuple(str(f) for f in meta.get("finalizers") or ()),
-        annotations={str(k): str(v) for k, v in (meta.get("annotations") or {}).items()},
-    )
-
-
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _opt_str(value: Any) -> str | None:
-    return None if value is None else str(value)
-
-
 def parse_source(raw: Mapping[str, Any] | None) -> ModelSource:
     raw = raw or {}
     if "pvc" in raw:
@@ -356,16 +198,16 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
     util = raw.get("gpuMemoryUtilization")
     prefix = raw.get("enablePrefixCaching")
     return EngineSettings(
-        dtype=_opt_str(raw.get("dtype")),
-        max_model_len=_opt_int(raw.get("maxModelLen")),
-        max_num_seqs=_opt_int(raw.get("maxNumSeqs")),
-        max_num_batched_tokens=_opt_int(raw.get("maxNumBatchedTokens")),
-        block_size=_opt_int(raw.get("blockSize")),
+        dtype=opt_str(raw.get("dtype")),
+        max_model_len=opt_int(raw.get("maxModelLen")),
+        max_num_seqs=opt_int(raw.get("maxNumSeqs")),
+        max_num_batched_tokens=opt_int(raw.get("maxNumBatchedTokens")),
+        block_size=opt_int(raw.get("blockSize")),
         enable_prefix_caching=None if prefix is None else bool(prefix),
         gpu_memory_utilization=None if util is None else float(util),
-        kv_cache_memory=_opt_str(raw.get("kvCacheMemory")),
-        seed=_opt_int(raw.get("seed")),
-        max_waiting_requests=_opt_int(raw.get("maxWaitingRequests")),
+        kv_cache_memory=opt_str(raw.get("kvCacheMemory")),
+        seed=opt_int(raw.get("seed")),
+        max_waiting_requests=opt_int(raw.get("maxWaitingRequests")),
         drain_timeout_seconds=int(raw.get("drainTimeoutSeconds", 30)),
     )
 
@@ -409,13 +251,9 @@ def parse_quantization(raw: Mapping[str, Any] | str | None) -> Quantization:
     return Quantization(
         weights=str(raw.get("weights", "none")),
         kv_cache=str(raw.get("kvCache", "auto")),
-        method=_opt_str(raw.get("method")),
-        group_size=_opt_int(raw.get("groupSize")),
+        method=opt_str(raw.get("method")),
+        group_size=opt_int(raw.get("groupSize")),
     )
-
-
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 def parse_rollout(raw: Mapping[str, Any] | None) -> RolloutSpec | None:
@@ -435,9 +273,9 @@ def parse_rollout(raw: Mapping[str, Any] | None) -> RolloutSpec | None:
         manual_promotion=bool(raw.get("manualPromotion", False)),
         quality=QualityGateSpec(
             enabled=bool(quality.get("enabled", True)),
-            min_top1=_opt_float(quality.get("minTop1Agreement")),
-            max_kld=_opt_float(quality.get("maxKLD")),
-            max_ppl_increase=_opt_float(quality.get("maxPerplexityIncrease")),
+            min_top1=opt_float(quality.get("minTop1Agreement")),
+            max_kld=opt_float(quality.get("maxKLD")),
+            max_ppl_increase=opt_float(quality.get("maxPerplexityIncrease")),
             recheck_at_weight=int(quality.get("recheckAtWeight", 50)),
             prompts=(
                 ConfigMapKeyRef(str(prompts["configMapName"]), str(prompts["key"]))
@@ -463,18 +301,18 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         served_model_name=str(model["name"]),
         source=parse_source(model.get("source")),
         quantization=parse_quantization(spec.get("quantization")),
-        runtime_image=_opt_str(runtime.get("image")),
+        runtime_image=opt_str(runtime.get("image")),
         startup_timeout_seconds=int(runtime.get("startupTimeoutSeconds", 600)),
         engine=parse_engine(spec.get("engine")),
         resources=Resources(
             gpus=int(resources.get("gpus", 1)),
-            cpu=_opt_str(resources.get("cpu")),
-            memory=_opt_str(resources.get("memory")),
+            cpu=opt_str(resources.get("cpu")),
+            memory=opt_str(resources.get("memory")),
         ),
-        gpu_pool=_opt_str(spec.get("gpuPool")),
+        gpu_pool=opt_str(spec.get("gpuPool")),
         replicas=int(spec.get("replicas", 1)),
         min_replicas=int(spec.get("minReplicas", 1)),
-        max_replicas=_opt_int(spec.get("maxReplicas")),
+        max_replicas=opt_int(spec.get("maxReplicas")),
         api_key_secret=(
             SecretKeyRef(name=str(secret["name"]), key=str(secret.get("key", "api-key")))
             if secret
@@ -482,45 +320,15 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         ),
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
         rollout=parse_rollout(spec.get("rollout")),
+        traffic=parse_traffic(spec),
     )
 
 
 def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:
     spec = dict(obj.get("spec") or {})
     return InferenceService(
-        meta=_meta(obj),
+        meta=parse_meta(obj),
         spec=parse_spec(spec),
         status=dict(obj.get("status") or {}),
         raw_spec=spec,
-    )
-
-
-def parse_selector(raw: Mapping[str, Any] | None) -> LabelSelector | None:
-    if raw is None:
-        return None
-    return LabelSelector(
-        match_labels={str(k): str(v) for k, v in (raw.get("matchLabels") or {}).items()},
-        expressions=tuple(
-            Requirement(
-                str(e["key"]), e["operator"], frozenset(str(v) for v in e.get("values") or ())
-            )
-            for e in raw.get("matchExpressions") or ()
-        ),
-    )
-
-
-def parse_pool(obj: Mapping[str, Any]) -> GPUPool:
-    spec = obj.get("spec") or {}
-    quota = spec.get("quota") or {}
-    return GPUPool(
-        meta=_meta(obj),
-        spec=GPUPoolSpec(
-            node_selector={str(k): str(v) for k, v in (spec.get("nodeSelector") or {}).items()},
-            tolerations=tuple(dict(t) for t in spec.get("tolerations") or ()),
-            resource_name=str(spec.get("resourceName") or DEFAULT_GPU_RESOURCE),
-            product=_opt_str(spec.get("product")),
-            quota_gpus=_opt_int(quota.get("gpus")),
-            namespace_selector=parse_selector(spec.get("namespaceSelector")),
-        ),
-        status=dict(obj.get("status") or {}),
     )

@@ -1,0 +1,41 @@
+"""The API's names: group, kinds, labels, annotations and variants, as every component and the
+CRDs spell them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "ladle.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+ISVC_KIND = "InferenceService"
+ISVC_PLURAL = "inferenceservices"
+POOL_KIND = "GPUPool"
+POOL_PLURAL = "gpupools"
+
+# Labels on every child; the first two are also the Deployment/Service selectors.
+LABEL_ISVC = "ladle.dev/inferenceservice"
+LABEL_VARIANT = "ladle.dev/variant"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "ladle-operator"
+MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
+# On runtime pods: the GPUPool whose quota they count against, so that pods still draining
+# after their InferenceService is gone keep counting.
+LABEL_POOL = "ladle.dev/gpupool"
+# Keeps a GPUPool that InferenceServices still use from being deleted under them.
+POOL_FINALIZER = "ladle.dev/in-use"
+
+# The node label NVIDIA GPU feature discovery sets; GPUPool.spec.product selects on it.
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+
+# The variants of an InferenceService: the revision that serves, and the one on trial.
+STABLE = "stable"
+CANARY = "canary"
+# One-shot rollout commands (promote, abort, retry): the operator acts, then removes it.
+ROLLOUT_ACTION_ANNOTATION = "ladle.dev/rollout-action"
+ROLLOUT_ACTIONS = ("promote", "abort", "retry")
+# "enabled": the runtime pods run with --profile-dir on a bounded emptyDir (docs/pipeline.md).
+PROFILING_ANNOTATION = "ladle.dev/profiling"
+
+JSON = dict[str, Any]
