@@ -28,5 +28,5 @@ class OperatorConfig:
     # so that the pod spec stays readable and the config stays diffable.
     config_map_threshold_bytes: int = 256
     # `ladle serve --env-profile` for every runtime pod (dev, staging, prod), and the probe
-    # timings that go with it (desired.RUNTIME_PROBES); None: neither.
+    # timings that go with it (runtime_pod.RUNTIME_PROBES); None: neither.
     runtime_env_profile: str | None = None

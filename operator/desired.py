@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,61 +31,23 @@ from ladle.api import (
 from ladle.operator.config import OperatorConfig
 from ladle.operator.revisions import with_template
 from ladle.operator.rollout_state import RolloutState, split
-from ladle.quantity import parse_quantity, quantity_to_int
+from ladle.operator.runtime_pod import (
+    API_KEY_FILE,
+    API_KEY_MOUNT,
+    CONFIG_FILE,
+    CONFIG_MOUNT,
+    HTTP_PORT,
+    MODEL_MOUNT,
+    PROFILE_MOUNT,
+    pod_template,
+)
+from ladle.quantity import quantity_to_int
 
-HTTP_PORT = 8000
 SERVICE_PORT = 80
-MODEL_MOUNT = "/models"
-CONFIG_MOUNT = "/etc/ladle/config"
-CONFIG_FILE = "config.yaml"
-API_KEY_MOUNT = "/etc/ladle/auth"
-API_KEY_FILE = "api-key"
-CACHE_DIR = "/var/cache/ladle"
-# The preStop pause lets endpoint removal reach clients before the server starts draining.
-PRESTOP_SLEEP_SECONDS = 5
-# Slack between the end of the drain and SIGKILL, for the process to flush and exit.
-EXIT_SLACK_SECONDS = 10
-# A loaded model waits up to one period for Ready: at 10 s, a pod that loaded in 11 s became
-# Ready at 20, and at 2 s a 4.1 s load still read Ready at 6.3. A probe is one GET of a local
-# endpoint, so the shortest period Kubernetes allows costs nothing.
-STARTUP_PROBE_PERIOD_SECONDS = 1
-RUNTIME_UID = 10001
 CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
 # On the Deployment (not its pods): a digest of the pod template it was last given, so that
 # any leader can tell from the live object whether a rollout of the current spec is due.
 TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
-# ladle.dev/profiling: "enabled": traces go to an emptyDir here, bounded so that a forgotten
-# profile cannot fill the node's disk (past the limit the kubelet evicts the pod).
-PROFILE_MOUNT = "/var/lib/ladle/profiles"
-PROFILE_SIZE_LIMIT = "1Gi"
-
-
-@dataclass(frozen=True)
-class Probe:
-    period: int
-    timeout: int
-    failures: int
-
-
-@dataclass(frozen=True)
-class RuntimeProbes:
-    """The kubelet's side of the runtime's liveness and readiness probes (the startup probe
-    follows spec.runtime.startupTimeoutSeconds)."""
-
-    liveness: Probe
-    readiness: Probe
-
-
-PRODUCTION_PROBES = RuntimeProbes(liveness=Probe(10, 5, 3), readiness=Probe(5, 3, 2))
-# Per operator --runtime-env-profile (None: none set). staging and prod are the defaults;
-# dev gives a process paused in a debugger (which answers no probe) ten minutes, as its
-# `ladle serve --env-profile dev` gives a stalled engine (liveness-timeout 600).
-RUNTIME_PROBES: dict[str | None, RuntimeProbes] = {
-    None: PRODUCTION_PROBES,
-    "dev": RuntimeProbes(liveness=Probe(30, 10, 20), readiness=Probe(5, 3, 2)),
-    "staging": PRODUCTION_PROBES,
-    "prod": PRODUCTION_PROBES,
-}
 
 
 @dataclass(frozen=True)
@@ -303,47 +264,6 @@ class Children:
         return missing
 
 
-def _resources(isvc: InferenceService, gpu_resource: str) -> JSON:
-    res = isvc.spec.resources
-    requests: dict[str, str] = {}
-    limits: dict[str, str] = {}
-    if res.cpu is not None:
-        requests["cpu"] = res.cpu
-    if res.memory is not None:
-        requests["memory"] = res.memory
-        limits["memory"] = res.memory
-    if res.gpus > 0:
-        requests[gpu_resource] = str(res.gpus)
-        limits[gpu_resource] = str(res.gpus)
-    out: JSON = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
-
-
-def _threads(isvc: InferenceService) -> list[JSON]:
-    """As many compute threads as the CPUs the pod is promised. Left alone, torch and the CPU
-    kernels start one per CPU of the node; under contention a thread of a parallel region
-    waits at every barrier for its siblings to be scheduled again, and a pod with a small CPU
-    share steps several times slower than on one thread (5.4x, measured with two busy cores
-    beside a pod-sized cgroup: docs/operator.md)."""
-    cpu = isvc.spec.resources.cpu
-    if cpu is None:
-        return []
-    return [{"name": "OMP_NUM_THREADS", "value": str(max(1, math.floor(parse_quantity(cpu))))}]
-
-
-def _probe(path: str, period: int, timeout: int, failures: int) -> JSON:
-    return {
-        "httpGet": {"path": path, "port": "http", "scheme": "HTTP"},
-        "periodSeconds": period,
-        "timeoutSeconds": timeout,
-        "failureThreshold": failures,
-    }
-
-
 def rollout_strategy(surge: bool, idle: bool = False) -> JSON:
     """Surge when the pool has room for a spare replica: a replica is only retired once its
     successor has loaded the model. Without that room, a surge pod could never be scheduled
@@ -380,7 +300,6 @@ def desired_children(
     owner = [owner_reference(isvc)]
     labels = common_labels(name, variant)
     pod_labels = {**labels, **({LABEL_POOL: spec.gpu_pool} if spec.gpu_pool else {})}
-    gpu_resource = pool.resource_name if pool is not None else config.default_gpu_resource
 
     engine = {**engine_config(isvc), **operator_settings(isvc, config)}
     engine_flags = render_flags(engine)
@@ -391,14 +310,6 @@ def desired_children(
         "prometheus.io/port": str(HTTP_PORT),
         "prometheus.io/path": "/metrics",
     }
-    volumes: list[JSON] = [
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
-    ]
-    mounts: list[JSON] = [
-        {"name": "tmp", "mountPath": "/tmp"},
-        {"name": "cache", "mountPath": CACHE_DIR},
-    ]
     if len(" ".join(engine_flags)) > config.config_map_threshold_bytes:
         rendered = yaml.safe_dump(engine, sort_keys=False, default_flow_style=False)
         config_map = {
@@ -414,89 +325,17 @@ def desired_children(
         }
         # ConfigMap edits do not restart pods by themselves; a changed hash rolls them.
         template_annotations[CONFIG_HASH_ANNOTATION] = _digest(rendered)
-        volumes.append({"name": "config", "configMap": {"name": cm_name}})
-        mounts.append({"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True})
         engine_flags = ["--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"]
-
-    if spec.source.kind == "pvc":
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec.source.claim_name, "readOnly": True},
-            }
-        )
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    if spec.api_key_secret is not None:
-        volumes.append(
-            {
-                "name": "api-key",
-                "secret": {
-                    "secretName": spec.api_key_secret.name,
-                    "items": [{"key": spec.api_key_secret.key, "path": API_KEY_FILE}],
-                },
-            }
-        )
-        mounts.append({"name": "api-key", "mountPath": API_KEY_MOUNT, "readOnly": True})
-    if "profile-dir" in engine:
-        volumes.append({"name": "profiles", "emptyDir": {"sizeLimit": PROFILE_SIZE_LIMIT}})
-        mounts.append({"name": "profiles", "mountPath": PROFILE_MOUNT})
-
-    drain = spec.engine.drain_timeout_seconds
-    probes = RUNTIME_PROBES[config.runtime_env_profile]
-    live, ready = probes.liveness, probes.readiness
-    container: JSON = {
-        "name": "runtime",
-        "image": spec.runtime_image or config.runtime_image,
-        "command": ["ladle", "serve"],
-        "args": ["--host", "0.0.0.0", "--port", str(HTTP_PORT), *engine_flags],
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-        "env": [{"name": "XDG_CACHE_HOME", "value": CACHE_DIR}, *_threads(isvc)],
-        "resources": _resources(isvc, gpu_resource),
-        "volumeMounts": mounts,
-        # Startup covers model load; liveness only takes over once the model is ready.
-        "startupProbe": _probe(
-            "/health/ready",
-            STARTUP_PROBE_PERIOD_SECONDS,
-            5,
-            max(1, math.ceil(spec.startup_timeout_seconds / STARTUP_PROBE_PERIOD_SECONDS)),
-        ),
-        "livenessProbe": _probe("/health/live", live.period, live.timeout, live.failures),
-        "readinessProbe": _probe("/health/ready", ready.period, ready.timeout, ready.failures),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-    }
-    pod_spec: JSON = {
-        "containers": [container],
-        "volumes": volumes,
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + drain + EXIT_SLACK_SECONDS,
-        # The runtime never calls the API server, and hundreds of Services would otherwise
-        # become hundreds of environment variables in every pod.
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUNTIME_UID,
-            "runAsGroup": RUNTIME_UID,
-            "fsGroup": RUNTIME_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-    }
-    if pool is not None:
-        selector = pool.scheduling_selector()
-        if selector:
-            pod_spec["nodeSelector"] = selector
-        if pool.tolerations:
-            pod_spec["tolerations"] = [dict(t) for t in pool.tolerations]
-
-    template: JSON = {
-        "metadata": {"labels": pod_labels, "annotations": template_annotations},
-        "spec": pod_spec,
-    }
+    template = pod_template(
+        isvc,
+        pool,
+        config,
+        labels=pod_labels,
+        annotations=template_annotations,
+        args=engine_flags,
+        config_map=None if config_map is None else cm_name,
+        profiles="profile-dir" in engine,
+    )
     deployment: JSON = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

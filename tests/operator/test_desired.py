@@ -373,7 +373,7 @@ def probe_timings(ctr: dict[str, Any], name: str) -> tuple[int, int, int]:
 
 def test_the_operators_env_profile_names_are_ladle_serves() -> None:
     from ladle.operator.cli import RUNTIME_ENV_PROFILES
-    from ladle.operator.desired import RUNTIME_PROBES
+    from ladle.operator.runtime_pod import RUNTIME_PROBES
     from ladle.runtime.server.profiles import ENV_PROFILES
 
     assert tuple(ENV_PROFILES) == RUNTIME_ENV_PROFILES

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from ladle.operator.desired import RUNTIME_UID
+from ladle.operator.runtime_pod import RUNTIME_UID
 from ladle_dev.cluster import build
 
 ROOT = Path(__file__).resolve().parents[2]
