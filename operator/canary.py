@@ -39,7 +39,7 @@ from ladle.operator.analysis import (
     sum_pods,
 )
 from ladle.operator.revisions import weights_of
-from ladle.operator.rollout import Decision
+from ladle.operator.rollout_machine import Decision
 from ladle.operator.rollout_state import GateOutcome, QualityVerdict, RolloutState
 from ladle.operator.store import PodInfo, Store
 

@@ -47,7 +47,8 @@ from ladle.operator.events import EventRecorder, ObjectRef
 from ladle.operator.pod_problems import PodProblem, start_failure, startup_look
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
-from ladle.operator.rollout import Decision, Observation, decide
+from ladle.operator.rollout import decide
+from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import RolloutState, from_status, split
 from ladle.operator.status import (
     ISVC_CONDITIONS,

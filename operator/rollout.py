@@ -31,78 +31,23 @@ Everything here is a function of its inputs: time comes in as ``Observation.now`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import replace
 
-from ladle.api import JSON, RolloutSpec
+from ladle.api import RolloutSpec
+from ladle.operator.rollout_endings import finish, rollback, start_promotion
+from ladle.operator.rollout_machine import Decision, Machine, Observation
 from ladle.operator.rollout_state import (
     QUALITY,
     Analysis,
     GateOutcome,
-    Phase,
     QualityVerdict,
     RolloutState,
     canary_replicas,
     target_weight,
 )
 
-# After weights move back to stable, how long gateways get to see them before canary pods go.
-SETTLE_SECONDS = 3.0
 # A quality check that could not run (no ready pod, an unreachable server) is tried again after.
 QUALITY_RETRY_SECONDS = 5.0
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What one reconcile sees; the I/O layer measures it, this module only decides."""
-
-    now: float
-    revision: str
-    template: JSON
-    rollout: RolloutSpec | None
-    # The replicas the service asks for in all (spec or autoscaler): stable runs this many.
-    total: int
-    # Canary pods of the canary's revision that are available, and how many the pool grants.
-    canary_ready: int = 0
-    canary_granted: int = 0
-    # The canary replicas the pool was asked for (the grant answers that question, not
-    # necessarily the one a new step asks).
-    canary_asked: int = 0
-    # The stable Deployment runs the template it was last given, with ``total`` available.
-    stable_complete: bool = False
-    action: str | None = None
-    # A quality check that finished since the last reconcile.
-    quality: QualityVerdict | None = None
-    # The SLO verdict of the interval that just ended (None: no interval ended).
-    slo: tuple[GateOutcome, ...] | None = None
-    # This leader holds no metrics baseline for the interval under way (a failover).
-    baseline_missing: bool = False
-    # Why the pool grants the canary fewer replicas than it wants, in the pool's words.
-    quota_note: str | None = None
-
-
-@dataclass(frozen=True)
-class Event:
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Decision:
-    state: RolloutState
-    events: tuple[Event, ...] = ()
-    # A quality check is wanted now (start one unless it runs already).
-    run_quality: bool = False
-    # An analysis interval starts now: take the metrics baseline.
-    new_interval: bool = False
-    # Reconcile again after this many seconds (None: only on events).
-    wake_in: float | None = None
-    # (gate, result) of every analysis counted, and the gate of a rollback, for metrics.
-    analysed: tuple[tuple[str, str], ...] = ()
-    rolled_back: str | None = None
-    # The observed action (an annotation) was acted on; otherwise it had nothing to act on.
-    action_used: bool = False
 
 
 def quality_at(step: int, spec: RolloutSpec) -> bool:
@@ -123,52 +68,16 @@ def _percent(steps: Sequence[int]) -> str:
     return ", ".join(f"{w}%" for w in steps)
 
 
-class _Machine:
-    """One decision's working state: the state so far, Events, measurements wanted."""
-
-    def __init__(self, state: RolloutState, obs: Observation) -> None:
-        self.state = state
-        self.obs = obs
-        self.events: list[Event] = []
-        self.run_quality = False
-        self.new_interval = False
-        self.wake: list[float] = []
-        self.analysed: list[tuple[str, str]] = []
-        self.rolled_back: str | None = None
-        self.action_used = False
-
-    def set(self, **changes: Any) -> None:
-        self.state = replace(self.state, **changes)
-
-    def emit(self, type_: Literal["Normal", "Warning"], reason: str, message: str) -> None:
-        self.events.append(Event(type_, reason, message))
-
-    def wake_at(self, when: float) -> None:
-        self.wake.append(max(when - self.obs.now, 0.05))
-
-    def decision(self) -> Decision:
-        return Decision(
-            self.state,
-            tuple(self.events),
-            self.run_quality,
-            self.new_interval,
-            min(self.wake) if self.wake else None,
-            tuple(self.analysed),
-            self.rolled_back,
-            self.action_used,
-        )
-
-
 def decide(state: RolloutState, obs: Observation) -> Decision:
     """The next rollout state, given the last one and what was just observed."""
-    m = _Machine(state, obs)
+    m = Machine(state, obs)
     spec = obs.rollout
     if m.state.stable_revision is None or m.state.stable_template is None:
         # A new service (or one from before rollouts): what it runs now is stable.
         m.set(stable_revision=obs.revision, stable_template=obs.template)
         return m.decision()
     if m.state.active and m.state.stage in ("Promoting", "Finalizing"):
-        _finish(m)
+        finish(m)
         return m.decision()
     if obs.action == "retry" and m.state.failed_revision is not None and not m.state.active:
         m.emit("Normal", "RolloutRetried", f"Retrying revision {m.state.failed_revision}")
@@ -182,12 +91,12 @@ def decide(state: RolloutState, obs: Observation) -> Decision:
         return m.decision()
     if spec is None:
         # spec.rollout removed mid-rollout: the new revision applies directly.
-        _rollback(m, "RolloutRemoved", "spec.rollout was removed", "Idle", gate=None)
+        rollback(m, "RolloutRemoved", "spec.rollout was removed", "Idle", gate=None)
         m.set(stable_revision=obs.revision, stable_template=obs.template, failed_revision=None)
         return m.decision()
     if obs.action == "abort":
         m.action_used = True
-        _rollback(m, "Aborted", "aborted by ladle.dev/rollout-action=abort", "RolledBack", "abort")
+        rollback(m, "Aborted", "aborted by ladle.dev/rollout-action=abort", "RolledBack", "abort")
         return m.decision()
     if obs.action == "promote" and not m.state.approved:
         m.action_used = True
@@ -202,11 +111,11 @@ def decide(state: RolloutState, obs: Observation) -> Decision:
     return m.decision()
 
 
-def _running(m: _Machine) -> bool:
+def _running(m: Machine) -> bool:
     return m.state.active
 
 
-def _idle(m: _Machine, spec: RolloutSpec | None) -> None:
+def _idle(m: Machine, spec: RolloutSpec | None) -> None:
     """No canary runs: a new revision either applies directly or starts one."""
     state, obs = m.state, m.obs
     if obs.revision == state.stable_revision:
@@ -229,7 +138,7 @@ def _idle(m: _Machine, spec: RolloutSpec | None) -> None:
     _start(m, spec)
 
 
-def _start(m: _Machine, spec: RolloutSpec) -> None:
+def _start(m: Machine, spec: RolloutSpec) -> None:
     obs = m.obs
     m.set(
         phase="Progressing",
@@ -258,11 +167,11 @@ def _start(m: _Machine, spec: RolloutSpec) -> None:
     )
 
 
-def _spec_moved(m: _Machine, spec: RolloutSpec | None) -> None:
+def _spec_moved(m: Machine, spec: RolloutSpec | None) -> None:
     """The spec changed mid-rollout: back to stable, or a new canary from the start."""
     obs = m.obs
     if obs.revision == m.state.stable_revision:
-        _rollback(
+        rollback(
             m,
             "RolloutCancelled",
             f"the spec returned to stable revision {obs.revision}",
@@ -282,7 +191,7 @@ def _spec_moved(m: _Machine, spec: RolloutSpec | None) -> None:
     _start(m, spec)
 
 
-def _pause(m: _Machine) -> None:
+def _pause(m: Machine) -> None:
     # A check that was running when the pause began may finish during it: its verdict is kept
     # and acted on when the rollout resumes.
     _record_quality(m)
@@ -296,7 +205,7 @@ def _pause(m: _Machine) -> None:
     )
 
 
-def _resume(m: _Machine) -> None:
+def _resume(m: Machine) -> None:
     """Paused time does not count against the progress deadline; an interval under way starts
     again (the traffic it saw while paused is not the step's to judge)."""
     state, now = m.state, m.obs.now
@@ -317,7 +226,7 @@ def _resume(m: _Machine) -> None:
     m.emit("Normal", "RolloutResumed", f"Resumed at step {state.step} ({state.weight}%)")
 
 
-def _deadline_passed(m: _Machine, spec: RolloutSpec, what: str) -> bool:
+def _deadline_passed(m: Machine, spec: RolloutSpec, what: str) -> bool:
     started = m.state.step_started
     if started is None:
         m.set(step_started=m.obs.now)
@@ -326,7 +235,7 @@ def _deadline_passed(m: _Machine, spec: RolloutSpec, what: str) -> bool:
     if m.obs.now < deadline:
         m.wake_at(deadline)
         return False
-    _rollback(
+    rollback(
         m,
         "ProgressDeadlineExceeded",
         f"step {m.state.step} made no progress in {spec.progress_deadline_seconds}s: {what}",
@@ -336,7 +245,7 @@ def _deadline_passed(m: _Machine, spec: RolloutSpec, what: str) -> bool:
     return True
 
 
-def _progress(m: _Machine, spec: RolloutSpec) -> None:
+def _progress(m: Machine, spec: RolloutSpec) -> None:
     stage = m.state.stage
     if stage == "Scaling":
         _scaling(m, spec)
@@ -348,7 +257,7 @@ def _progress(m: _Machine, spec: RolloutSpec) -> None:
         _awaiting(m)
 
 
-def _scaling(m: _Machine, spec: RolloutSpec) -> None:
+def _scaling(m: Machine, spec: RolloutSpec) -> None:
     state, obs = m.state, m.obs
     want = canary_replicas(obs.total, target_weight(state, spec.steps))
     entering = state.step + 1
@@ -379,7 +288,7 @@ def _scaling(m: _Machine, spec: RolloutSpec) -> None:
     _deadline_passed(m, spec, held)
 
 
-def _enter_step(m: _Machine, spec: RolloutSpec, step: int) -> None:
+def _enter_step(m: Machine, spec: RolloutSpec, step: int) -> None:
     weight = spec.steps[step - 1]
     m.set(
         stage="Analysing",
@@ -403,7 +312,7 @@ def _enter_step(m: _Machine, spec: RolloutSpec, step: int) -> None:
         m.run_quality = True
 
 
-def _record_quality(m: _Machine) -> None:
+def _record_quality(m: Machine) -> None:
     """Keep a quality verdict for this step that just arrived (a check finishes once: one
     that is not recorded now is lost, and would have to run again)."""
     state, obs = m.state, m.obs
@@ -422,7 +331,7 @@ def _record_quality(m: _Machine) -> None:
             m.emit("Normal", "QualityGateInconclusive", verdict_.message)
 
 
-def _quality_pending(m: _Machine, spec: RolloutSpec) -> QualityVerdict | None:
+def _quality_pending(m: Machine, spec: RolloutSpec) -> QualityVerdict | None:
     """This step's quality verdict (recorded, or just arrived); asks for a run if none."""
     state, obs = m.state, m.obs
     _record_quality(m)
@@ -441,10 +350,10 @@ def _quality_pending(m: _Machine, spec: RolloutSpec) -> QualityVerdict | None:
     return None
 
 
-def _quality_check(m: _Machine, spec: RolloutSpec) -> None:
+def _quality_check(m: Machine, spec: RolloutSpec) -> None:
     found = _quality_pending(m, spec)
     if found is not None and found.result == "Fail":
-        _rollback(m, "QualityGateFailed", found.message, "RolledBack", QUALITY)
+        rollback(m, "QualityGateFailed", found.message, "RolledBack", QUALITY)
         return
     if found is not None and found.result == "Pass":
         _enter_step(m, spec, 1)
@@ -454,13 +363,13 @@ def _quality_check(m: _Machine, spec: RolloutSpec) -> None:
     _deadline_passed(m, spec, f"the quality gate did not conclude ({detail})")
 
 
-def _analysing(m: _Machine, spec: RolloutSpec) -> None:
+def _analysing(m: Machine, spec: RolloutSpec) -> None:
     state, obs = m.state, m.obs
     quality: QualityVerdict | None = None
     if quality_at(state.step, spec):
         quality = _quality_pending(m, spec)
         if quality is not None and quality.result == "Fail":
-            _rollback(m, "QualityGateFailed", quality.message, "RolledBack", QUALITY)
+            rollback(m, "QualityGateFailed", quality.message, "RolledBack", QUALITY)
             return
     slo = obs.slo
     last = state.analysis
@@ -517,7 +426,7 @@ def _analysing(m: _Machine, spec: RolloutSpec) -> None:
                 "kubectl annotate lisvc NAME ladle.dev/rollout-action=promote",
             )
         else:
-            _start_promotion(m)
+            start_promotion(m)
         return
     if result == "Fail":
         failures = state.failures + 1
@@ -531,7 +440,7 @@ def _analysing(m: _Machine, spec: RolloutSpec) -> None:
         if failures >= spec.failure_limit:
             gate = failed[0]
             reason = "QualityGateFailed" if gate.gate == QUALITY else "SLOGateFailed"
-            _rollback(m, reason, "; ".join(g.message for g in failed), "RolledBack", gate.gate)
+            rollback(m, reason, "; ".join(g.message for g in failed), "RolledBack", gate.gate)
             return
         m.set(message=f"{where}: analysis failed ({failures}/{spec.failure_limit}); again")
     else:
@@ -541,109 +450,8 @@ def _analysing(m: _Machine, spec: RolloutSpec) -> None:
     _deadline_passed(m, spec, f"the last analysis was {result.lower()}: {summary}")
 
 
-def _awaiting(m: _Machine) -> None:
+def _awaiting(m: Machine) -> None:
     if m.state.approved:
-        _start_promotion(m)
+        start_promotion(m)
         return
     m.set(phase="Paused")
-
-
-def _start_promotion(m: _Machine) -> None:
-    m.set(
-        stage="Promoting",
-        phase="Progressing",
-        step_started=m.obs.now,
-        message="promoting: the canary takes all traffic while stable moves to its revision",
-    )
-    m.emit(
-        "Normal",
-        "Promoting",
-        f"Every step passed: promoting revision {m.state.canary_revision}",
-    )
-    _finish(m)
-
-
-def _finish(m: _Machine) -> None:
-    """Promoting and Finalizing, which no spec change, pause or abort interrupts: stable is
-    already moving to the canary's revision, or traffic is already back on stable."""
-    state, obs = m.state, m.obs
-    if state.stage == "Finalizing":
-        assert state.settle_until is not None
-        if obs.now < state.settle_until:
-            m.wake_at(state.settle_until)
-            return
-        m.set(
-            phase=state.outcome,
-            stage=None,
-            canary_revision=None,
-            canary_template=None,
-            weight=0,
-            step_started=None,
-            interval_started=None,
-            paused_at=None,
-            settle_until=None,
-            approved=False,
-        )
-        return
-    if state.stable_revision != state.canary_revision:
-        if obs.canary_ready < obs.total:
-            held = obs.quota_note if obs.canary_granted < obs.total else None
-            m.set(
-                message=f"promoting: canary {obs.canary_ready}/{obs.total} replicas available"
-                + (f" ({held})" if held else "")
-            )
-            return
-        # The canary serves everything at full size: it becomes the stable revision.
-        m.set(
-            weight=100,
-            stable_revision=state.canary_revision,
-            stable_template=state.canary_template,
-            message="promoting: the canary takes all traffic; stable moves to its revision",
-        )
-        return
-    if not obs.stable_complete:
-        m.set(message="promoting: waiting for the stable replicas on the new revision")
-        return
-    m.set(
-        stage="Finalizing",
-        weight=0,
-        outcome="Promoted",
-        reason=None,
-        settle_until=obs.now + SETTLE_SECONDS,
-        message=f"promoted revision {state.canary_revision}",
-    )
-    m.wake_at(obs.now + SETTLE_SECONDS)
-    m.emit(
-        "Normal",
-        "Promoted",
-        f"Revision {state.canary_revision} is stable and serves all traffic; removing the canary",
-    )
-
-
-def _rollback(m: _Machine, reason: str, detail: str, outcome: Phase, gate: str | None) -> None:
-    """Traffic back to stable at once; the canary goes after the settle. Stable is untouched."""
-    state, now = m.state, m.obs.now
-    failed = outcome in ("RolledBack", "Failed")
-    message = f"{reason}: {detail}"
-    m.set(
-        stage="Finalizing",
-        weight=0,
-        outcome=outcome,
-        reason=reason if failed else None,
-        failed_revision=state.canary_revision if failed else None,
-        settle_until=now + SETTLE_SECONDS,
-        paused_at=None,
-        phase=outcome if failed else "Progressing",
-        message=message if failed else detail,
-    )
-    m.wake_at(now + SETTLE_SECONDS)
-    if failed:
-        m.rolled_back = gate
-        event = "RolloutFailed" if outcome == "Failed" else "RolledBack"
-        m.emit(
-            "Warning",
-            event,
-            f"{message}; traffic is back on stable revision {state.stable_revision}",
-        )
-    else:
-        m.emit("Normal", reason, f"{detail}; removing the canary")

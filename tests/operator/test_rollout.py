@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from ladle.api import QualityGateSpec, RolloutSpec
 from ladle.operator.analysis import QualityNumbers, quality_outcome
-from ladle.operator.rollout import Decision, Observation, decide
+from ladle.operator.rollout import decide
+from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import (
     GateOutcome,
     QualityVerdict,
