@@ -36,7 +36,8 @@ from ladle.runtime.output_processor import OutputProcessor
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.quantization.apply import quantize_at_load
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
-from ladle.runtime.scheduler import Scheduler, SchedulerOutput
+from ladle.runtime.scheduler import Scheduler
+from ladle.runtime.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

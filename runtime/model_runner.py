@@ -12,7 +12,7 @@ from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
-from ladle.runtime.scheduler import ScheduledSequence, SchedulerOutput
+from ladle.runtime.scheduler_output import ScheduledSequence, SchedulerOutput
 from ladle.runtime.sequence import Sequence
 
 

@@ -25,7 +25,7 @@ from ladle.runtime.outputs import (
 )
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import RequestOutputKind
-from ladle.runtime.scheduler import RequestUpdate, SequenceUpdate
+from ladle.runtime.scheduler_output import RequestUpdate, SequenceUpdate
 
 log = logging.getLogger(__name__)
 

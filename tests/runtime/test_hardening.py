@@ -227,7 +227,7 @@ def test_no_progress_is_measured_while_work_waits(
     no progress, and the clock runs only while requests are open."""
     engine = llm.engine
     assert engine.seconds_without_progress() == 0.0
-    from ladle.runtime.scheduler import SchedulerOutput
+    from ladle.runtime.scheduler_output import SchedulerOutput
 
     monkeypatch.setattr(engine.scheduler, "schedule", SchedulerOutput)
     engine.add_request("stuck", [5, 6, 7], GREEDY)

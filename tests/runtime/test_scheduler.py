@@ -9,7 +9,8 @@ from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.model_runner import ModelRunnerOutput
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import SamplingParams
-from ladle.runtime.scheduler import Scheduler, SchedulerOutput
+from ladle.runtime.scheduler import Scheduler
+from ladle.runtime.scheduler_output import SchedulerOutput
 from ladle.runtime.sequence import Sequence
 
 _ids = itertools.count()

@@ -36,7 +36,8 @@ from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.model_runner import ModelRunnerOutput
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
-from ladle.runtime.scheduler import Scheduler, SchedulerOutput
+from ladle.runtime.scheduler import Scheduler
+from ladle.runtime.scheduler_output import SchedulerOutput
 
 from .conftest import assert_no_blocks_leaked
 

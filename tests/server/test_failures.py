@@ -17,7 +17,7 @@ import pytest
 
 from ladle.runtime import EngineArgs
 from ladle.runtime.engine import LLMEngine
-from ladle.runtime.scheduler import SchedulerOutput
+from ladle.runtime.scheduler_output import SchedulerOutput
 from ladle.runtime.sequence import Sequence
 
 from .conftest import serve_in_thread
