@@ -23,6 +23,7 @@ import aiohttp
 
 from ladle.api import API_VERSION, ISVC_KIND, JSON, InferenceService, rfc3339
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
+from ladle.operator.conditions import SCALING_ACTIVE, SCALING_LIMITED, Condition, merge_conditions
 from ladle.operator.events import EventRecorder, ObjectRef
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
@@ -34,7 +35,6 @@ from ladle.operator.scaling import (
     resumed,
 )
 from ladle.operator.scrape import Target, gateway_metrics, scrape_gateways, scrape_pods
-from ladle.operator.status import SCALING_ACTIVE, SCALING_LIMITED, Condition, merge_conditions
 from ladle.operator.store import PodInfo, Store
 from ladle.operator.telemetry import Metrics
 from ladle.words import plural

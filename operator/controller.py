@@ -39,11 +39,11 @@ from ladle.kube import REQUEST_ERRORS, ApiError, Fenced, KubeClient
 from ladle.logs import object_id
 from ladle.operator.applier import ChildApplier
 from ladle.operator.autoscaler import Autoscaler
+from ladle.operator.conditions import ISVC_CONDITIONS, ISVC_STATUS_FIELDS
 from ladle.operator.config import OperatorConfig
 from ladle.operator.events import EventRecorder
 from ladle.operator.inference import InferenceServiceReconciler
 from ladle.operator.pools import PoolReconciler
-from ladle.operator.status import ISVC_CONDITIONS, ISVC_STATUS_FIELDS
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import (
     NodeInfo,

@@ -31,6 +31,7 @@ from ladle.api import (
 from ladle.kube import ApiError, KubeClient, resource_path
 from ladle.operator.applier import ChildApplier, ChildConflict, Owner, SyncResult, child_key
 from ladle.operator.canary import CanaryAnalysis, Measured
+from ladle.operator.conditions import ISVC_CONDITIONS, ISVC_STATUS_FIELDS
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
     Variant,
@@ -50,14 +51,7 @@ from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import decide
 from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import RolloutState, from_status, split
-from ladle.operator.status import (
-    ISVC_CONDITIONS,
-    ISVC_STATUS_FIELDS,
-    Problem,
-    VariantObservation,
-    derive_isvc_status,
-    read_rollout,
-)
+from ladle.operator.status import Problem, VariantObservation, derive_isvc_status, read_rollout
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store
 from ladle.operator.telemetry import Metrics

@@ -24,16 +24,12 @@ from ladle.api import (
     rfc3339,
 )
 from ladle.kube import KubeClient
+from ladle.operator.conditions import POOL_CONDITIONS, POOL_STATUS_FIELDS
 from ladle.operator.config import OperatorConfig
 from ladle.operator.events import ObjectRef
+from ladle.operator.pool_status import PoolFacts, derive_pool_status
 from ladle.operator.quota import Claim, PoolPlan, plan_pool
-from ladle.operator.status import (
-    POOL_CONDITIONS,
-    POOL_STATUS_FIELDS,
-    PoolFacts,
-    Problem,
-    derive_pool_status,
-)
+from ladle.operator.status import Problem
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import NodeInfo, PodInfo, Store, node_matches
 from ladle.operator.telemetry import Metrics

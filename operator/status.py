@@ -1,4 +1,4 @@
-"""Observations → status: pure derivation of InferenceService and GPUPool status.
+"""Observations → InferenceService status, derived purely (the GPUPool's: ``pool_status``).
 
 Conditions follow metav1.Condition. The five InferenceService conditions and what they promise
 (docs/operator.md has the table):
@@ -27,57 +27,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ladle.api import JSON, GPUPool, InferenceService
+from ladle.api import JSON, InferenceService
+from ladle.operator.conditions import (
+    DEGRADED,
+    PROGRESSING,
+    READY,
+    RECONCILING,
+    STALLED,
+    Condition,
+    merge_conditions,
+)
 from ladle.operator.pod_problems import (
     PodProblem,
     needs_someone,
     short_of_gpus,
 )
-from ladle.operator.quota import PoolPlan
 from ladle.operator.rollout_state import RolloutState, to_status
-from ladle.operator.store import NodeInfo, node_matches
 from ladle.words import plural
-
-READY = "Ready"
-PROGRESSING = "Progressing"
-RECONCILING = "Reconciling"
-STALLED = "Stalled"
-DEGRADED = "Degraded"
-ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED)
-# Written by the autoscaler under its own field manager, as an HPA reports them.
-SCALING_ACTIVE = "ScalingActive"
-SCALING_LIMITED = "ScalingLimited"
-POOL_CONDITIONS = (READY, DEGRADED)
-# The status fields the operator writes; other field managers (the gateway) own the rest.
-ISVC_STATUS_FIELDS = (
-    "observedGeneration",
-    "replicas",
-    "readyReplicas",
-    "availableReplicas",
-    "updatedReplicas",
-    "selector",
-    "url",
-    "variants",
-    "rollout",
-)
-POOL_STATUS_FIELDS = (
-    "observedGeneration",
-    "nodes",
-    "capacity",
-    "allocatable",
-    "held",
-    "claimed",
-    "requested",
-    "inferenceServices",
-)
-
-
-@dataclass(frozen=True)
-class Condition:
-    type: str
-    status: bool
-    reason: str
-    message: str = ""
 
 
 def _scaled_to_zero(isvc: InferenceService) -> str:
@@ -92,41 +58,6 @@ def _scaled_to_zero(isvc: InferenceService) -> str:
         "spec.timeouts.scaleFromZeroSeconds for a ready replica, then answers 503 no_ready_pods; "
         "raise spec.replicas to serve"
     )
-
-
-def merge_conditions(
-    previous: Sequence[Mapping[str, Any]],
-    current: Sequence[Condition],
-    generation: int,
-    now: str,
-) -> list[JSON]:
-    """Render conditions, keeping lastTransitionTime while a condition's status holds."""
-    before = {c.get("type"): c for c in previous}
-    out: list[JSON] = []
-    for cond in current:
-        status = "True" if cond.status else "False"
-        old = before.get(cond.type)
-        since = old.get("lastTransitionTime") if old and old.get("status") == status else None
-        out.append(
-            {
-                "type": cond.type,
-                "status": status,
-                "reason": cond.reason,
-                "message": cond.message,
-                "lastTransitionTime": since or now,
-                "observedGeneration": generation,
-            }
-        )
-    return out
-
-
-def owned_status(status: Mapping[str, Any], fields: Sequence[str], types: Sequence[str]) -> JSON:
-    """The part of a status that the operator writes, to compare with what it would write."""
-    out: JSON = {key: status[key] for key in fields if key in status}
-    conditions = [c for c in status.get("conditions") or () if c.get("type") in types]
-    if conditions:
-        out["conditions"] = conditions
-    return out
 
 
 @dataclass(frozen=True)
@@ -425,109 +356,3 @@ def derive_isvc_status(
     if rollout is not None:
         status["rollout"] = to_status(rollout)
     return status
-
-
-@dataclass(frozen=True)
-class PoolFacts:
-    """What a GPUPool's status reports besides its nodes and its plan."""
-
-    services: int
-    # Other pools whose nodes overlap this one's: name → shared node count.
-    overlaps: Mapping[str, int] = field(default_factory=dict)
-    # InferenceServices (namespace/name) that keep a deleted pool alive.
-    blocking_deletion: tuple[str, ...] = ()
-
-
-def derive_pool_status(
-    pool: GPUPool,
-    nodes: Sequence[NodeInfo],
-    plan: PoolPlan[Any],
-    facts: PoolFacts,
-    now: str,
-    previous: Mapping[str, Any] | None = None,
-) -> JSON:
-    resource = pool.spec.resource_name
-    matching = [n for n in nodes if node_matches(pool.spec, n)]
-    schedulable = [n for n in matching if n.ready and not n.unschedulable]
-    capacity = sum(n.gpus(resource) for n in matching)
-    allocatable = sum(n.gpus(resource, allocatable=True) for n in schedulable)
-
-    if allocatable > 0:
-        ready = Condition(
-            READY,
-            True,
-            "NodesAvailable",
-            f"{plural(len(schedulable), 'schedulable node offers', 'schedulable nodes offer')} "
-            f"{allocatable} {resource}",
-        )
-    elif matching:
-        ready = Condition(
-            READY,
-            False,
-            "NoSchedulableNodes",
-            f"{plural(len(matching), 'node')} "
-            f"{'matches' if len(matching) == 1 else 'match'} but none is ready and schedulable",
-        )
-    else:
-        ready = Condition(READY, False, "NoMatchingNodes", f"no node matches and offers {resource}")
-
-    problems: list[tuple[str, str]] = []
-    if facts.blocking_deletion:
-        problems.append(
-            (
-                "DeletionBlocked",
-                f"deletion waits for {plural(len(facts.blocking_deletion), 'InferenceService')} "
-                f"that still use this pool: {', '.join(facts.blocking_deletion[:10])}",
-            )
-        )
-    if plan.requested_gpus > plan.claimed_gpus:
-        withheld = plan.requested_gpus - plan.claimed_gpus
-        problems.append(
-            (
-                "QuotaExceeded",
-                f"InferenceServices request {plural(plan.requested_gpus, 'GPU')} but the quota "
-                f"is {plan.quota_gpus}; {plural(withheld, 'GPU is', 'GPUs are')} withheld",
-            )
-        )
-    if plan.claimed_gpus > allocatable:
-        problems.append(
-            (
-                "OverCommitted",
-                f"{plural(plan.claimed_gpus, 'GPU is', 'GPUs are')} claimed but only "
-                f"{plural(allocatable, 'is', 'are')} allocatable",
-            )
-        )
-    if facts.overlaps:
-        shared = ", ".join(
-            f"{plural(count, 'node')} with GPUPool {name}"
-            for name, count in sorted(facts.overlaps.items())
-        )
-        problems.append(
-            (
-                "OverlappingPools",
-                f"shares {shared}: their GPUs are counted in each pool, and the quotas do not "
-                "add up",
-            )
-        )
-    degraded = (
-        Condition(DEGRADED, True, problems[0][0], "; ".join(m for _, m in problems))
-        if problems
-        else Condition(DEGRADED, False, "AsExpected")
-    )
-    generation = pool.meta.generation
-    return {
-        "observedGeneration": generation,
-        "nodes": len(matching),
-        "capacity": capacity,
-        "allocatable": allocatable,
-        "held": plan.held_gpus,
-        "claimed": plan.claimed_gpus,
-        "requested": plan.requested_gpus,
-        "inferenceServices": facts.services,
-        "conditions": merge_conditions(
-            (pool.status if previous is None else previous).get("conditions") or (),
-            [ready, degraded],
-            generation,
-            now,
-        ),
-    }

@@ -14,8 +14,8 @@ from typing import Any
 
 from ladle.api import JSON
 from ladle.kube import ApiError, KubeClient
+from ladle.operator.conditions import DEGRADED, PROGRESSING, READY, owned_status
 from ladle.operator.events import EventRecorder, ObjectRef
-from ladle.operator.status import DEGRADED, PROGRESSING, READY, owned_status
 
 
 class StatusWriter:

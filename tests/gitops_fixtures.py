@@ -36,17 +36,12 @@ from ladle.gateway.status import conflict_condition
 from ladle.operator.autoscaler import autoscaling_status
 from ladle.operator.desired import label_selector
 from ladle.operator.pod_problems import PodProblem
+from ladle.operator.pool_status import PoolFacts, derive_pool_status
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout_state import RolloutState
 from ladle.operator.scaling import Decision
-from ladle.operator.status import (
-    PoolFacts,
-    Problem,
-    VariantObservation,
-    derive_isvc_status,
-    derive_pool_status,
-)
+from ladle.operator.status import Problem, VariantObservation, derive_isvc_status
 from ladle.operator.store import NodeInfo
 
 ROOT = Path(__file__).resolve().parents[1]

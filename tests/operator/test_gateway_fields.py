@@ -7,7 +7,7 @@ import pytest
 import yaml
 from kube_harness import Kube, OperatorProcess, wait_until
 
-from ladle.operator.status import ISVC_CONDITIONS, ISVC_STATUS_FIELDS, owned_status
+from ladle.operator.conditions import ISVC_CONDITIONS, ISVC_STATUS_FIELDS, owned_status
 
 
 def test_the_operator_compares_its_status_without_the_gateways_fields() -> None:

@@ -14,16 +14,10 @@ from ladle.operator.pod_problems import (
     start_failure,
     startup_look,
 )
+from ladle.operator.pool_status import PoolFacts, derive_pool_status
 from ladle.operator.quota import Claim, plan_pool
 from ladle.operator.rollout_state import RolloutState
-from ladle.operator.status import (
-    PoolFacts,
-    Problem,
-    VariantObservation,
-    derive_isvc_status,
-    derive_pool_status,
-    read_rollout,
-)
+from ladle.operator.status import Problem, VariantObservation, derive_isvc_status, read_rollout
 from ladle.operator.store import NodeInfo, PodInfo
 
 Builder = Any
