@@ -179,7 +179,7 @@ def add_parsers(sub: SubParsers) -> None:
     )
     throughput.set_defaults(func=_bench_throughput)
 
-    from ladle.runtime.bench.serve import add_cli_args as add_bench_serve_args
+    from ladle.runtime.bench.serve_args import add_cli_args as add_bench_serve_args
 
     bench_serve = bench.add_parser(
         "serve", help="online load against any OpenAI-compatible server, like vllm bench serve"

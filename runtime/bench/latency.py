@@ -214,7 +214,7 @@ def _bench_namespace(
 ) -> argparse.Namespace:
     """The options ``ladle bench serve`` would resolve for one run (its ``LADLE_BENCH_SERVE_*``
     variables aside: this command sets every value it relies on)."""
-    from ladle.runtime.bench.serve import add_cli_args as add_serve_args
+    from ladle.runtime.bench.serve_args import add_cli_args as add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -13,7 +13,8 @@ import pytest
 from ladle import settings
 from ladle.cli import build_parser
 from ladle.runtime.bench import throughput
-from ladle.runtime.bench.serve import RequestResult, parse_slos, summarize
+from ladle.runtime.bench.serve import RequestResult, summarize
+from ladle.runtime.bench.serve_args import parse_slos
 from ladle.runtime.bench.workloads import WORKLOADS
 from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.sampling_params import RequestOutputKind
