@@ -13,71 +13,27 @@ the operator, gateway or runtime imports it.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.builders import prometheus, stat, statetimeline, table, timeseries
+from grafana_foundation_sdk.builders import stat, statetimeline, table
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from ladle.monitoring.panels import (
+    DATASOURCE,
+    GW,
+    ISVC,
+    POOL,
+    WIDTH,
+    percentiles,
+    query,
+    row,
+    series,
+    targets,
+)
+
 UID = "ladle-overview"
-DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
-# Runtime and operator series, and gateway series (which name the InferenceService `service`).
-ISVC = 'namespace=~"$namespace", inferenceservice=~"$inferenceservice"'
-GW = 'namespace=~"$namespace", service=~"$inferenceservice"'
-POOL = 'gpupool=~"$gpupool"'
-WIDTH = 24
-
-
-def _query(expr: str, legend: str, ref: str) -> prometheus.Dataquery:
-    return (
-        prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(ref).datasource(DATASOURCE)
-    )
-
-
-def _targets(panel: Any, queries: list[tuple[str, str]]) -> Any:
-    for index, (expr, legend) in enumerate(queries):
-        panel = panel.with_target(_query(expr, legend, chr(ord("A") + index)))
-    return panel
-
-
-def _series(
-    title: str, description: str, unit: str, queries: list[tuple[str, str]], width: int = 12
-) -> timeseries.Panel:
-    panel = (
-        timeseries.Panel()
-        .title(title)
-        .description(description)
-        .unit(unit)
-        .datasource(DATASOURCE)
-        .span(width)
-        .height(8)
-        .fill_opacity(10)
-    )
-    return _targets(panel, queries)  # type: ignore[no-any-return]
-
-
-def _percentiles(title: str, description: str, recorded: str) -> timeseries.Panel:
-    """p50/p95/p99 per service from a recorded ``namespace_inferenceservice_le`` bucket rate."""
-    series = f"{recorded}{{{ISVC}}}"
-    return _series(
-        title,
-        description,
-        "s",
-        [
-            (
-                f"histogram_quantile({q}, sum by (namespace, inferenceservice, le) ({series}))",
-                f"p{round(q * 100)} {{{{namespace}}}}/{{{{inferenceservice}}}}",
-            )
-            for q in (0.5, 0.95, 0.99)
-        ],
-        width=8,
-    )
-
-
-def _row(title: str) -> db.Row:
-    return db.Row(title)
 
 
 def build() -> model.Dashboard:
@@ -131,9 +87,9 @@ def build() -> model.Dashboard:
         )
     )
 
-    dash = dash.with_row(_row("Traffic and errors (gateway)"))
+    dash = dash.with_row(row("Traffic and errors (gateway)"))
     dash = dash.with_panel(
-        _series(
+        series(
             "Requests by service",
             "Requests answered by the gateway per second, by the service that served them.",
             "reqps",
@@ -147,7 +103,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Requests by status code",
             "Per second, by HTTP status (client disconnects, 499, excluded).",
             "reqps",
@@ -161,7 +117,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Error ratio (5xx)",
             "The availability SLI over 5 minutes: the share of requests answered 5xx.",
             "percentunit",
@@ -175,7 +131,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Fallback traffic",
             "Requests per second sent to the fallback service while the breaker was open.",
             "reqps",
@@ -202,7 +158,7 @@ def build() -> model.Dashboard:
             ]
         )
         .with_target(
-            _query(
+            query(
                 "2 * max by (namespace, service) "
                 f'(ladle_gateway_breaker_state{{{GW}, state="Open"}})'
                 " + max by (namespace, service) "
@@ -214,30 +170,30 @@ def build() -> model.Dashboard:
     )
     dash = dash.with_panel(breaker)
 
-    dash = dash.with_row(_row("Latency (runtime)"))
+    dash = dash.with_row(row("Latency (runtime)"))
     dash = dash.with_panel(
-        _percentiles(
+        percentiles(
             "Time to first token",
             "Arrival to the first token, measured by the runtime (queue and prefill included).",
             "namespace_inferenceservice_le:ladle_time_to_first_token_seconds_bucket:rate5m",
         )
     )
     dash = dash.with_panel(
-        _percentiles(
+        percentiles(
             "Time per output token",
             "Per request: (end - first token) / (generated tokens - 1).",
             "namespace_inferenceservice_le:ladle_request_time_per_output_token_seconds_bucket:rate5m",
         )
     )
     dash = dash.with_panel(
-        _percentiles(
+        percentiles(
             "Inter-token latency",
             "The gaps between one request's consecutive tokens.",
             "namespace_inferenceservice_le:ladle_inter_token_latency_seconds_bucket:rate5m",
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Requests with a slow first token",
             "The latency SLI over 5 minutes: the share of requests whose first token missed the "
             "chart's target (monitoring.slo.latency.ttftSeconds).",
@@ -246,16 +202,16 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _percentiles(
+        percentiles(
             "Queue time",
             "Arrival to first scheduling.",
             "namespace_inferenceservice_le:ladle_request_queue_time_seconds_bucket:rate5m",
         )
     )
 
-    dash = dash.with_row(_row("Engine saturation (runtime)"))
+    dash = dash.with_row(row("Engine saturation (runtime)"))
     dash = dash.with_panel(
-        _series(
+        series(
             "Queue: waiting and running requests",
             "Requests waiting for a batch slot, and in the running batch, over a service's pods.",
             "short",
@@ -272,7 +228,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "KV-cache usage",
             "The share of KV blocks held by live sequences, per pod.",
             "percentunit",
@@ -286,7 +242,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Prefix-cache hit rate",
             "Prompt tokens found in the prefix cache, of those looked up.",
             "percentunit",
@@ -295,7 +251,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Tokens per second",
             "Prompt tokens prefilled and tokens generated.",
             "short",
@@ -313,7 +269,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Preemptions",
             "Sequences preempted (and recomputed later) for lack of KV blocks, per second.",
             "short",
@@ -328,9 +284,9 @@ def build() -> model.Dashboard:
         )
     )
 
-    dash = dash.with_row(_row("Replicas and autoscaling (operator)"))
+    dash = dash.with_row(row("Replicas and autoscaling (operator)"))
     dash = dash.with_panel(
-        _series(
+        series(
             "Replicas: desired and ready",
             "Desired is what the operator applies (the spec or the autoscaler, within quota).",
             "short",
@@ -348,7 +304,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Autoscaler",
             "Desired replicas against maxReplicas and the ready pods it read, and the "
             "stable-window demand (requests).",
@@ -381,7 +337,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _targets(
+        targets(
             autoscaler_state,
             [
                 (f"ladle_operator_autoscaler_panic{{{ISVC}}}", f"panic {svc}"),
@@ -397,16 +353,16 @@ def build() -> model.Dashboard:
         .span(WIDTH)
         .height(8)
         .with_target(
-            _query(f"ladle_operator_inferenceservice_condition{{{ISVC}}} == 1", "", "A")
+            query(f"ladle_operator_inferenceservice_condition{{{ISVC}}} == 1", "", "A")
             .instant()
             .format(PromQueryFormat.TABLE)
         )
     )
     dash = dash.with_panel(conditions)
 
-    dash = dash.with_row(_row("Canary rollouts (operator)"))
+    dash = dash.with_row(row("Canary rollouts (operator)"))
     dash = dash.with_panel(
-        _series(
+        series(
             "Canary weight",
             "Percent of a service's requests sent to its canary variant.",
             "percent",
@@ -415,7 +371,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Gate results",
             "Analyses per gate and result (pass, fail, inconclusive) over the last hour.",
             "short",
@@ -443,7 +399,7 @@ def build() -> model.Dashboard:
         .height(8)
     )
     dash = dash.with_panel(
-        _targets(
+        targets(
             phase,
             [
                 (
@@ -455,9 +411,9 @@ def build() -> model.Dashboard:
         )
     )
 
-    dash = dash.with_row(_row("GPU pools (operator)"))
+    dash = dash.with_row(row("GPU pools (operator)"))
     dash = dash.with_panel(
-        _series(
+        series(
             "GPU pool usage",
             "Capacity and allocatable GPUs of each pool's nodes, against what its "
             "InferenceServices request, are granted (claimed) and the quota.",
@@ -470,7 +426,7 @@ def build() -> model.Dashboard:
         )
     )
 
-    dash = dash.with_row(_row("Control plane"))
+    dash = dash.with_row(row("Control plane"))
     dash = dash.with_panel(
         stat.Panel()
         .title("Targets up")
@@ -479,7 +435,7 @@ def build() -> model.Dashboard:
         .span(6)
         .height(6)
         .with_target(
-            _query(
+            query(
                 'sum by (job) (up{job=~"ladle-operator|ladle-gateway|ladle-runtime"})',
                 "{{job}}",
                 "A",
@@ -487,7 +443,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Operator leader",
             "1 for the replica that holds the leader Lease and reconciles.",
             "short",
@@ -496,7 +452,7 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(
-        _series(
+        series(
             "Reconciles",
             "Reconciles per second by kind and result.",
             "ops",
@@ -511,7 +467,7 @@ def build() -> model.Dashboard:
         )
     )
     return dash.with_panel(
-        _series(
+        series(
             "Gateway added latency",
             "p99 of the time the gateway itself adds to a request.",
             "s",
