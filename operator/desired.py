@@ -50,40 +50,27 @@ CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
 TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One Deployment's worth of an InferenceService: the service as that variant runs it
-    (its revision), its replicas and its share of traffic."""
-
-    name: str
-    replicas: int
-    source: InferenceService
-    weight: int = 100
-
-    @property
-    def idle(self) -> bool:
-        """It takes no traffic (stable while a promotion moves it to the canary's revision):
-        its pods may all be replaced at once."""
-        return self.weight == 0
-
-
-def plan_variants(isvc: InferenceService, state: RolloutState, granted: int) -> list[Variant]:
-    """The variants to run and their replicas, given the rollout state and the replicas the
-    pool granted (stable first: a canary never takes a stable replica's place)."""
-    steps = isvc.spec.rollout.steps if isvc.spec.rollout else (100,)
-    total = isvc.requested_replicas
-    stable_want, canary_want = split(state, steps, total)
-    stable = min(stable_want, granted)
+def variant_sources(
+    isvc: InferenceService, state: RolloutState
+) -> list[tuple[str, InferenceService, int]]:
+    """(name, the service as that variant runs it, its share of traffic) of each variant to
+    run: stable, and the canary while a rollout runs."""
     stable_source = (
         with_template(isvc, state.stable_template) if state.stable_template is not None else isvc
     )
-    variants = [Variant(STABLE, stable, stable_source, 100 - state.weight)]
+    variants = [(STABLE, stable_source, 100 - state.weight)]
     if state.active and state.canary_template is not None:
-        canary = min(canary_want, max(granted - stable, 0))
-        variants.append(
-            Variant(CANARY, canary, with_template(isvc, state.canary_template), state.weight)
-        )
+        variants.append((CANARY, with_template(isvc, state.canary_template), state.weight))
     return variants
+
+
+def variant_replicas(isvc: InferenceService, state: RolloutState, granted: int) -> dict[str, int]:
+    """Each variant's replicas, given the rollout state and the replicas the pool granted
+    (stable first: a canary never takes a stable replica's place)."""
+    steps = isvc.spec.rollout.steps if isvc.spec.rollout else (100,)
+    stable_want, canary_want = split(state, steps, isvc.requested_replicas)
+    stable = min(stable_want, granted)
+    return {STABLE: stable, CANARY: min(canary_want, max(granted - stable, 0))}
 
 
 def variant_name(isvc_name: str, variant: str) -> str:
@@ -283,24 +270,26 @@ def template_hash(deployment: JSON) -> str:
     return str(deployment["metadata"].get("annotations", {}).get(TEMPLATE_HASH_ANNOTATION, ""))
 
 
-def desired_children(
-    isvc: InferenceService,
-    pool: GPUPoolSpec | None,
-    replicas: int,
-    config: OperatorConfig,
-    variant: str = STABLE,
-    *,
-    surge: bool = True,
-    idle: bool = False,
-) -> Children:
-    """Build the children of one variant running ``replicas`` pods (already quota-limited)."""
+@dataclass(frozen=True)
+class Blueprint:
+    """What one variant's pods run, whatever their number and however they roll: the pod
+    template (and its digest, which says whether a live Deployment runs it) and the ConfigMap
+    it mounts. A reconcile builds it once per variant."""
+
+    source: InferenceService  # the service as this variant runs it
+    variant: str
+    template: JSON
+    template_hash: str
+    config_map: JSON | None
+
+
+def blueprint(
+    isvc: InferenceService, pool: GPUPoolSpec | None, config: OperatorConfig, variant: str = STABLE
+) -> Blueprint:
     spec = isvc.spec
     name = isvc.meta.name
-    namespace = isvc.meta.namespace
-    owner = [owner_reference(isvc)]
     labels = common_labels(name, variant)
     pod_labels = {**labels, **({LABEL_POOL: spec.gpu_pool} if spec.gpu_pool else {})}
-
     engine = {**engine_config(isvc), **operator_settings(isvc, config)}
     engine_flags = render_flags(engine)
     cm_name = config_map_name(name, variant)
@@ -317,9 +306,9 @@ def desired_children(
             "kind": "ConfigMap",
             "metadata": {
                 "name": cm_name,
-                "namespace": namespace,
+                "namespace": isvc.meta.namespace,
                 "labels": labels,
-                "ownerReferences": owner,
+                "ownerReferences": [owner_reference(isvc)],
             },
             "data": {CONFIG_FILE: rendered},
         }
@@ -336,6 +325,19 @@ def desired_children(
         config_map=None if config_map is None else cm_name,
         profiles="profile-dir" in engine,
     )
+    return Blueprint(isvc, variant, template, object_digest(template), config_map)
+
+
+def children_of(
+    bp: Blueprint, replicas: int, *, surge: bool = True, idle: bool = False
+) -> Children:
+    """The variant's children at ``replicas`` pods (already quota-limited), rolling as
+    ``rollout_strategy`` says."""
+    isvc, variant = bp.source, bp.variant
+    name = isvc.meta.name
+    namespace = isvc.meta.namespace
+    owner = [owner_reference(isvc)]
+    labels = common_labels(name, variant)
     deployment: JSON = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -343,19 +345,19 @@ def desired_children(
             "name": variant_name(name, variant),
             "namespace": namespace,
             "labels": labels,
-            "annotations": {TEMPLATE_HASH_ANNOTATION: object_digest(template)},
+            "annotations": {TEMPLATE_HASH_ANNOTATION: bp.template_hash},
             "ownerReferences": owner,
         },
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name, variant)},
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": spec.startup_timeout_seconds + 120,
+            "progressDeadlineSeconds": isvc.spec.startup_timeout_seconds + 120,
             "strategy": rollout_strategy(surge, idle),
-            "template": template,
+            "template": bp.template,
         },
     }
-    pdb: JSON | None = {
+    pdb: JSON = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": {
@@ -374,10 +376,24 @@ def desired_children(
     return Children(
         deployment=deployment,
         pdb=pdb if replicas >= 2 else None,
-        config_map=config_map,
+        config_map=bp.config_map,
         pdb_name=variant_name(name, variant),
-        config_map_name=cm_name,
+        config_map_name=config_map_name(name, variant),
     )
+
+
+def desired_children(
+    isvc: InferenceService,
+    pool: GPUPoolSpec | None,
+    replicas: int,
+    config: OperatorConfig,
+    variant: str = STABLE,
+    *,
+    surge: bool = True,
+    idle: bool = False,
+) -> Children:
+    """The children of one variant running ``replicas`` pods, blueprint and all."""
+    return children_of(blueprint(isvc, pool, config, variant), replicas, surge=surge, idle=idle)
 
 
 def desired_service(isvc: InferenceService) -> JSON:

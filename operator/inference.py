@@ -1,20 +1,22 @@
-"""The InferenceService reconciler: rollout → grant → variants → desired children → apply →
+"""The InferenceService reconciler: plan → rollout → grant → desired children → apply →
 status.
 
 One reconcile recomputes everything from the store, whatever event caused it (level-based).
-The rollout state machine (``rollout.decide``) picks up where ``status.rollout`` left off, on
-what the canary analysis measured; the pool grants replicas for the state it decided;
-``desired.plan_variants`` splits them into variants (stable, and a canary while one runs); each
-variant renders its children, the Service fronts them all; the applier makes them so; and
-status is derived from what the store then holds. Events and metrics of the decision follow
-the status write.
+Each variant (stable, and a canary while one runs) is planned once: its blueprint (the pod
+template it runs) beside its live Deployment, which says whether its rollout is due. The
+rollout state machine (``rollout.decide``) picks up where ``status.rollout`` left off, on what
+the canary analysis measured; the pool grants replicas for the state it decided, which
+``desired.variant_replicas`` shares among the variants; each variant's children come from its
+blueprint, the Service fronts them all; the applier makes them so; and status is derived from
+what the store then holds. Events and metrics of the decision follow the status write.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from ladle.api import (
     API_VERSION,
@@ -34,15 +36,17 @@ from ladle.operator.canary import CanaryAnalysis, Measured
 from ladle.operator.conditions import ISVC_CONDITIONS, ISVC_STATUS_FIELDS
 from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
-    Variant,
-    desired_children,
+    Blueprint,
+    blueprint,
+    children_of,
     desired_service,
     label_selector,
-    plan_variants,
     profiling,
     service_url,
     template_hash,
     variant_name,
+    variant_replicas,
+    variant_sources,
 )
 from ladle.operator.events import EventRecorder, ObjectRef
 from ladle.operator.pod_problems import PodProblem, start_failure, startup_look
@@ -84,14 +88,40 @@ def surges(live: JSON | None) -> bool:
     return str((rolling.get("rollingUpdate") or {}).get("maxSurge", 1)) != "0"
 
 
-def rolling_out(live: JSON | None, desired: JSON) -> bool:
-    """A rollout of the Deployment is due (a new pod template) or still under way."""
+def rolling_out(live: JSON | None, wanted: str) -> bool:
+    """A rollout of the Deployment is due (a pod template other than the ``wanted`` digest) or
+    still under way."""
     if live is None:
         return False
     status = live.get("status") or {}
     if int(status.get("updatedReplicas") or 0) < int(status.get("replicas") or 0):
         return True
-    return template_hash(live) != template_hash(desired)
+    return template_hash(live) != wanted
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One variant of one rollout state: its blueprint, its share of traffic, and its live
+    Deployment."""
+
+    blueprint: Blueprint
+    weight: int
+    live: JSON | None
+
+    @property
+    def name(self) -> str:
+        return self.blueprint.variant
+
+    @property
+    def current(self) -> bool:
+        """The live Deployment was given this blueprint's pod template."""
+        return self.live is not None and template_hash(self.live) == self.blueprint.template_hash
+
+    @property
+    def rolling(self) -> bool:
+        """Its rollout is due or under way and it takes traffic (one that takes none replaces
+        its pods without a surge replica)."""
+        return self.weight > 0 and rolling_out(self.live, self.blueprint.template_hash)
 
 
 class InferenceServiceReconciler:
@@ -137,93 +167,94 @@ class InferenceServiceReconciler:
         pool = self.store.get("GPUPool", ("", isvc.spec.gpu_pool))
         return pool.spec if pool is not None else None
 
-    def _planned(
-        self, isvc: InferenceService, state: RolloutState, granted: int, pool: GPUPoolSpec | None
-    ) -> list[tuple[Variant, JSON, JSON | None]]:
-        """Each variant, its desired Deployment and the live one."""
+    def _plan(
+        self,
+        isvc: InferenceService,
+        state: RolloutState,
+        known: Mapping[str, Blueprint] | None = None,
+    ) -> list[Planned]:
+        """Each variant of ``state``; a blueprint already built for the same source (the state
+        before the decision, which mostly keeps its variants) is used again."""
+        pool = self._pool(isvc)
         out = []
-        for variant in plan_variants(isvc, state, granted):
-            wanted = desired_children(
-                variant.source, pool, variant.replicas, self.config, variant.name
-            ).deployment
-            out.append((variant, wanted, self.store.get("Deployment", child_key(wanted)[1:])))
+        for name, source, weight in variant_sources(isvc, state):
+            bp = (known or {}).get(name)
+            if bp is None or bp.source != source:
+                bp = blueprint(source, pool, self.config, name)
+            key = (isvc.meta.namespace, variant_name(isvc.meta.name, name))
+            out.append(Planned(bp, weight, self.store.get("Deployment", key)))
         return out
 
+    def _grant(self, isvc: InferenceService, state: RolloutState, plan: list[Planned]) -> Grant:
+        """The pool's grant for ``state``: the service's replicas and the canary's besides."""
+        spec = isvc.spec.rollout
+        asked = split(state, spec.steps if spec else (100,), isvc.requested_replicas)[1]
+        return self.pools.grant(isvc, any(p.rolling for p in plan), asked)
+
     def desired(
-        self, isvc: InferenceService, state: RolloutState, grant: Grant, rolling: set[str]
+        self, isvc: InferenceService, state: RolloutState, plan: list[Planned], grant: Grant
     ) -> list[JSON]:
         """Every child: each variant's, then the Service. A variant about to roll out gets the
         strategy its pool's headroom allows; the others keep the one they have, so that a
         strategy never changes (and bumps a Deployment) for nothing."""
+        replicas = variant_replicas(isvc, state, grant.replicas)
         objects: list[JSON] = []
-        for variant in plan_variants(isvc, state, grant.replicas):
-            name = variant_name(isvc.meta.name, variant.name)
-            live = self.store.get("Deployment", (isvc.meta.namespace, name))
-            surge = grant.surge if variant.name in rolling else surges(live)
-            children = desired_children(
-                variant.source,
-                grant.pool,
-                variant.replicas,
-                self.config,
-                variant.name,
-                surge=surge,
-                idle=variant.idle and state.active,
+        for p in plan:
+            children = children_of(
+                p.blueprint,
+                replicas[p.name],
+                surge=grant.surge if p.rolling else surges(p.live),
+                idle=p.weight == 0 and state.active,
             )
             objects += children.all()
         return [*objects, desired_service(isvc)]
-
-    def _rolling(self, isvc: InferenceService, state: RolloutState) -> set[str]:
-        """The variants whose rollout is due or under way and that take traffic (one that
-        takes none replaces its pods without a surge replica)."""
-        planned = self._planned(isvc, state, isvc.requested_replicas, self._pool(isvc))
-        return {v.name for v, wanted, live in planned if v.weight > 0 and rolling_out(live, wanted)}
 
     def _observation(
         self,
         isvc: InferenceService,
         state: RolloutState,
+        plan: list[Planned],
         measured: Measured,
         now: float,
-    ) -> tuple[Observation, Grant]:
+    ) -> Observation:
         """What the rollout state machine decides on, measured under the state it is in."""
         spec = isvc.spec.rollout
-        steps = spec.steps if spec else (100,)
         total = isvc.requested_replicas
-        asked = split(state, steps, total)[1]
-        grant = self.pools.grant(isvc, bool(self._rolling(isvc, state)), asked)
+        grant = self._grant(isvc, state, plan)
         canary_ready = canary_granted = 0
         stable_complete = False
-        for variant, wanted, live in self._planned(isvc, state, grant.replicas, grant.pool):
-            current = live is not None and template_hash(live) == template_hash(wanted)
-            if variant.name == CANARY:
-                canary_granted = variant.replicas
-                status = (live or {}).get("status") or {}
-                generation = int(((live or {}).get("metadata") or {}).get("generation") or 0)
+        for p in plan:
+            if p.name == CANARY:
+                canary_granted = variant_replicas(isvc, state, grant.replicas)[CANARY]
+                live = p.live or {}
+                status = live.get("status") or {}
+                generation = int((live.get("metadata") or {}).get("generation") or 0)
                 settled = int(status.get("observedGeneration") or 0) >= generation
-                if current and settled and status.get("updatedReplicas") == status.get("replicas"):
+                if (
+                    p.current
+                    and settled
+                    and status.get("updatedReplicas") == status.get("replicas")
+                ):
                     canary_ready = int(status.get("availableReplicas") or 0)
-            elif current:
-                stable_complete = read_rollout(live, total).complete
+            elif p.current:
+                stable_complete = read_rollout(p.live, total).complete
         template = template_of(isvc.raw_spec, self.config.runtime_image)
         action = measured.action if measured.action in ROLLOUT_ACTIONS else None
-        return (
-            Observation(
-                now=now,
-                revision=revision_of(template),
-                template=template,
-                rollout=spec,
-                total=total,
-                canary_ready=canary_ready,
-                canary_granted=canary_granted,
-                canary_asked=asked,
-                stable_complete=stable_complete,
-                action=action,
-                quality=measured.quality,
-                slo=measured.slo,
-                baseline_missing=measured.baseline_missing,
-                quota_note=grant.note,
-            ),
-            grant,
+        return Observation(
+            now=now,
+            revision=revision_of(template),
+            template=template,
+            rollout=spec,
+            total=total,
+            canary_ready=canary_ready,
+            canary_granted=canary_granted,
+            canary_asked=split(state, spec.steps if spec else (100,), total)[1],
+            stable_complete=stable_complete,
+            action=action,
+            quality=measured.quality,
+            slo=measured.slo,
+            baseline_missing=measured.baseline_missing,
+            quota_note=grant.note,
         )
 
     async def reconcile(self, key: IsvcKey) -> None:
@@ -239,27 +270,23 @@ class InferenceServiceReconciler:
         now = round(time.time(), 3)  # status keeps milliseconds
         before = from_status(previous.get("rollout"))
         measured = await self.canary.measure(isvc, before, now)
-        observation, _ = self._observation(isvc, before, measured, now)
-        decision = decide(before, observation)
+        planned = self._plan(isvc, before)
+        decision = decide(before, self._observation(isvc, before, planned, measured, now))
         state = decision.state
 
-        spec = isvc.spec.rollout
-        asked = split(state, spec.steps if spec else (100,), isvc.requested_replicas)[1]
-        rolling = self._rolling(isvc, state)
-        grant = self.pools.grant(isvc, bool(rolling), asked)
+        plan = self._plan(isvc, state, {p.name: p.blueprint for p in planned})
+        grant = self._grant(isvc, state, plan)
         blockers = [grant.blocker] if grant.blocker else []
         result = SyncResult()
         if grant.pool is not None or not isvc.spec.gpu_pool:
-            desired = self.desired(isvc, state, grant, rolling)
+            desired = self.desired(isvc, state, plan, grant)
             result = await self.applier.sync(owner, desired, PRUNED_KINDS)
         blockers += [apply_problem(k, err) for k, err in result.errors]
         await self.canary.follow(isvc, decision)
 
         service = child_key(desired_service(isvc))
-        observed = [
-            await self._observe(isvc, variant, grant, now)
-            for variant in plan_variants(isvc, state, grant.replicas)
-        ]
+        replicas = variant_replicas(isvc, state, grant.replicas)
+        observed = [await self._observe(isvc, p, replicas[p.name], grant, now) for p in plan]
         variants = [v for v, _ in observed]
         status = derive_isvc_status(
             isvc,
@@ -321,28 +348,29 @@ class InferenceServiceReconciler:
         )
 
     async def _observe(
-        self, isvc: InferenceService, variant: Variant, grant: Grant, now: float
+        self, isvc: InferenceService, p: Planned, replicas: int, grant: Grant, now: float
     ) -> tuple[VariantObservation, float | None]:
         """One variant as status reads it, and when its waiting pods want another look."""
-        name = variant_name(isvc.meta.name, variant.name)
+        name = variant_name(isvc.meta.name, p.name)
         pods: list[PodInfo] = [
-            p for p in self.store.by_index("Pod", "owner", isvc.key) if p.variant == variant.name
+            pod for pod in self.store.by_index("Pod", "owner", isvc.key) if pod.variant == p.name
         ]
-        source = variant.source
-        stable = variant.name == STABLE
+        source = p.blueprint.source
+        stable = p.name == STABLE
         problems, wake_in = await self._pod_problems(isvc.meta.namespace, pods, now)
         return VariantObservation(
-            name=variant.name,
+            name=p.name,
             quantization=source.spec.quantization.label(),
             image=source.spec.runtime_image or self.config.runtime_image,
             deployment_name=name,
+            # Read again: the apply above stored what the API server returned.
             deployment=self.store.get("Deployment", (isvc.meta.namespace, name)),
-            requested_replicas=isvc.requested_replicas if stable else variant.replicas,
-            granted_replicas=variant.replicas,
+            requested_replicas=isvc.requested_replicas if stable else replicas,
+            granted_replicas=replicas,
             gpu_resource=grant.gpu_resource,
             pod_problems=tuple(problems),
             quota_note=grant.note if stable else None,
-            weight=variant.weight,
+            weight=p.weight,
             revision=revision_of(template_of(source.raw_spec, self.config.runtime_image)),
         ), wake_in
 
