@@ -107,13 +107,20 @@ class GatewayApp:
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        rid = next((v for k, v in headers if k == b"x-request-id"), None)
+        req = ClientRequest("", b"POST", path, headers, arrival, receive)
+        rid = req.header(b"x-request-id")
         request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
+        req.request_id = request_id
         token = request_id_var.set(request_id)
         out = Outcome(captured=[] if self.audit.text else None)
-        req = ClientRequest(request_id, b"POST", path, headers, arrival, receive)
+
+        async def send_reply(message: Message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                out.complete = True
+            await send(message)
+
         try:
-            await self.handler(req, send, out)
+            await self.handler(req, send_reply, out)
         except GatewayError as exc:
             out.status = exc.status
             out.error = exc.message

@@ -88,7 +88,7 @@ class Hooks:
     on_table: Callable[[RouteTable, Mapping[ServiceKey, ServiceState]], None] = lambda t, s: None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Admitted:
     """The service a request goes to once the breakers had their say."""
 

@@ -6,8 +6,9 @@ trail, the token bucket and the response cache all read afterwards.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ladle.gateway.apikeys import ApiKey
@@ -19,7 +20,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 HeaderList = list[tuple[bytes, bytes]]
 
 
-@dataclass
+@dataclass(slots=True)
 class ClientRequest:
     """One request as the filters see it; times are ``loop.time()``."""
 
@@ -32,9 +33,17 @@ class ClientRequest:
     key: ApiKey | None = None  # the authentication filter's
     parsed: Inbound | None = None  # the body filter's
     route: Service | None = None  # the route filter's
+    cache_key: bytes | None = None  # the cache filter's, when the answer may be kept
+    watcher: asyncio.Task[None] | None = None  # the body filter's watch for a hang-up
+    _by_name: dict[bytes, bytes] | None = field(default=None, repr=False)
 
     def header(self, name: bytes) -> bytes | None:
-        return next((v for k, v in self.headers if k == name), None)
+        """A request header by its lowercase name (the first, if repeated)."""
+        if self._by_name is None:
+            self._by_name = {}
+            for k, v in self.headers:
+                self._by_name.setdefault(k, v)
+        return self._by_name.get(name)
 
     @property
     def inbound(self) -> Inbound:
@@ -51,7 +60,7 @@ class ClientRequest:
         return self.route
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """What happened, for the access log, the metrics and the token bucket."""
 
@@ -76,5 +85,7 @@ class Outcome:
     # failure even though the status sent was 200.
     failed: bool = False
     started: bool = False
+    # The last piece of the answer went to the client: a hang-up now cuts nothing short.
+    complete: bool = False
     ttfb: float | None = None
     overhead: float | None = None

@@ -18,7 +18,7 @@ from ladle.audit import AuditLog
 from ladle.gateway.apikeys import KeyFileError, KeyStore
 from ladle.gateway.app import GatewayApp, Lifecycle
 from ladle.gateway.cache import ResponseCache
-from ladle.gateway.chain import Filter, Handler, chain
+from ladle.gateway.chain import Chain, Filter
 from ladle.gateway.cluster import Cluster, Hooks
 from ladle.gateway.filters.authn import Authentication
 from ladle.gateway.filters.body import Body
@@ -94,7 +94,7 @@ class Gateway:
             audit=self.audit,
         )
 
-    def data_path(self, authentication: Authentication | None) -> Handler:
+    def data_path(self, authentication: Authentication | None) -> Chain:
         """The filter chain, in Envoy's order, with only the filters the settings need."""
         settings = self.settings
         filters: list[Filter] = []
@@ -106,7 +106,7 @@ class Gateway:
         router = Router(
             self.cluster, self.pool, self.metrics, count_usage=settings.audit_log is not None
         )
-        return chain(filters, router)
+        return Chain(filters, router)
 
     def not_ready(self) -> str | None:
         informers: list[Informer[Any]] = [*self._service_informers, *self._pod_informers]

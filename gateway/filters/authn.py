@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ladle.gateway.apikeys import ApiKey, KeyStore
-from ladle.gateway.chain import Handler
 from ladle.gateway.context import ClientRequest, Outcome, Send
 from ladle.gateway.errors import GatewayError
 
@@ -28,8 +27,11 @@ class Authentication:
         scheme, _, presented = (authorization or b"").decode("latin-1").partition(" ")
         return self.keys.lookup(presented.strip(), now) if scheme.lower() == "bearer" else None
 
-    async def __call__(self, req: ClientRequest, send: Send, out: Outcome, next_: Handler) -> None:
+    async def on_request(self, req: ClientRequest, send: Send, out: Outcome) -> bool:
         req.key = self.key(req.header(b"authorization"), req.arrival)
         if req.key is None:
             raise unauthenticated()
-        await next_(req, send, out)
+        return False
+
+    def on_response(self, req: ClientRequest, out: Outcome, ok: bool) -> None:
+        """Nothing to do on the way back."""

@@ -7,7 +7,6 @@ import asyncio
 from dataclasses import dataclass
 
 from ladle.gateway.cache import Entry, ResponseCache, cache_key, cacheable
-from ladle.gateway.chain import Handler
 from ladle.gateway.context import ClientRequest, Outcome, Send
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.routes import Service
@@ -18,23 +17,24 @@ class Cache:
     cache: ResponseCache
     metrics: GatewayMetrics
 
-    async def __call__(self, req: ClientRequest, send: Send, out: Outcome, next_: Handler) -> None:
+    async def on_request(self, req: ClientRequest, send: Send, out: Outcome) -> bool:
         service = req.service
-        key = self._key(service, req)
+        req.cache_key = key = self._key(service, req)
         if key is None:
-            await next_(req, send, out)
-            return
+            return False
         entry = self.cache.get(key)
         out.cache = "miss" if entry is None else "hit"
         self.metrics.cache(*service.key, out.cache).inc()
         if entry is not None:
             await self._replay(entry, service, req, send, out)
-            return
+            return True
         if out.captured is None:
             out.captured = []
-        await next_(req, send, out)
-        if out.fallback_from is None:
-            self._store(key, req, out)
+        return False
+
+    def on_response(self, req: ClientRequest, out: Outcome, ok: bool) -> None:
+        if ok and req.cache_key is not None and out.fallback_from is None:
+            self._store(req.cache_key, req, out)
 
     def _key(self, service: Service, req: ClientRequest) -> bytes | None:
         """The request's key, if the service caches and the answer is deterministic."""

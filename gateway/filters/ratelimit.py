@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ladle.gateway.chain import Handler
 from ladle.gateway.context import ClientRequest, Outcome, Send
 from ladle.gateway.errors import GatewayError
 from ladle.gateway.metrics import GatewayMetrics
@@ -16,7 +15,7 @@ from ladle.gateway.metrics import GatewayMetrics
 class RateLimit:
     metrics: GatewayMetrics
 
-    async def __call__(self, req: ClientRequest, send: Send, out: Outcome, next_: Handler) -> None:
+    async def on_request(self, req: ClientRequest, send: Send, out: Outcome) -> bool:
         key = req.key
         if key is None:  # only behind the authentication filter, which sets it
             raise RuntimeError("the rate limit filter runs after authentication")
@@ -27,8 +26,8 @@ class RateLimit:
             raise GatewayError(
                 429, refusal.message, "rate_limit_exceeded", headers=[(b"retry-after", retry)]
             )
-        try:
-            await next_(req, send, out)
-        finally:
-            if out.tokens:
-                key.limiter.charge_tokens(asyncio.get_running_loop().time(), out.tokens)
+        return False
+
+    def on_response(self, req: ClientRequest, out: Outcome, ok: bool) -> None:
+        if req.key is not None and out.tokens:
+            req.key.limiter.charge_tokens(asyncio.get_running_loop().time(), out.tokens)

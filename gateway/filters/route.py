@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ladle.gateway.chain import Handler
 from ladle.gateway.cluster import Cluster
 from ladle.gateway.context import ClientRequest, Outcome, Send
 from ladle.gateway.errors import GatewayError
@@ -14,7 +13,7 @@ from ladle.gateway.errors import GatewayError
 class Route:
     cluster: Cluster
 
-    async def __call__(self, req: ClientRequest, send: Send, out: Outcome, next_: Handler) -> None:
+    async def on_request(self, req: ClientRequest, send: Send, out: Outcome) -> bool:
         model = req.inbound.model
         req.route = self.cluster.table.by_model.get(model)
         if req.route is None:
@@ -26,4 +25,7 @@ class Route:
                 "model_not_found",
                 param="model",
             )
-        await next_(req, send, out)
+        return False
+
+    def on_response(self, req: ClientRequest, out: Outcome, ok: bool) -> None:
+        """Nothing to do on the way back."""

@@ -36,7 +36,7 @@ _RETRY_STATUSES = frozenset({502, 503, 504})
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
 
 
-@dataclass
+@dataclass(slots=True)
 class Attempt:
     """What every attempt of one request shares."""
 
@@ -57,7 +57,7 @@ class Attempt:
         return GatewayError(504, "the service's request timeout passed", "request_timeout")
 
 
-@dataclass
+@dataclass(slots=True)
 class Router:
     cluster: Cluster
     pool: Pool
