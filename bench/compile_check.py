@@ -33,7 +33,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ladle.runtime.kernels import attention, fused, kv_store  # noqa: E402
+from ladle.runtime.kernels import attention, attention_prefill, fused, kv_store  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
 TRITON_TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -77,12 +77,12 @@ def cases(quick: bool) -> list[Case]:
                 sig = attention_signature(attention._decode_split_kernel, BF16, int8, splits)
                 name = f"decode g{group} d{dim} splits{splits}{' int8' if int8 else ''}"
                 out.append((name, attention._decode_split_kernel, sig, config))
-            config = attention.prefill_config(BF16, dim, group, 16, int8, 64, 32)
-            sig = attention_signature(attention._prefill_kernel, BF16, int8, 1)
+            config = attention_prefill.prefill_config(BF16, dim, group, 16, int8, 64, 32)
+            sig = attention_signature(attention_prefill._prefill_kernel, BF16, int8, 1)
             out.append(
                 (
                     f"prefill g{group} d{dim}{' int8' if int8 else ''}",
-                    attention._prefill_kernel,
+                    attention_prefill._prefill_kernel,
                     sig,
                     config,
                 )
@@ -93,7 +93,10 @@ def cases(quick: bool) -> list[Case]:
                 attention._decode_split_kernel,
                 attention.decode_config(FP32, 64, 2, 16, 1, False, 32),
             ),
-            (attention._prefill_kernel, attention.prefill_config(FP32, 64, 2, 16, False, 64, 32)),
+            (
+                attention_prefill._prefill_kernel,
+                attention_prefill.prefill_config(FP32, 64, 2, 16, False, 64, 32),
+            ),
         ):
             sig = attention_signature(kernel, FP32, False, 1)
             out.append((f"{kernel.__name__} fp32", kernel, sig, config))

@@ -265,7 +265,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 
 def correctness(report: Report, dev: torch.device, smoke: bool) -> None:
-    from ladle.runtime.kernels import attention, fused, kv_store
+    from ladle.runtime.kernels import attention, attention_prefill, fused, kv_store
 
     bf16 = torch.bfloat16
     scale_of = {64: 64**-0.5, 128: 128**-0.5}
@@ -351,7 +351,7 @@ def correctness(report: Report, dev: torch.device, smoke: bool) -> None:
         starts = starts.to(dev)
         q = torch.randn(sum(q_lens), hq, d, device=dev).to(dtype)
         out = torch.full_like(q, float("nan"))
-        attention.paged_prefill_attention(
+        attention_prefill.paged_prefill_attention(
             q,
             p.key_cache,
             p.value_cache,
@@ -614,7 +614,7 @@ def time_prefill(report: Report, dev: torch.device, smoke: bool) -> None:
     """Fresh causal prefill through the paged kernel (tile variants) against dense SDPA."""
     import torch.nn.functional as F
 
-    from ladle.runtime.kernels import attention
+    from ladle.runtime.kernels import attention_prefill
 
     bf16 = torch.bfloat16
     batch, length = (2, 32) if smoke else (8, 1024)
@@ -626,7 +626,7 @@ def time_prefill(report: Report, dev: torch.device, smoke: bool) -> None:
     flops = 2 * batch * hq * length * length * d  # two matmuls over the causal half
 
     def run(block_m: int, block_n: int) -> None:
-        attention.paged_prefill_attention(
+        attention_prefill.paged_prefill_attention(
             q, p.key_cache, p.value_cache, p.block_tables, starts, p.seq_lens, d**-0.5, out,
             first_seq=0, num_seqs=batch, max_query_len=length, block_m=block_m, block_n=block_n,
         )  # fmt: skip

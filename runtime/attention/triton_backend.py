@@ -19,11 +19,8 @@ from ladle.runtime.attention.backend import (
     KVCacheSpec,
     LayerKVCache,
 )
-from ladle.runtime.kernels.attention import (
-    decode_workspace,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
+from ladle.runtime.kernels.attention import decode_workspace, paged_decode_attention
+from ladle.runtime.kernels.attention_prefill import paged_prefill_attention
 from ladle.runtime.kernels.kv_store import store_kv
 
 # Splits stop paying once each has fewer keys than this to read.

@@ -28,6 +28,7 @@ def _import_kernels() -> None:
     try:
         import ladle.runtime.attention.triton_backend
         import ladle.runtime.kernels.attention
+        import ladle.runtime.kernels.attention_prefill
         import ladle.runtime.kernels.fused
         import ladle.runtime.kernels.kv_store
         import ladle.runtime.kernels.quant_gemm  # noqa: F401

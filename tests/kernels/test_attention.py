@@ -27,11 +27,8 @@ from ladle.runtime.attention.torch_backend import TorchAttentionBackend
 from ladle.runtime.attention.triton_backend import TritonAttentionBackend
 from ladle.runtime.config import ConfigError
 from ladle.runtime.kernels import cpu_kernels
-from ladle.runtime.kernels.attention import (
-    paged_attention_ref,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
+from ladle.runtime.kernels.attention import paged_attention_ref, paged_decode_attention
+from ladle.runtime.kernels.attention_prefill import paged_prefill_attention
 from ladle.runtime.kernels.kv_store import store_kv, store_kv_ref
 from ladle.runtime.quantization.formats import quantize_kv_rows
 
