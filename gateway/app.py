@@ -107,10 +107,9 @@ class GatewayApp:
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         headers: list[tuple[bytes, bytes]] = scope["headers"]
-        req = ClientRequest("", b"POST", path, headers, arrival, receive)
-        rid = req.header(b"x-request-id")
+        rid = next((v for k, v in reversed(headers) if k == b"x-request-id"), None)
         request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
-        req.request_id = request_id
+        req = ClientRequest(request_id, b"POST", path, headers, arrival, receive)
         token = request_id_var.set(request_id)
         out = Outcome(captured=[] if self.audit.text else None)
 

@@ -30,6 +30,8 @@ class ClientRequest:
     headers: HeaderList
     arrival: float
     receive: Receive
+    # The client's own deadline (x-ladle-timeout), infinity without one: the body filter's.
+    deadline: float = float("inf")
     key: ApiKey | None = None  # the authentication filter's
     parsed: Inbound | None = None  # the body filter's
     route: Service | None = None  # the route filter's
@@ -38,11 +40,9 @@ class ClientRequest:
     _by_name: dict[bytes, bytes] | None = field(default=None, repr=False)
 
     def header(self, name: bytes) -> bytes | None:
-        """A request header by its lowercase name (the first, if repeated)."""
+        """A request header by its lowercase name (the last, if repeated)."""
         if self._by_name is None:
-            self._by_name = {}
-            for k, v in self.headers:
-                self._by_name.setdefault(k, v)
+            self._by_name = dict(self.headers)
         return self._by_name.get(name)
 
     @property

@@ -1,5 +1,6 @@
-"""Body: read the request body (size-capped), parse what the gateway routes by, then watch the
-client's side of the stream, so that a client hanging up cancels the request wherever it is."""
+"""Body: read the request (its deadline, then the body, size-capped), parse what the gateway
+routes by, then watch the client's side of the stream, so that a client hanging up cancels
+the request wherever it is."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ class Body:
     max_size: int
 
     async def on_request(self, req: ClientRequest, send: Send, out: Outcome) -> bool:
+        req.deadline = client_deadline(req.header(b"x-ladle-timeout"), req.arrival)
         body = await self._read(req.receive, req.header(b"content-length"))
         content_type = req.header(b"content-type")
-        req.parsed = Inbound.parse(body, None if content_type is None else content_type.decode())
+        req.parsed = Inbound.parse(
+            body, None if content_type is None else content_type.decode("latin-1")
+        )
         task = asyncio.current_task()
         receive = req.receive
 
@@ -65,3 +69,21 @@ class Body:
                 raise too_large
             parts.append(chunk)
         return b"".join(parts)
+
+
+def client_deadline(header: bytes | None, arrival: float) -> float:
+    """``x-ladle-timeout``: the client's own deadline, if it sent one, else infinity."""
+    if header is None:
+        return float("inf")
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 1e7:
+        shown = header.decode(errors="replace")
+        raise GatewayError(
+            400,
+            f"x-ladle-timeout must be a positive number of seconds, got {shown!r}",
+            "invalid_timeout",
+        )
+    return arrival + seconds

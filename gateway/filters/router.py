@@ -45,14 +45,13 @@ class Attempt:
     body: bytes
     headers: HeaderList
     deadline: float  # the earlier of the client's and the service's
-    client_deadline: float
     add_usage: bool  # asked the pod for usage the client did not ask for: strip it
     count_usage: bool
 
     def expired(self) -> GatewayError:
         """The answer when the deadline passes: the client's own (not the service's fault) or
         the service's ``timeouts.requestSeconds`` (a breaker failure)."""
-        if self.client_deadline <= self.deadline:
+        if self.req.deadline <= self.deadline:
             return GatewayError(504, "the request's own deadline passed", "deadline_exceeded")
         return GatewayError(504, "the service's request timeout passed", "request_timeout")
 
@@ -67,11 +66,10 @@ class Router:
 
     async def __call__(self, req: ClientRequest, send: Send, out: Outcome) -> None:
         loop = asyncio.get_running_loop()
-        client_deadline = _client_deadline(req.header(b"x-ladle-timeout"), req.arrival)
         admitted = self.cluster.admit(req.service, loop.time(), out)
         success: bool | None = None
         try:
-            success = await self._serve(admitted.state, req, send, out, client_deadline)
+            success = await self._serve(admitted.state, req, send, out)
         except GatewayError as exc:
             if exc.code in _BREAKER_FAILURES:
                 success = False
@@ -85,7 +83,6 @@ class Router:
         req: ClientRequest,
         send: Send,
         out: Outcome,
-        client_deadline: float,
     ) -> bool:
         """Run the attempts; True when the service did its job (for the breaker)."""
         loop = asyncio.get_running_loop()
@@ -104,8 +101,7 @@ class Router:
             req,
             body,
             headers,
-            min(client_deadline, req.arrival + service.timeouts.request_seconds),
-            client_deadline,
+            min(req.deadline, req.arrival + service.timeouts.request_seconds),
             add_usage,
             counted,
         )
@@ -175,7 +171,7 @@ class Router:
                 first = await response.read(first_deadline)
             except UpstreamTimeout:
                 waited = loop.time() - sent_at
-                if a.client_deadline <= first_deadline:
+                if req.deadline <= first_deadline:
                     outcome = "client_deadline"
                     raise GatewayError(
                         504,
@@ -247,24 +243,6 @@ class Router:
             in_flight.dec()
             self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
             self.cluster.answered(a.state, pod, outcome, loop.time())
-
-
-def _client_deadline(header: bytes | None, arrival: float) -> float:
-    """``x-ladle-timeout``: the client's own deadline, if it sent one, else infinity."""
-    if header is None:
-        return float("inf")
-    try:
-        seconds = float(header)
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < 1e7:
-        shown = header.decode(errors="replace")
-        raise GatewayError(
-            400,
-            f"x-ladle-timeout must be a positive number of seconds, got {shown!r}",
-            "invalid_timeout",
-        )
-    return arrival + seconds
 
 
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:
