@@ -8,6 +8,7 @@ The Secret holds one YAML document (``keys.yaml`` by default)::
         requestsPerMinute: 600  # optional
         tokensPerMinute: 200000 # optional
         cacheScope: team-a      # optional: keys with one scope share cached responses
+        priority: standard      # optional: the key's band, and the highest it may ask for
 
 A rotated Secret is picked up without a restart: the file is re-read when its modification
 time changes (checked at most once a second). Keys are looked up by their SHA-256, so the
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from ladle.gateway.ratelimit import KeyLimiter
+from ladle.gateway.settings import DEFAULT_BANDS
 from ladle.logs import Recurring
 
 log = logging.getLogger("ladle.gateway")
@@ -47,6 +49,8 @@ class KeySpec:
     tokens_per_minute: int | None = None
     # Keys with the same scope may be served each other's cached responses.
     cache_scope: str = ""
+    # The key's priority band, and the highest its requests may ask for (None: any).
+    priority: str | None = None
 
 
 @dataclass
@@ -76,7 +80,9 @@ def _limit(entry: dict[str, Any], field: str, where: str) -> int | None:
     return value
 
 
-def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
+def parse_keys(
+    text: str, source: str = "keys file", bands: tuple[str, ...] = DEFAULT_BANDS
+) -> list[KeySpec]:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -91,7 +97,7 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
         where = f"{source}: keys[{i}]"
         if not isinstance(entry, dict):
             raise KeyFileError(f"{where}: expected a mapping with name and key")
-        fields = {"name", "key", "requestsPerMinute", "tokensPerMinute", "cacheScope"}
+        fields = {"name", "key", "requestsPerMinute", "tokensPerMinute", "cacheScope", "priority"}
         unknown = sorted(set(entry) - fields)
         if unknown:
             raise KeyFileError(f"{where}: unknown field {unknown[0]!r}")
@@ -105,6 +111,11 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
         scope = entry.get("cacheScope", name)
         if not isinstance(scope, str) or not _NAME.fullmatch(scope):
             raise KeyFileError(f"{where} ({name}): cacheScope must be a name like {name!r}")
+        priority = entry.get("priority")
+        if priority is not None and priority not in bands:
+            raise KeyFileError(
+                f"{where} ({name}): priority must be one of {', '.join(bands)}, got {priority!r}"
+            )
         if name in names:
             raise KeyFileError(f"{where}: the name {name!r} is used twice")
         d = digest(key)
@@ -119,6 +130,7 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
                 _limit(entry, "requestsPerMinute", where),
                 _limit(entry, "tokensPerMinute", where),
                 scope,
+                priority,
             )
         )
     if not specs:
@@ -129,8 +141,9 @@ def parse_keys(text: str, source: str = "keys file") -> list[KeySpec]:
 class KeyStore:
     """The keys in force; limiter state survives a reload for keys whose limits are unchanged."""
 
-    def __init__(self, path: Path, now: float) -> None:
+    def __init__(self, path: Path, now: float, bands: tuple[str, ...] = DEFAULT_BANDS) -> None:
         self.path = path
+        self.bands = bands
         self._by_digest: dict[bytes, ApiKey] = {}
         self._mtime: int | None = None
         self._checked = now
@@ -161,7 +174,7 @@ class KeyStore:
         mtime = os.stat(self.path).st_mtime_ns
         if mtime == self._mtime:
             return
-        specs = parse_keys(self.path.read_text(), str(self.path))
+        specs = parse_keys(self.path.read_text(), str(self.path), self.bands)
         old = {k.spec: k for k in self._by_digest.values()}
         self._by_digest = {
             s.digest: old.get(s)

@@ -55,7 +55,21 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--max-held-requests",
         type=integer(0),
         default=defaults.max_held_requests,
-        help="per service, how many requests may wait for a ready pod",
+        help="per service, how many requests may wait for a free slot or a ready pod; past "
+        "it the lowest priority band is shed with 429",
+    )
+    parser.add_argument(
+        "--priority-bands",
+        default=",".join(defaults.priority_bands),
+        metavar="NAMES",
+        help="priority bands, highest first, comma-separated: a request names its band in "
+        "x-ladle-priority, or takes its API key's",
+    )
+    parser.add_argument(
+        "--default-priority",
+        default=defaults.default_priority,
+        metavar="NAME",
+        help="the band of a request that names none and whose key has none",
     )
     parser.add_argument(
         "--scrape-interval",

@@ -1,10 +1,18 @@
 """The cluster: what the router's decisions need between requests, kept per service and per pod.
 
 Per service a circuit breaker (with its fallback), an outlier detector, a hash ring per variant
-and the scale-from-zero hold queue; per pod the requests in flight. It is rebuilt from each new
-route table, keeping the state of services that remain, and reports breaker transitions and
-hold episodes through ``Hooks`` (the status writer subscribes there). Everything runs on one
-event loop, so none of it needs a lock.
+and the flow queue (``ladle.gateway.flow``) where requests wait for a free slot, or for a ready
+pod at zero; per pod the requests in flight. It is rebuilt from each new route table, keeping
+the state of services that remain, and reports breaker transitions and hold episodes through
+``Hooks`` (the status writer subscribes there). Everything runs on one event loop, so none of
+it needs a lock.
+
+A pod's slots are the service's ``concurrency`` (the engine's ``maxNumSeqs`` unless
+``spec.routing.maxConcurrency`` says otherwise). A slot is taken by this gateway's own requests
+in flight, counted exactly, and by everyone else's: the pod's own running and waiting counts at
+the last scrape, less what this gateway had in flight then. Several gateway replicas thus share
+the pods' real limits with the pods as the truth; between two scrapes another replica's new
+requests are unseen, and wait in the pod's own queue until the next scrape shows them.
 """
 
 from __future__ import annotations
@@ -19,11 +27,13 @@ from dataclasses import dataclass, field
 from ladle.gateway.breaker import Admission, CircuitBreaker, Transition
 from ladle.gateway.context import Outcome
 from ladle.gateway.errors import GatewayError
-from ladle.gateway.metrics import GatewayMetrics
+from ladle.gateway.flow import Entry, FlowQueue
+from ladle.gateway.metrics import GatewayMetrics, TenantLabels
 from ladle.gateway.outlier import OutlierDetector
 from ladle.gateway.picker import Candidate, HashRing, pick
 from ladle.gateway.routes import Pod, RouteTable, Service, ServiceKey
 from ladle.gateway.scrape import PodLoad
+from ladle.gateway.settings import DEFAULT_BANDS
 from ladle.gateway.split import choose_variant
 from ladle.gateway.upstream import Pool
 from ladle.words import plural
@@ -33,20 +43,46 @@ log = logging.getLogger("ladle.gateway")
 MAX_FALLBACK_HOPS = 3
 # Outcomes of an attempt that say nothing against the pod.
 _POD_FINE = frozenset({"ok", "http_4xx", "client_deadline"})
+# How fast the mean time a request holds a slot follows new requests (for Retry-After).
+SLOT_EWMA = 0.05
+
+
+@dataclass(slots=True)
+class Ask:
+    """What binding needs to know of one request."""
+
+    band: int
+    tenant: str
+    deadline: float
+    cost: float  # tokens it is expected to cost its tenant's fair share
+    expired: Callable[[], GatewayError]  # the answer when its deadline passes in the queue
+    tried: set[str] = field(default_factory=set)
+    sticky: bytes | None = None
+    prefix: bytes | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    variant: str | None  # chosen by the split on arrival; None while there is no ready pod
+    tried: set[str]
+    sticky: bytes | None
+    prefix: bytes | None
+    future: asyncio.Future[tuple[str, Pod] | None]
+    placed: tuple[str, Pod] | None = None
 
 
 class ServiceState:
     """The live routing state of one InferenceService."""
 
-    def __init__(self, service: Service, now: float) -> None:
+    def __init__(self, service: Service, now: float, bands: int, capacity: int) -> None:
         self.service = service
+        self.queue: FlowQueue[Waiter] = FlowQueue(bands, capacity)
+        self.slot_seconds = 1.0  # the mean time a request holds a slot
         self.breaker = CircuitBreaker(service.breaker, now)
         self.outlier = OutlierDetector(service.outlier)
         self.ready: dict[str, list[Pod]] = {}
         self.rings: dict[str, HashRing] = {}
         self.pod_count = 0
-        self.ready_event = asyncio.Event()
-        self.held = 0
         self.held_since: float | None = None
 
     @property
@@ -72,10 +108,6 @@ class ServiceState:
         for variant in self.rings.keys() - ready.keys():
             del self.rings[variant]
         self.outlier.retain(all_pods)
-        if self.pod_count:
-            self.ready_event.set()
-        else:
-            self.ready_event.clear()
 
 
 @dataclass
@@ -102,12 +134,14 @@ class Cluster:
     metrics: GatewayMetrics
     pool: Pool
     max_held: int = 256
+    bands: tuple[str, ...] = DEFAULT_BANDS
     hooks: Hooks = field(default_factory=Hooks)
     loads: Callable[[], dict[str, PodLoad]] = dict
     rng: random.Random = field(default_factory=random.Random)
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
     outstanding: dict[str, int] = field(default_factory=dict)
+    tenants: TenantLabels = field(default_factory=TenantLabels)
 
     # -- table updates and time ----------------------------------------------------------
 
@@ -117,12 +151,19 @@ class Cluster:
         }
         self.table = table
         for key in self.states.keys() - table.services.keys():
-            self.states.pop(key)
+            removed = self.states.pop(key)
+            for entry in removed.queue.entries():
+                if not entry.payload.future.done():
+                    entry.payload.future.set_exception(
+                        GatewayError(503, f"{key[1]} was deleted while the request waited", "gone")
+                    )
             self.metrics.forget_service(*key)
         for key, service in table.services.items():
             state = self.states.get(key)
             if state is None:
-                state = self.states[key] = ServiceState(service, now)
+                state = self.states[key] = ServiceState(
+                    service, now, len(self.bands), self.max_held
+                )
                 self.metrics.breaker(*key, state.breaker.state)
                 self.hooks.on_new(state)
             else:
@@ -148,6 +189,7 @@ class Cluster:
             if transition is not None:
                 self._transitioned(state, transition)
             self.metrics.ejected.labels(*state.key).set(len(state.outlier.ejected(now)))
+            self.pump(state, now)
 
     def _transitioned(self, state: ServiceState, transition: Transition) -> None:
         ns, name = state.key
@@ -218,35 +260,145 @@ class Cluster:
         if transition is not None:
             self._transitioned(state, transition)
 
-    # -- picking a pod, or waiting for one -------------------------------------------------
+    # -- binding a request to a pod's free slot, or queueing it until one frees -----------
 
-    def choose(
-        self,
-        state: ServiceState,
-        tried: set[str],
-        sticky: bytes | None,
-        prefix: bytes | None,
-        now: float,
-    ) -> tuple[str, Pod] | None:
-        excluded = state.outlier.ejected(now) | tried if tried else state.outlier.ejected(now)
-        usable = (
-            {v: [p for p in pods if p.id not in excluded] for v, pods in state.ready.items()}
-            if excluded
-            else state.ready
-        )
-        available = {v for v, pods in usable.items() if pods}
-        variant = choose_variant(state.service.weights, available, rng=self.rng, sticky=sticky)
-        if variant is None:
+    async def bind(self, state: ServiceState, ask: Ask, out: Outcome) -> tuple[str, Pod] | None:
+        """A pod with a free slot for this request, the slot already taken (``answered`` gives
+        it back); None when every pod left has been tried. Without a free slot, or without a
+        ready pod at all (scale from zero), the request waits in the service's flow queue:
+        late binding, so that a saturated pod's own queue stays empty and the request goes to
+        whichever pod frees a slot first. Raises the queue's refusals (429 when shed) and the
+        deadline's."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        usable = self._usable(state, ask.tried, now)
+        variant = self._variant(state, usable, ask.sticky)
+        if variant is None and ask.tried:
             return None
+        waiter = Waiter(variant, ask.tried, ask.sticky, ask.prefix, loop.create_future())
+        if variant is not None and not len(state.queue) and self._fits(state, waiter, now):
+            assert waiter.placed is not None
+            self.sent(waiter.placed[1])
+            if not ask.tried:  # a retry is not charged twice
+                state.queue.charge(ask.band, ask.tenant, ask.cost)
+            return waiter.placed
+        return await self._wait(state, ask, waiter, out)
+
+    async def _wait(
+        self, state: ServiceState, ask: Ask, waiter: Waiter, out: Outcome
+    ) -> tuple[str, Pod] | None:
+        loop = asyncio.get_running_loop()
+        ns, name = state.key
+        started = loop.time()
+        band = self.bands[ask.band]
+        cost = 0.0 if ask.tried else ask.cost  # a retry is not charged twice
+        entry: Entry[Waiter] = Entry(ask.band, ask.tenant, ask.deadline, cost, waiter)
+        shed = state.queue.push(entry)
+        if shed is entry:
+            raise self._shed(state, entry, "queue_full")
+        if shed is not None:
+            shed.payload.future.set_exception(self._shed(state, shed, "displaced"))
+        tenant = self.tenants.label(ask.tenant)
+        self.metrics.queued(ns, name, band, tenant).inc()
+        self._count_queue(state)
+        hold_until = started + state.service.timeouts.scale_from_zero_seconds
+        if state.held_since is None and not state.pod_count:
+            state.held_since = started
+            self.hooks.on_hold(state)
+        try:
+            while True:
+                until = ask.deadline if state.pod_count else min(ask.deadline, hold_until)
+                done, _ = await asyncio.wait({waiter.future}, timeout=until - loop.time())
+                if done:
+                    return waiter.future.result()
+                if not state.pod_count:
+                    self._shed(state, entry, "no_ready_pods")
+                    raise GatewayError(
+                        503,
+                        f"{name} has no ready pod; waited {loop.time() - started:.0f} s for one",
+                        "no_ready_pods",
+                        headers=[(b"retry-after", b"5")],
+                    )
+                if loop.time() >= ask.deadline:
+                    self._shed(state, entry, "deadline")
+                    raise ask.expired()
+        except BaseException:
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                granted = future.result()  # a slot given as the client left: give it back
+                if granted is not None:
+                    self._release(state, granted[1], loop.time())
+            state.queue.remove(entry)
+            raise
+        finally:
+            waited = loop.time() - started
+            out.held_seconds += waited
+            self.metrics.queue_wait(ns, name, band).observe(waited)
+            self.metrics.tenant_wait(ns, name, band, tenant).inc(waited)
+            self._count_queue(state)
+            if not len(state.queue) and state.held_since is not None:
+                state.held_since = None
+                self.hooks.on_hold(state)
+
+    def _shed(self, state: ServiceState, entry: Entry[Waiter], reason: str) -> GatewayError:
+        """Count a request the queue gives up on; the 429 it answers when shed for room."""
+        ns, name = state.key
+        band = self.bands[entry.band]
+        self.metrics.shed(ns, name, band, reason).inc()
+        waiting = len(state.queue)
+        slots = max(1, state.service.concurrency * state.pod_count)
+        retry = min(60, max(1, math.ceil(waiting * state.slot_seconds / slots)))
+        what = "queue is full" if reason == "queue_full" else "queue made room for a higher band"
+        return GatewayError(
+            429,
+            f"{name} is overloaded: its {what} ({plural(waiting, 'request waits', 'requests wait')}"
+            f" for a free slot) and {band!r} is the lowest priority waiting; retry in {retry} s",
+            "queue_full",
+            headers=[(b"retry-after", str(retry).encode())],
+        )
+
+    def pump(self, state: ServiceState, now: float) -> None:
+        """Hand free slots to waiting requests, in the flow queue's order."""
+        granted = False
+        while len(state.queue):
+            entry = state.queue.pop(lambda e: self._fits(state, e.payload, now))
+            if entry is None:
+                break
+            waiter = entry.payload
+            assert waiter.placed is not None
+            self.sent(waiter.placed[1])
+            if not waiter.future.done():
+                waiter.future.set_result(waiter.placed)
+            granted = True
+        if granted:
+            self._count_queue(state)
+
+    def pump_all(self, now: float) -> None:
+        """After new loads were scraped: other gateways' requests may have finished."""
+        for state in self.states.values():
+            self.pump(state, now)
+
+    def _fits(self, state: ServiceState, waiter: Waiter, now: float) -> bool:
+        """Whether a pod has a free slot for ``waiter`` now; records which in ``placed``."""
+        usable = self._usable(state, waiter.tried, now)
+        variant = waiter.variant if waiter.variant in usable else None
+        if variant is None:
+            variant = self._variant(state, usable, waiter.sticky)
+            if variant is None:
+                return False
+        limit = state.service.concurrency
         loads = self.loads()
         candidates = []
         by_id = {}
         for pod in usable[variant]:
             load = loads.get(pod.id)
+            own = self.outstanding.get(pod.id, 0)
+            if limit and own + (0 if load is None else load.others) >= limit:
+                continue
             candidates.append(
                 Candidate(
                     pod.id,
-                    self.outstanding.get(pod.id, 0),
+                    own,
                     None if load is None else load.waiting,
                     None if load is None else load.kv_usage,
                 )
@@ -255,63 +407,50 @@ class Cluster:
         chosen = pick(
             candidates,
             rng=self.rng,
-            key=prefix,
+            key=waiter.prefix,
             ring=state.rings.get(variant),
             load_factor=state.service.routing.load_factor,
         )
-        return None if chosen is None else (variant, by_id[chosen.name])
+        if chosen is None:
+            return False
+        waiter.placed = (variant, by_id[chosen.name])
+        return True
 
-    async def hold(self, state: ServiceState, until: float, out: Outcome) -> None:
-        """Wait for a ready pod (scale from zero), in a bounded queue."""
-        loop = asyncio.get_running_loop()
+    def _usable(self, state: ServiceState, tried: set[str], now: float) -> dict[str, list[Pod]]:
+        """Each variant's ready pods that are neither ejected nor tried, where any are left."""
+        excluded = state.outlier.ejected(now) | tried if tried else state.outlier.ejected(now)
+        if not excluded:
+            return state.ready
+        usable = {v: [p for p in pods if p.id not in excluded] for v, pods in state.ready.items()}
+        return {v: pods for v, pods in usable.items() if pods}
+
+    def _variant(
+        self, state: ServiceState, usable: dict[str, list[Pod]], sticky: bytes | None
+    ) -> str | None:
+        """The variant by the split's weights, among those with a usable pod: chosen on
+        arrival, so that waiting for a slot does not bend the canary's share."""
+        return choose_variant(state.service.weights, usable, rng=self.rng, sticky=sticky)
+
+    def _count_queue(self, state: ServiceState) -> None:
         ns, name = state.key
-        if state.held >= self.max_held:
-            self.metrics.rejected.labels(ns, name, "hold_queue_full").inc()
-            raise GatewayError(
-                503,
-                f"{name} has no ready pod and "
-                f"{plural(state.held, 'request already waits', 'requests already wait')} for one",
-                "no_ready_pods",
-                headers=[(b"retry-after", b"5")],
-            )
-        started = loop.time()
-        state.held += 1
-        self.metrics.held.labels(ns, name).set(state.held)
-        self.metrics.held_total.labels(ns, name).inc()
-        if state.held_since is None:
-            state.held_since = started
-            self.hooks.on_hold(state)
-        try:
-            await asyncio.wait_for(state.ready_event.wait(), max(0.0, until - started))
-        except TimeoutError:
-            self.metrics.rejected.labels(ns, name, "hold_timeout").inc()
-            raise GatewayError(
-                503,
-                f"{name} has no ready pod; waited {loop.time() - started:.0f} s for one",
-                "no_ready_pods",
-                headers=[(b"retry-after", b"5")],
-            ) from None
-        finally:
-            out.held_seconds += loop.time() - started
-            state.held -= 1
-            self.metrics.held.labels(ns, name).set(state.held)
-            if state.held == 0:
-                state.held_since = None
-                self.hooks.on_hold(state)
+        for i, band in enumerate(self.bands):
+            self.metrics.held(ns, name, band).set(state.queue.band_length(i))
 
     # -- what each attempt at a pod tells -------------------------------------------------
 
     def sent(self, pod: Pod) -> None:
         self.outstanding[pod.id] = self.outstanding.get(pod.id, 0) + 1
 
-    def answered(self, state: ServiceState, pod: Pod, outcome: str, now: float) -> None:
-        """An attempt at ``pod`` ended with ``outcome``: one fewer in flight, and a mark for
-        or against the pod with the outlier detector."""
-        self.outstanding[pod.id] -= 1
-        if not self.outstanding[pod.id]:
-            del self.outstanding[pod.id]
-        ns, name = state.key
+    def answered(
+        self, state: ServiceState, pod: Pod, outcome: str, now: float, seconds: float
+    ) -> None:
+        """An attempt at ``pod`` ended with ``outcome`` after ``seconds``: its slot goes to the
+        next waiting request, and the outcome is a mark for or against the pod with the
+        outlier detector."""
+        state.slot_seconds += SLOT_EWMA * (seconds - state.slot_seconds)
         ejection = state.outlier.record(pod.id, now, outcome not in _POD_FINE, state.pod_count)
+        self._release(state, pod, now)  # after the verdict: an ejected pod gets no new request
+        ns, name = state.key
         if ejection is None:
             return
         self.metrics.ejections.labels(ns, name, pod.id).inc()
@@ -326,3 +465,11 @@ class Cluster:
                 "times": ejection.times,
             },
         )
+
+    def _release(self, state: ServiceState, pod: Pod, now: float) -> None:
+        left = self.outstanding[pod.id] - 1
+        if left:
+            self.outstanding[pod.id] = left
+        else:
+            del self.outstanding[pod.id]
+        self.pump(state, now)

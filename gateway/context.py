@@ -35,6 +35,8 @@ class ClientRequest:
     key: ApiKey | None = None  # the authentication filter's
     parsed: Inbound | None = None  # the body filter's
     route: Service | None = None  # the route filter's
+    band: int = 0  # the priority filter's: the request's priority band, 0 the highest
+    tenant: str = ""  # the priority filter's: whose fair share the request counts against
     cache_key: bytes | None = None  # the cache filter's, when the answer may be kept
     watcher: asyncio.Task[None] | None = None  # the body filter's watch for a hang-up
     _by_name: dict[bytes, bytes] | None = field(default=None, repr=False)

@@ -23,6 +23,7 @@ from ladle.gateway.cluster import Cluster, Hooks
 from ladle.gateway.filters.authn import Authentication
 from ladle.gateway.filters.body import Body
 from ladle.gateway.filters.cache import Cache
+from ladle.gateway.filters.priority import Priority
 from ladle.gateway.filters.ratelimit import RateLimit
 from ladle.gateway.filters.route import Route
 from ladle.gateway.filters.router import Router
@@ -49,13 +50,16 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.pool = Pool(connect_timeout=settings.connect_timeout)
         self.scraper = (
-            Scraper(self.pool, settings.scrape_interval) if settings.scrape_interval else None
+            Scraper(self.pool, settings.scrape_interval, own=self._outstanding)
+            if settings.scrape_interval
+            else None
         )
         scraper = self.scraper
         self.cluster = Cluster(
             self.metrics,
             self.pool,
             max_held=settings.max_held_requests,
+            bands=settings.priority_bands,
             loads=(lambda: scraper.loads) if scraper is not None else dict,
         )
         self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)
@@ -78,7 +82,7 @@ class Gateway:
                 raise SettingsError(f"{exc}; or route to plain servers with --static") from None
         if settings.api_keys_file is not None:
             try:
-                self.keys = KeyStore(settings.api_keys_file, 0.0)
+                self.keys = KeyStore(settings.api_keys_file, 0.0, settings.priority_bands)
             except KeyFileError as exc:
                 raise SettingsError(str(exc)) from None
 
@@ -100,7 +104,11 @@ class Gateway:
         filters: list[Filter] = []
         if authentication is not None:
             filters += [authentication, RateLimit(self.metrics)]
-        filters += [Body(settings.max_request_size), Route(self.cluster)]
+        filters += [
+            Priority(settings.priority_bands, settings.default_priority),
+            Body(settings.max_request_size),
+            Route(self.cluster),
+        ]
         if settings.response_cache:
             filters.append(Cache(ResponseCache(settings.response_cache_size), self.metrics))
         router = Router(
@@ -124,7 +132,7 @@ class Gateway:
             self._start_watching()
         self._spawn(self._ticker())
         if self.scraper is not None:
-            self._spawn(self.scraper.run(self._pods))
+            self._spawn(self.scraper.run(self._pods, lambda: self.cluster.pump_all(loop.time())))
         log.info(
             "gateway started",
             extra={"url": f"http://{self.settings.host}:{self.settings.port}/v1"},
@@ -176,6 +184,9 @@ class Gateway:
         services = [s for i in self._service_informers for s in i.items.values()]
         pods = [p for i in self._pod_informers for p in i.items.values()]
         self.cluster.update(build_table(services, pods), asyncio.get_running_loop().time())
+
+    def _outstanding(self, pod: str) -> int:
+        return self.cluster.outstanding.get(pod, 0)
 
     def _pods(self) -> list[Pod]:
         return [

@@ -97,19 +97,45 @@ class GatewayMetrics:
         )
         self.rejected = Counter(
             "ladle_gateway_rejected",
-            "Requests refused before reaching a pod, by reason (breaker_open, hold_timeout, "
-            "hold_queue_full, unknown_model, ...).",
+            "Requests refused before reaching a pod, by reason (breaker_open, unknown_model, "
+            "...); the queue's refusals are ladle_gateway_shed_total.",
             [*svc, "reason"],
             registry=r,
         )
-        self.held = Gauge(
+        queue = [*svc, "band"]
+        self.held_metric = Gauge(
             "ladle_gateway_held_requests",
-            "Requests waiting for a ready pod (scale from zero); the autoscaler reads this.",
-            svc,
+            "Requests waiting at the gateway for a pod's free slot, or for a ready pod at zero, "
+            "by priority band; the autoscaler reads their sum as demand.",
+            queue,
             registry=r,
         )
-        self.held_total = Counter(
-            "ladle_gateway_held", "Requests that had to wait for a ready pod.", svc, registry=r
+        self.queued_metric = Counter(
+            "ladle_gateway_queued",
+            "Requests that had to wait for a slot, by band and tenant.",
+            [*queue, "tenant"],
+            registry=r,
+        )
+        self.tenant_wait_metric = Counter(
+            "ladle_gateway_queue_tenant_wait_seconds",
+            "Seconds waited in the queue, by band and tenant (over ladle_gateway_queued_total: "
+            "each tenant's mean wait).",
+            [*queue, "tenant"],
+            registry=r,
+        )
+        self.queue_wait_metric = Histogram(
+            "ladle_gateway_queue_wait_seconds",
+            "Time a request waited in the queue for a slot, by band.",
+            queue,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shed_metric = Counter(
+            "ladle_gateway_shed",
+            "Requests the queue gave up on, by band and reason: queue_full (429 on arrival), "
+            "displaced (429, made room for a higher band), deadline (504), no_ready_pods (503).",
+            [*queue, "reason"],
+            registry=r,
         )
         self.rate_limited = Counter(
             "ladle_gateway_rate_limited",
@@ -166,6 +192,11 @@ class GatewayMetrics:
         self.overhead = Series(self.overhead_metric)
         self.duration = Series(self.duration_metric)
         self.ttfb = Series(self.ttfb_metric)
+        self.held = Series(self.held_metric)
+        self.queued = Series(self.queued_metric)
+        self.tenant_wait = Series(self.tenant_wait_metric)
+        self.queue_wait = Series(self.queue_wait_metric)
+        self.shed = Series(self.shed_metric)
 
     def breaker(self, namespace: str, service: str, state: State) -> None:
         for s in State:
@@ -175,10 +206,9 @@ class GatewayMetrics:
         """Drop a deleted service's gauges, so that they do not report it forever."""
         for s in State:
             _remove(self.breaker_state, namespace, service, s.value)
-        for gauge in (self.held, self.ejected):
-            _remove(gauge, namespace, service)
-        self.in_flight.forget(lambda labels: labels[:2] == (namespace, service))
-        self.cache.forget(lambda labels: labels[:2] == (namespace, service))
+        _remove(self.ejected, namespace, service)
+        for series in (self.in_flight, self.cache, self.held):
+            series.forget(lambda labels: labels[:2] == (namespace, service))
 
     def forget_pod(self, pod: str) -> None:
         """Drop the series of a pod that is gone; pods come and go with every rollout."""
@@ -188,3 +218,20 @@ class GatewayMetrics:
 def _remove(metric: Gauge, *labels: str) -> None:
     with contextlib.suppress(KeyError):
         metric.remove(*labels)
+
+
+class TenantLabels:
+    """A tenant's label value: its own name for the first ``limit`` tenants seen, ``other``
+    after them, so that clients inventing fairness ids cannot grow the series without bound."""
+
+    def __init__(self, limit: int = 100) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def label(self, tenant: str) -> str:
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.limit:
+            self._known.add(tenant)
+            return tenant
+        return "other"

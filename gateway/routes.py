@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ladle.api import (
+    DEFAULT_MAX_NUM_SEQS,
     LABEL_ISVC,
     LABEL_VARIANT,
     STABLE,
@@ -50,6 +51,8 @@ class Service:
     # variant's pods all run (variant, revision).
     response_cache: bool = False
     revisions: tuple[tuple[str, str], ...] = ()
+    # Slots per pod: requests a pod takes from the gateway at once (0: no limit).
+    concurrency: int = DEFAULT_MAX_NUM_SEQS
 
     @property
     def key(self) -> ServiceKey:
@@ -136,6 +139,11 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
         reported_breaker=((status.get("gateway") or {}).get("breaker") or {}).get("state"),
         response_cache=traffic.response_cache,
         revisions=_revisions(status),
+        concurrency=(
+            traffic.routing.max_concurrency
+            if traffic.routing.max_concurrency is not None
+            else spec.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        ),
     )
 
 

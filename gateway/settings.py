@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladle.settings import SettingError
+
+_BAND = re.compile(r"[a-z][a-z0-9-]{0,31}")
+
+
+# Priority bands, highest first, as the Gateway API Inference Extension's criticalities read.
+DEFAULT_BANDS = ("critical", "standard", "sheddable")
 
 
 class SettingsError(SettingError):
@@ -24,6 +31,8 @@ class GatewaySettings:
     static: Path | None = None
     api_keys_file: Path | None = None
     max_held_requests: int = 256
+    priority_bands: tuple[str, ...] = DEFAULT_BANDS
+    default_priority: str = "standard"
     scrape_interval: float = 2.0
     connect_timeout: float = 5.0
     max_request_size: int = 8 << 20
@@ -42,6 +51,17 @@ class GatewaySettings:
         object.__setattr__(self, "namespaces_all", not self.namespaces)
         if self.max_held_requests < 0:
             raise SettingsError(f"--max-held-requests must be >= 0, got {self.max_held_requests}")
+        bands = self.priority_bands
+        if not bands or len(set(bands)) != len(bands) or not all(_BAND.fullmatch(b) for b in bands):
+            raise SettingsError(
+                "--priority-bands must list distinct lowercase names, highest first, such as "
+                f"{','.join(DEFAULT_BANDS)}; got {','.join(bands)!r}"
+            )
+        if self.default_priority not in bands:
+            raise SettingsError(
+                f"--default-priority must be one of the bands ({', '.join(bands)}), "
+                f"got {self.default_priority!r}"
+            )
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> GatewaySettings:
@@ -49,4 +69,7 @@ class GatewaySettings:
         (``--namespace``, repeatable, fills ``namespaces``)."""
         names = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "namespaces"]
         namespaces = tuple(dict.fromkeys(n.strip() for n in args.namespace if n.strip()))
-        return cls(namespaces=namespaces, **{name: getattr(args, name) for name in names})
+        values = {name: getattr(args, name) for name in names}
+        if isinstance(values["priority_bands"], str):
+            values["priority_bands"] = tuple(b.strip() for b in values["priority_bands"].split(","))
+        return cls(namespaces=namespaces, **values)

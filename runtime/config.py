@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ladle.api.isvc import DEFAULT_MAX_NUM_SEQS
 from ladle.flag_types import Invalid, existing_path, integer, memory, number, size_text
 from ladle.settings import Default, SettingError
 
@@ -79,7 +80,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     enable_prefix_caching: bool = True

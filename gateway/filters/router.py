@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ladle.gateway.cluster import Cluster, ServiceState
+from ladle.gateway.cluster import Ask, Cluster, ServiceState
 from ladle.gateway.context import ClientRequest, HeaderList, Outcome, Send
 from ladle.gateway.errors import GatewayError
+from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.relay import relay_events, usage_tokens
 from ladle.gateway.routes import Pod
@@ -105,28 +106,26 @@ class Router:
             add_usage,
             counted,
         )
-        sticky = req.inbound.session_key(req.header(b"x-session-id"))
-        prefix = (
-            req.inbound.prefix(service.routing.prefix_chars)
-            if service.routing.prefix_affinity
-            else None
+        ask = Ask(
+            req.band,
+            req.tenant,
+            attempt.deadline,
+            _cost(req.inbound),
+            attempt.expired,
+            sticky=req.inbound.session_key(req.header(b"x-session-id")),
+            prefix=(
+                req.inbound.prefix(service.routing.prefix_chars)
+                if service.routing.prefix_affinity
+                else None
+            ),
         )
-        tried: set[str] = set()
-        hold_until: float | None = None
         last_error: str = ""
         while True:
-            choice = self.cluster.choose(state, tried, sticky, prefix, loop.time())
+            choice = await self.cluster.bind(state, ask, out)
             if choice is None:
-                if tried:
-                    break  # every pod tried: answer with the last error
-                if hold_until is None:
-                    hold_until = min(
-                        attempt.deadline, loop.time() + service.timeouts.scale_from_zero_seconds
-                    )
-                await self.cluster.hold(state, hold_until, out)
-                continue
+                break  # every pod tried: answer with the last error
             variant, pod = choice
-            tried.add(pod.id)
+            ask.tried.add(pod.id)
             out.attempts += 1
             out.variant, out.pod = variant, pod.id
             if out.attempts > 1:
@@ -134,6 +133,9 @@ class Router:
             last = out.attempts > service.routing.retries
             result = await self._attempt(attempt, variant, pod, send, out, last)
             if result is None:
+                if out.completion_tokens is not None:
+                    actual = out.completion_tokens - _output(req.inbound)
+                    state.queue.charge(ask.band, ask.tenant, actual)
                 rate_limited = out.status == 429 and service.breaker.count_rate_limited
                 return out.status < 500 and not out.failed and not rate_limited
             last_error = result
@@ -154,7 +156,6 @@ class Router:
         ns, name = a.state.key
         req = a.req
         in_flight = self.metrics.in_flight(ns, name, variant)
-        self.cluster.sent(pod)
         in_flight.inc()
         sent_at = loop.time()
         first_deadline = min(a.deadline, sent_at + a.state.service.timeouts.first_token_seconds)
@@ -242,7 +243,8 @@ class Router:
                 response.release()
             in_flight.dec()
             self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
-            self.cluster.answered(a.state, pod, outcome, loop.time())
+            now = loop.time()
+            self.cluster.answered(a.state, pod, outcome, now, now - sent_at)
 
 
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:
@@ -252,3 +254,22 @@ def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderLi
     if out.cache is not None:
         headers.append((b"x-ladle-cache", out.cache.encode()))
     return headers
+
+
+# Output tokens a request that sets no limit is expected to cost its tenant until its answer
+# says how many it took.
+_DEFAULT_OUTPUT = 128
+
+
+def _output(inbound: Inbound) -> int:
+    limit = inbound.doc.get("max_completion_tokens", inbound.doc.get("max_tokens"))
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    return _DEFAULT_OUTPUT
+
+
+def _cost(inbound: Inbound) -> float:
+    """The tokens a request is expected to cost its tenant's fair share: its prompt (about four
+    bytes of body a token) and the output it may ask for; corrected by the answer's usage when
+    the gateway reads it."""
+    return len(inbound.body) / 4 + _output(inbound)

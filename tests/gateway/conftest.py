@@ -42,7 +42,11 @@ class Seen:
 @dataclass
 class FakePod:
     """Answers according to ``mode``: ok, stream, status:<code>, hang, die_mid_stream,
-    close_before_answer. ``delay`` seconds pass before the answer starts."""
+    close_before_answer. ``delay`` seconds pass before the answer starts.
+
+    As an engine with ``slots`` sequences, it counts the requests it holds: those past its
+    slots wait (``peak_waiting`` is the most that ever did), and ``GET /metrics`` reports them
+    as a runtime does. Each request's ``x-request-id`` is recorded in ``order`` as it starts."""
 
     mode: str = "ok"
     delay: float = 0.0
@@ -52,6 +56,10 @@ class FakePod:
     hold_body: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     disconnects: int = 0
+    slots: int = 256
+    active: int = 0
+    peak_waiting: int = 0
+    order: list[str] = field(default_factory=list)
     port: int = 0
     _server: asyncio.AbstractServer | None = None
 
@@ -101,6 +109,10 @@ class _PodProtocol(asyncio.Protocol):
         self.body += body
 
     def on_message_complete(self) -> None:
+        if self.url == b"/metrics":
+            self.headers, self.body = {}, b""
+            self.metrics()
+            return
         body = json.loads(self.body) if self.body else {}
         self.pod.seen.append(Seen(self.url.decode(), dict(self.headers), body))
         self.task = asyncio.ensure_future(self.answer(body))
@@ -110,7 +122,26 @@ class _PodProtocol(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(data)
 
+    def metrics(self) -> None:
+        pod = self.pod
+        running, waiting = min(pod.active, pod.slots), max(0, pod.active - pod.slots)
+        page = (
+            f"ladle:num_requests_running {running}\nladle:num_requests_waiting {waiting}\n"
+            "ladle:kv_cache_usage_perc 0.1\n"
+        ).encode()
+        self.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page))
+
     async def answer(self, body: dict[str, Any]) -> None:
+        pod = self.pod
+        pod.active += 1
+        pod.peak_waiting = max(pod.peak_waiting, pod.active - pod.slots)
+        pod.order.append(self.pod.seen[-1].headers.get("x-request-id", ""))
+        try:
+            await self._answer(body)
+        finally:
+            pod.active -= 1
+
+    async def _answer(self, body: dict[str, Any]) -> None:
         pod = self.pod
         mode = pod.mode
         if pod.delay:
@@ -199,7 +230,7 @@ async def run_gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     async def start(services: list[dict[str, Any]], **settings: Any) -> RunningGateway:
         path = tmp_path / f"routes-{len(servers)}.yaml"
         path.write_text(yaml.safe_dump({"services": services}))
-        gateway = Gateway(GatewaySettings(static=path, scrape_interval=0, **settings))
+        gateway = Gateway(GatewaySettings(static=path, **{"scrape_interval": 0, **settings}))
         config = uvicorn.Config(
             gateway.app(),
             host="127.0.0.1",

@@ -332,10 +332,14 @@ async def test_scale_from_zero_holds_until_a_pod_is_ready(fake_pods: Any, run_ga
         request = asyncio.ensure_future(post(client, gw.url, {"model": "m", "prompt": "x"}))
         await asyncio.sleep(0.3)
         assert not request.done()
-        assert (
-            sample(gw.gateway, "ladle_gateway_held_requests", namespace="default", service="chat")
-            == 1
+        held_now = sample(
+            gw.gateway,
+            "ladle_gateway_held_requests",
+            namespace="default",
+            service="chat",
+            band="standard",
         )
+        assert held_now == 1
         service = cluster.table.services[("default", "chat")]
         ready = Pod("default", "chat-0", "chat", "stable", "127.0.0.1", pod.port, True)
         cluster.update(build_table([service], [ready]), asyncio.get_running_loop().time())

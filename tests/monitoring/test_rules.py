@@ -105,7 +105,7 @@ def test_every_alert_says_how_bad_what_and_where_the_runbook_is(
     prometheus_rule: dict[str, Any],
 ) -> None:
     rules = alerts(prometheus_rule)
-    assert len({r["alert"] for r in rules}) == 17
+    assert len({r["alert"] for r in rules}) == 18
     for rule in rules:
         name = rule["alert"]
         assert rule["labels"]["severity"] in ("critical", "warning"), name

@@ -8,6 +8,7 @@ and compares), so that objects stored before a default existed still reconcile.
 """
 
 from ladle.api.isvc import (
+    DEFAULT_MAX_NUM_SEQS,
     AutoscalingSpec,
     ConfigMapKeyRef,
     EngineSettings,
@@ -82,6 +83,7 @@ __all__ = [
     "API_VERSION",
     "CANARY",
     "DEFAULT_GPU_RESOURCE",
+    "DEFAULT_MAX_NUM_SEQS",
     "GPU_PRODUCT_LABEL",
     "GROUP",
     "ISVC_KIND",

@@ -45,6 +45,11 @@ class Quantization:
         return label if self.kv_cache == "auto" else f"{label}+kv-{self.kv_cache}"
 
 
+# The engine's default of --max-num-seqs: the sequences one pod runs at once, and so the
+# gateway's default number of slots per pod.
+DEFAULT_MAX_NUM_SEQS = 256
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """Engine knobs; each maps onto one ``ladle serve`` flag (None: the runtime's default)."""

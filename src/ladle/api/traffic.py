@@ -15,6 +15,9 @@ class RoutingPolicy:
     prefix_chars: int = 100
     load_factor: float = 1.25
     retries: int = 2
+    # Requests one pod takes from the gateway at a time (None: the engine's maxNumSeqs; 0: no
+    # limit, every request is sent on arrival).
+    max_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ def parse_traffic(spec: Mapping[str, Any]) -> TrafficSpec:
             prefix_chars=int(routing.get("prefixChars", r.prefix_chars)),
             load_factor=int(routing.get("loadFactorPercent", r.load_factor * 100)) / 100.0,
             retries=int(routing.get("retries", r.retries)),
+            max_concurrency=(
+                None if routing.get("maxConcurrency") is None else int(routing["maxConcurrency"])
+            ),
         ),
         breaker=BreakerConfig(
             enabled=bool(breaker.get("enabled", b.enabled)),

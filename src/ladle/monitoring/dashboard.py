@@ -20,6 +20,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
+from ladle.monitoring.flow_panels import flow_control
 from ladle.monitoring.panels import (
     DATASOURCE,
     GW,
@@ -169,6 +170,10 @@ def build() -> model.Dashboard:
         )
     )
     dash = dash.with_panel(breaker)
+
+    dash = dash.with_row(row("Flow control (gateway)"))
+    for panel in flow_control():
+        dash = dash.with_panel(panel)
 
     dash = dash.with_row(row("Latency (runtime)"))
     dash = dash.with_panel(

@@ -1,0 +1,207 @@
+"""Flow control on the data path, over real sockets against fake pods that count their slots:
+late binding, priority bands with shedding, fair shares between tenants, and a client that
+leaves the queue."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def service(pod: Any, slots: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": "chat",
+        "model": "m",
+        "endpoints": [pod.url],
+        "routing": {"maxConcurrency": slots},
+        **extra,
+    }
+
+
+async def post(
+    client: httpx.AsyncClient, url: str, rid: str, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    return await client.post(
+        url + "/v1/completions",
+        json={"model": "m", "prompt": "x", "max_tokens": 8},
+        headers={"x-request-id": rid, **(headers or {})},
+    )
+
+
+async def queued(gateway: Any, count: int) -> None:
+    """Until ``count`` requests wait in the service's queue."""
+    state = gateway.cluster.states[("default", "chat")]
+    for _ in range(500):
+        if len(state.queue) == count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(state.queue)} requests queued, expected {count}")
+
+
+async def test_late_binding_keeps_the_pods_own_queue_empty(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pods = [await fake_pods(delay=0.2, slots=2) for _ in range(2)]
+    gw = await run_gateway(
+        [{"name": "chat", "model": "m", "endpoints": [p.url for p in pods],
+          "routing": {"maxConcurrency": 2}}]
+    )  # fmt: skip
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(*(post(client, gw.url, f"r{i}") for i in range(12)))
+    assert [r.status_code for r in answers] == [200] * 12
+    assert [p.peak_waiting for p in pods] == [0, 0]  # 3x the slots, and no pod queued one
+    assert sum(len(p.seen) for p in pods) == 12
+    waited = gw.gateway.metrics.registry.get_sample_value(
+        "ladle_gateway_queued_total",
+        {"namespace": "default", "service": "chat", "band": "standard", "tenant": ""},
+    )
+    assert waited == 8
+
+
+async def test_early_binding_when_concurrency_is_zero(fake_pods: Any, run_gateway: Any) -> None:
+    pod = await fake_pods(delay=0.2, slots=2)
+    gw = await run_gateway([service(pod, 0)])
+    async with httpx.AsyncClient(timeout=30) as client:
+        answers = await asyncio.gather(*(post(client, gw.url, f"r{i}") for i in range(6)))
+    assert [r.status_code for r in answers] == [200] * 6
+    assert pod.peak_waiting == 4  # every request went to the pod on arrival
+
+
+async def test_a_higher_band_goes_first_and_only_the_lowest_is_shed(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(delay=0.3, slots=1)
+    gw = await run_gateway([service(pod, 1)], max_held_requests=3)
+    low = {"x-ladle-priority": "sheddable"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        first = asyncio.ensure_future(post(client, gw.url, "busy", low))
+        await asyncio.sleep(0.1)
+        lows = [asyncio.ensure_future(post(client, gw.url, f"low{i}", low)) for i in range(3)]
+        await queued(gw.gateway, 3)
+        refused = await post(client, gw.url, "low-refused", low)
+        high = asyncio.ensure_future(post(client, gw.url, "high", {"x-ladle-priority": "critical"}))
+        answers = await asyncio.gather(first, high, *lows)
+    # The queue was full of the lowest band: a newcomer of that band is refused, and a higher
+    # one takes the place of the last sheddable request in line.
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "queue_full"
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    statuses = [r.status_code for r in answers]
+    assert statuses == [200, 200, 200, 200, 429]
+    assert "sheddable" in answers[-1].json()["error"]["message"]
+    assert pod.order == ["busy", "high", "low0", "low1"]
+    shed = gw.gateway.metrics.registry.get_sample_value(
+        "ladle_gateway_shed_total",
+        {"namespace": "default", "service": "chat", "band": "sheddable", "reason": "displaced"},
+    )
+    assert shed == 1
+
+
+async def test_within_a_band_the_earliest_deadline_goes_first(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(delay=0.2, slots=1)
+    gw = await run_gateway([service(pod, 1)])
+    async with httpx.AsyncClient(timeout=30) as client:
+        first = asyncio.ensure_future(post(client, gw.url, "busy"))
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(post(client, gw.url, "late", {"x-ladle-timeout": "30"}))
+        await queued(gw.gateway, 1)
+        soon = asyncio.ensure_future(post(client, gw.url, "soon", {"x-ladle-timeout": "10"}))
+        await asyncio.gather(first, late, soon)
+    assert pod.order == ["busy", "soon", "late"]
+
+
+async def test_a_light_tenant_is_not_starved_by_a_heavy_one(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(delay=0.05, slots=1)
+    gw = await run_gateway([service(pod, 1)])
+    heavy = {"x-gateway-inference-fairness-id": "heavy"}
+    light = {"x-gateway-inference-fairness-id": "light"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        flood = [asyncio.ensure_future(post(client, gw.url, f"h{i}", heavy)) for i in range(10)]
+        await queued(gw.gateway, 9)
+        mine = [asyncio.ensure_future(post(client, gw.url, f"l{i}", light)) for i in range(2)]
+        await asyncio.gather(*flood, *mine)
+    # In first come, first served, the light tenant would wait behind all ten. With fair
+    # shares it is lifted to the heavy tenant's count on arrival and alternates with it.
+    assert pod.order.index("l0") <= 2
+    assert pod.order.index("l1") <= 4
+
+
+async def test_a_client_that_leaves_the_queue_frees_its_place(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    pod = await fake_pods(delay=0.3, slots=1)
+    gw = await run_gateway([service(pod, 1)], max_held_requests=1)
+    async with httpx.AsyncClient(timeout=30) as client:
+        first = asyncio.ensure_future(post(client, gw.url, "busy"))
+        await asyncio.sleep(0.05)
+        async with httpx.AsyncClient(timeout=30) as leaving:
+            gone = asyncio.ensure_future(post(leaving, gw.url, "gone"))
+            await queued(gw.gateway, 1)
+            gone.cancel()
+        await queued(gw.gateway, 0)
+        after = await post(client, gw.url, "after")
+        assert (await first).status_code == 200
+    assert after.status_code == 200
+    assert pod.order == ["busy", "after"]
+
+
+async def test_bands_are_checked_and_keys_cap_them(
+    fake_pods: Any, run_gateway: Any, tmp_path: Path
+) -> None:
+    pod = await fake_pods()
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "keys:\n  - {name: batch, key: sk-batch-0001, priority: sheddable}\n"
+        "  - {name: ops, key: sk-ops-00001}\n"
+    )
+    gw = await run_gateway([service(pod, 4)], api_keys_file=keys)
+    batch = {"authorization": "Bearer sk-batch-0001"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        unknown = await post(client, gw.url, "a", {**batch, "x-ladle-priority": "urgent"})
+        above = await post(client, gw.url, "b", {**batch, "x-ladle-priority": "critical"})
+        own = await post(client, gw.url, "c", batch)
+        ops = await post(
+            client,
+            gw.url,
+            "d",
+            {"authorization": "Bearer sk-ops-00001", "x-ladle-priority": "critical"},
+        )
+    assert unknown.status_code == 400
+    assert unknown.json()["error"]["message"] == (
+        "x-ladle-priority names no band: 'urgent'; the bands are critical, standard, sheddable "
+        "(highest first)"
+    )
+    assert above.status_code == 403
+    assert "'sheddable' or a lower band" in above.json()["error"]["message"]
+    assert own.status_code == 200
+    assert ops.status_code == 200
+    assert len(pod.seen) == 2
+
+
+async def test_two_gateways_share_a_pods_slots_by_its_own_counts(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    """Each replica counts its own requests exactly and the other's from the pod's page: once
+    the first has filled the pod, the second holds its requests instead of queueing them in the
+    pod."""
+    pod = await fake_pods(delay=0.4, slots=2)
+    first = await run_gateway([service(pod, 2)], scrape_interval=0.05)
+    second = await run_gateway([service(pod, 2)], scrape_interval=0.05)
+    async with httpx.AsyncClient(timeout=30) as client:
+        mine = [asyncio.ensure_future(post(client, first.url, f"a{i}")) for i in range(4)]
+        await queued(first.gateway, 2)
+        await asyncio.sleep(0.15)  # a scrape or two: the second sees the pod full
+        theirs = [asyncio.ensure_future(post(client, second.url, f"b{i}")) for i in range(4)]
+        answers = await asyncio.gather(*mine, *theirs)
+    assert [r.status_code for r in answers] == [200] * 8
+    assert pod.peak_waiting == 0
