@@ -16,8 +16,13 @@ ratio; TTFT there is mostly queueing, hundreds of ms apart run to run, so it is 
 judged. One request at a time, the added TTFT (the gateway's p50 and p99 less direct's).
 Targets: throughput >= 97% of direct, added TTFT p50 <= 2 ms and p99 <= 10 ms.
 
+``proxy --baseline-src DIR`` also runs the gateway of another checkout (say a ``git worktree``
+of the commit before a change) in the same rounds, in turn with this one, and prints the two
+medians' ratio: a before/after comparison on equal work, on one machine, in one run.
+
 Run on a quiet machine:  .venv/bin/python bench/gateway.py            (both parts)
                           .venv/bin/python bench/gateway.py proxy --repeats 5
+                          .venv/bin/python bench/gateway.py proxy --baseline-src /tmp/before
                           .venv/bin/python bench/gateway.py --smoke  (seconds; checks it works)
 """
 
@@ -179,10 +184,11 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def gateway(
-    upstream_port: int, workdir: Path, core: int | None
+    upstream_port: int, workdir: Path, core: int | None, src: Path | None = None
 ) -> Iterator[tuple[int, psutil.Process]]:
+    """A gateway subprocess in front of the backend: this checkout's, or ``src``'s."""
     port = free_port()
-    routes = workdir / "routes.yaml"
+    routes = workdir / f"routes-{port}.yaml"
     routes.write_text(
         yaml.safe_dump(
             {
@@ -196,11 +202,15 @@ def gateway(
             }
         )
     )
-    log = (workdir / "gateway.log").open("w")
+    log = (workdir / f"gateway-{port}.log").open("w")
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src / "src")
     proc = subprocess.Popen(
         [*LADLE, "gateway", "--static", str(routes), "--port", str(port), "--scrape-interval", "0"],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
     )
     try:
         if core is not None:
@@ -238,38 +248,39 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
     _Backend.chunks = args.chunks
     server = loop.run_until_complete(loop.create_server(_Backend, "127.0.0.1", 0))
     backend_port = server.sockets[0].getsockname()[1]
+    targets = ["direct", "gw"] + (["base"] if args.baseline_src else [])
     rows: dict[str, list[float]] = {
-        k: [] for k in ("direct_rps", "gw_rps", "gw_rps_cpu", "direct_cps", "gw_cps", "gw_cps_cpu")
+        f"{t}_{m}": [] for t in targets for m in ("rps", "cps", "rps_cpu", "cps_cpu")
     }
-    with gateway(backend_port, workdir, gateway_core) as (port, proc):
+    with contextlib.ExitStack() as stack:
+        gateways = {"gw": stack.enter_context(gateway(backend_port, workdir, gateway_core))}
+        if args.baseline_src:
+            gateways["base"] = stack.enter_context(
+                gateway(backend_port, workdir, gateway_core, args.baseline_src)
+            )
+        ports = {"direct": backend_port, **{t: port for t, (port, _) in gateways.items()}}
         for i in range(args.repeats):
-            order = ("direct", "gw") if i % 2 == 0 else ("gw", "direct")
+            order = targets[i % len(targets) :] + targets[: i % len(targets)]
             for stream in (False, True):
                 for target in order:
-                    before = proc.cpu_times()
+                    proc = gateways[target][1] if target in gateways else None
+                    before = proc.cpu_times() if proc is not None else None
                     rps, cps = loop.run_until_complete(
-                        load(
-                            backend_port if target == "direct" else port,
-                            args.seconds,
-                            args.concurrency,
-                            stream,
-                        )
+                        load(ports[target], args.seconds, args.concurrency, stream)
                     )
-                    cpu = sum(proc.cpu_times()[:2]) - sum(before[:2])
                     rate, per_cpu = (cps, "cps") if stream else (rps, "rps")
                     rows[f"{target}_{per_cpu}"].append(rate)
-                    if target == "gw":
+                    if proc is not None and before is not None:
+                        cpu = sum(proc.cpu_times()[:2]) - sum(before[:2])
                         # Load ran for the warm-up as well; the CPU time covers both.
                         span = args.seconds + min(1.0, args.seconds / 4)
-                        rows[f"gw_{per_cpu}_cpu"].append(rate * span / max(cpu, 1e-9))
+                        rows[f"{target}_{per_cpu}_cpu"].append(rate * span / max(cpu, 1e-9))
         rounds: list[dict[str, list[float]]] = []
         for i in range(args.repeats * 2):
             rounds.append({})
-            for target in ("direct", "gw") if i % 2 == 0 else ("gw", "direct"):
+            for target in targets[i % len(targets) :] + targets[: i % len(targets)]:
                 rounds[-1][target] = loop.run_until_complete(
-                    first_events(
-                        backend_port if target == "direct" else port, args.latency_requests
-                    )
+                    first_events(ports[target], args.latency_requests)
                 )
     server.close()
     loop.close()
@@ -280,24 +291,35 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
         f"\nproxy benchmark: gateway {pinned}, {args.concurrency} connections, "
         f"{args.seconds:g} s x {args.repeats}"
     )
-    print(f"  {'':38} {'median':>10}  (min - max)")
-    print(f"  {'direct to the backend, requests/s':38} {spread(rows['direct_rps'])}")
-    print(f"  {'through the gateway, requests/s':38} {spread(rows['gw_rps'])}")
-    print(f"  {'  per gateway CPU-second':38} {spread(rows['gw_rps_cpu'])}")
-    print(f"  {'direct, streamed chunks/s':38} {spread(rows['direct_cps'])}")
-    print(f"  {'through the gateway, chunks/s':38} {spread(rows['gw_cps'])}")
-    print(f"  {'  per gateway CPU-second':38} {spread(rows['gw_cps_cpu'])}")
-    first = {t: [ms for r in rounds for ms in r[t]] for t in ("direct", "gw")}
+    names = {"gw": "through the gateway", "base": "through the baseline gateway"}
+    print(f"  {'':44} {'median':>10}  (min - max)")
+    print(f"  {'direct to the backend, requests/s':44} {spread(rows['direct_rps'])}")
+    for t in gateways:
+        print(f"  {names[t] + ', requests/s':44} {spread(rows[f'{t}_rps'])}")
+        print(f"  {'  per gateway CPU-second':44} {spread(rows[f'{t}_rps_cpu'])}")
+    print(f"  {'direct, streamed chunks/s':44} {spread(rows['direct_cps'])}")
+    for t in gateways:
+        print(f"  {names[t] + ', chunks/s':44} {spread(rows[f'{t}_cps'])}")
+        print(f"  {'  per gateway CPU-second':44} {spread(rows[f'{t}_cps_cpu'])}")
+    if args.baseline_src:
+        print(f"  this gateway / the baseline's ({args.baseline_src}), by the medians:")
+        for metric, label in (("rps", "requests/s"), ("cps", "chunks/s")):
+            for suffix, what in (("", ""), ("_cpu", " per CPU-second")):
+                ratio = statistics.median(rows[f"gw_{metric}{suffix}"]) / statistics.median(
+                    rows[f"base_{metric}{suffix}"]
+                )
+                print(f"    {label + what:36} {ratio:10.3f}")
+    first = {t: [ms for r in rounds for ms in r[t]] for t in targets}
     print(
         f"  one stream at a time, ms to the first event ({len(first['gw']):,} requests each, "
         f"{len(rounds)} alternating rounds):"
     )
-    print(f"  {'':38} {'p50':>10} {'p99':>10}")
-    for target, label in (("direct", "direct to the backend"), ("gw", "through the gateway")):
+    print(f"  {'':44} {'p50':>10} {'p99':>10}")
+    for target in targets:
         p50, p99 = np.percentile(first[target], (50, 99))
-        print(f"  {label:38} {p50:10.3f} {p99:10.3f}")
+        print(f"  {names.get(target, 'direct to the backend'):44} {p50:10.3f} {p99:10.3f}")
     added = np.percentile(first["gw"], (50, 99)) - np.percentile(first["direct"], (50, 99))
-    print(f"  {'added by the gateway':38} {added[0]:+10.3f} {added[1]:+10.3f}")
+    print(f"  {'added by the gateway':44} {added[0]:+10.3f} {added[1]:+10.3f}")
     per_round = [
         np.percentile(r["gw"], (50, 99)) - np.percentile(r["direct"], (50, 99)) for r in rounds
     ]
@@ -458,6 +480,11 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument(
+        "--baseline-src",
+        type=Path,
+        help="proxy: also run the gateway of this checkout (a git worktree), in turn",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script works")
     args = parser.parse_args()
     if args.smoke:

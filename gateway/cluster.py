@@ -49,16 +49,20 @@ SLOT_EWMA = 0.05
 
 @dataclass(slots=True)
 class Ask:
-    """What binding needs to know of one request."""
+    """What binding needs to know of one request (the router's attempts extend it: one object
+    a request, since every object the data path allocates is garbage-collector work)."""
 
     band: int
     tenant: str
     deadline: float
     cost: float  # tokens it is expected to cost its tenant's fair share
-    expired: Callable[[], GatewayError]  # the answer when its deadline passes in the queue
-    tried: set[str] = field(default_factory=set)
-    sticky: bytes | None = None
-    prefix: bytes | None = None
+    tried: set[str]  # pods already tried: a retry goes elsewhere
+    sticky: bytes | None
+    prefix: bytes | None
+
+    def expired(self) -> GatewayError:
+        """The answer when the deadline passes while the request waits."""
+        return GatewayError(504, "the request's deadline passed", "deadline_exceeded")
 
 
 @dataclass(eq=False, slots=True)
@@ -67,8 +71,8 @@ class Waiter:
     tried: set[str]
     sticky: bytes | None
     prefix: bytes | None
-    future: asyncio.Future[tuple[str, Pod] | None]
-    placed: tuple[str, Pod] | None = None
+    future: asyncio.Future[Pod | None]
+    placed: Pod | None = None
 
 
 class ServiceState:
@@ -262,31 +266,39 @@ class Cluster:
 
     # -- binding a request to a pod's free slot, or queueing it until one frees -----------
 
-    async def bind(self, state: ServiceState, ask: Ask, out: Outcome) -> tuple[str, Pod] | None:
+    def place(self, state: ServiceState, ask: Ask, now: float) -> Pod | None:
         """A pod with a free slot for this request, the slot already taken (``answered`` gives
-        it back); None when every pod left has been tried. Without a free slot, or without a
-        ready pod at all (scale from zero), the request waits in the service's flow queue:
-        late binding, so that a saturated pod's own queue stays empty and the request goes to
-        whichever pod frees a slot first. Raises the queue's refusals (429 when shed) and the
-        deadline's."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        it back), when one is free and no request waits before it; None otherwise: ``wait``.
+        Synchronous, so that a request that need not wait costs no coroutine."""
+        if state.queue.length:
+            return None
         usable = self._usable(state, ask.tried, now)
+        variant = self._variant(state, usable, ask.sticky)
+        if variant is None:
+            return None
+        pod = self._free_pod(state, usable[variant], variant, ask.prefix)
+        if pod is not None:
+            self.sent(pod)
+            if not ask.tried:  # a retry is not charged twice
+                state.queue.charge(ask.band, ask.tenant, ask.cost)
+        return pod
+
+    async def wait(self, state: ServiceState, ask: Ask, out: Outcome) -> Pod | None:
+        """Wait in the service's flow queue for a free slot, or for a ready pod at zero: late
+        binding, so that a saturated pod's own queue stays empty and the request goes to
+        whichever pod frees a slot first. None when every pod left has been tried. Raises the
+        queue's refusals (429 when shed) and the deadline's."""
+        loop = asyncio.get_running_loop()
+        usable = self._usable(state, ask.tried, loop.time())
         variant = self._variant(state, usable, ask.sticky)
         if variant is None and ask.tried:
             return None
         waiter = Waiter(variant, ask.tried, ask.sticky, ask.prefix, loop.create_future())
-        if variant is not None and not len(state.queue) and self._fits(state, waiter, now):
-            assert waiter.placed is not None
-            self.sent(waiter.placed[1])
-            if not ask.tried:  # a retry is not charged twice
-                state.queue.charge(ask.band, ask.tenant, ask.cost)
-            return waiter.placed
         return await self._wait(state, ask, waiter, out)
 
     async def _wait(
         self, state: ServiceState, ask: Ask, waiter: Waiter, out: Outcome
-    ) -> tuple[str, Pod] | None:
+    ) -> Pod | None:
         loop = asyncio.get_running_loop()
         ns, name = state.key
         started = loop.time()
@@ -327,7 +339,7 @@ class Cluster:
             if future.done() and not future.cancelled() and future.exception() is None:
                 granted = future.result()  # a slot given as the client left: give it back
                 if granted is not None:
-                    self._release(state, granted[1], loop.time())
+                    self._release(state, granted, loop.time())
             state.queue.remove(entry)
             raise
         finally:
@@ -360,13 +372,13 @@ class Cluster:
     def pump(self, state: ServiceState, now: float) -> None:
         """Hand free slots to waiting requests, in the flow queue's order."""
         granted = False
-        while len(state.queue):
+        while state.queue.length:
             entry = state.queue.pop(lambda e: self._fits(state, e.payload, now))
             if entry is None:
                 break
             waiter = entry.payload
             assert waiter.placed is not None
-            self.sent(waiter.placed[1])
+            self.sent(waiter.placed)
             if not waiter.future.done():
                 waiter.future.set_result(waiter.placed)
             granted = True
@@ -386,11 +398,18 @@ class Cluster:
             variant = self._variant(state, usable, waiter.sticky)
             if variant is None:
                 return False
+        waiter.placed = self._free_pod(state, usable[variant], variant, waiter.prefix)
+        return waiter.placed is not None
+
+    def _free_pod(
+        self, state: ServiceState, pods: list[Pod], variant: str, prefix: bytes | None
+    ) -> Pod | None:
+        """The picker's choice among ``pods`` that have a free slot."""
         limit = state.service.concurrency
         loads = self.loads()
         candidates = []
         by_id = {}
-        for pod in usable[variant]:
+        for pod in pods:
             load = loads.get(pod.id)
             own = self.outstanding.get(pod.id, 0)
             if limit and own + (0 if load is None else load.others) >= limit:
@@ -407,14 +426,11 @@ class Cluster:
         chosen = pick(
             candidates,
             rng=self.rng,
-            key=waiter.prefix,
+            key=prefix,
             ring=state.rings.get(variant),
             load_factor=state.service.routing.load_factor,
         )
-        if chosen is None:
-            return False
-        waiter.placed = (variant, by_id[chosen.name])
-        return True
+        return None if chosen is None else by_id[chosen.name]
 
     def _usable(self, state: ServiceState, tried: set[str], now: float) -> dict[str, list[Pod]]:
         """Each variant's ready pods that are neither ejected nor tried, where any are left."""

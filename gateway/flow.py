@@ -64,10 +64,11 @@ class FlowQueue(Generic[T]):
     def __init__(self, bands: int, capacity: int) -> None:
         self._bands: list[_Band[T]] = [_Band() for _ in range(bands)]
         self.capacity = capacity
+        self.length = 0
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return sum(b.length for b in self._bands)
+        return self.length
 
     def band_length(self, band: int) -> int:
         return self._bands[band].length
@@ -76,7 +77,7 @@ class FlowQueue(Generic[T]):
         """Queue ``entry``; returns what was shed to make room (``entry`` itself when nothing
         of a lower band was there to shed), or None."""
         shed: Entry[T] | None = None
-        if len(self) >= self.capacity:
+        if self.length >= self.capacity:
             shed = self._victim()
             if shed is None or shed.band <= entry.band:
                 return entry
@@ -93,6 +94,7 @@ class FlowQueue(Generic[T]):
                 self._forget_idle(band)
         heapq.heappush(queue, (entry.deadline, entry.seq, entry))
         band.length += 1
+        self.length += 1
         return shed
 
     def pop(self, fits: Callable[[Entry[T]], bool] = lambda e: True) -> Entry[T] | None:
@@ -125,6 +127,7 @@ class FlowQueue(Generic[T]):
         if not queue:
             del band.queues[entry.tenant]
         band.length -= 1
+        self.length -= 1
         return True
 
     def charge(self, band: int, tenant: str, tokens: float) -> None:

