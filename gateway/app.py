@@ -127,9 +127,18 @@ class GatewayApp:
                 extra = [(b"x-request-id", request_id.encode()), *exc.headers]
                 await _send_json(send, exc.status, exc.body(), extra)
         except asyncio.CancelledError:
-            if out.error != CLOSED_ERROR:
-                raise
-            out.status = CLIENT_CLOSED
+            if out.error == CLOSED_ERROR:
+                out.status = CLIENT_CLOSED
+            elif out.started:
+                raise  # a stream cut short: the connection closes mid-answer
+            else:
+                # Only the server cancels a request otherwise: its drain timeout ran out while
+                # the request waited. A 503 that says so, which clients retry elsewhere.
+                out.status = 503
+                out.error = "the gateway stopped before the request was answered"
+                err = GatewayError(503, f"{out.error}; retry", "shutting_down")
+                extra = [(b"x-request-id", request_id.encode()), (b"retry-after", b"1")]
+                await _send_json(send, 503, err.body(), extra)
         except Exception:
             log.exception("unhandled error", extra={"path": path.decode()})
             out.error = "internal error"

@@ -5,11 +5,15 @@ leaves the queue."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
+
+from .conftest import free_port, start_ladle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -205,3 +209,37 @@ async def test_two_gateways_share_a_pods_slots_by_its_own_counts(
         answers = await asyncio.gather(*mine, *theirs)
     assert [r.status_code for r in answers] == [200] * 8
     assert pod.peak_waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("drain", "delay", "answered"), [(10, 0.5, True), (1, 3.0, False)], ids=["drained", "cut"]
+)
+async def test_a_stopping_gateway_answers_or_fails_what_it_holds(
+    fake_pods: Any, tmp_path: Path, drain: int, delay: float, answered: bool
+) -> None:
+    """SIGTERM with requests held: within the drain timeout they are still bound and answered;
+    past it, each client gets a 503 to retry elsewhere. None is left hanging."""
+    pod = await fake_pods(delay=delay, slots=1)
+    routes = tmp_path / "routes.yaml"
+    routes.write_text(yaml.safe_dump({"services": [service(pod, 1)]}))
+    port = free_port()
+    gw = await asyncio.to_thread(
+        start_ladle, tmp_path / "gateway.log", "gateway", "--static", str(routes),
+        "--port", str(port), "--scrape-interval", "0", "--drain-timeout", str(drain), port=port,
+    )  # fmt: skip
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            sent = [asyncio.ensure_future(post(client, gw.url, f"r{i}")) for i in range(3)]
+            await asyncio.sleep(0.3)  # one at the pod, two held at the gateway
+            gw.proc.send_signal(signal.SIGTERM)
+            done = await asyncio.wait_for(asyncio.gather(*sent, return_exceptions=True), drain + 10)
+    finally:
+        gw.stop()
+    if answered:
+        assert [getattr(r, "status_code", r) for r in done] == [200, 200, 200]
+        assert pod.order == ["r0", "r1", "r2"]
+    else:  # the one at the pod and the two held get a 503 that says to retry
+        assert [getattr(r, "status_code", r) for r in done] == [503, 503, 503]
+        assert all(r.json()["error"]["code"] == "shutting_down" for r in done)
+        assert all(r.headers["retry-after"] == "1" for r in done)
+        assert pod.order == ["r0"]
