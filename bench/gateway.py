@@ -16,19 +16,11 @@ ratio; TTFT there is mostly queueing, hundreds of ms apart run to run, so it is 
 judged. One request at a time, the added TTFT (the gateway's p50 and p99 less direct's).
 Targets: throughput >= 97% of direct, added TTFT p50 <= 2 ms and p99 <= 10 ms.
 
-``binding``: late binding against early, on real pods: two ``ladle serve`` processes (each on
-its own core, prefix caching off) with ``--max-num-seqs`` slots each, and two gateways in front
-of both, one binding late (``routing.maxConcurrency`` = the slots) and one early (0), loaded in
-turn by ``ladle bench serve`` at three times the pods' slots with varied lengths. It prints TTFT
-and throughput for each, and how many requests waited in the pods' own queues (sampled every
-0.2 s): late binding keeps them near zero and holds the rest at the gateway.
-
 ``proxy --baseline-src DIR`` also runs the gateway of another checkout (say a ``git worktree``
 of the commit before a change) in the same rounds, in turn with this one, and prints the two
 medians' ratio: a before/after comparison on equal work, on one machine, in one run.
 
-Run on a quiet machine:  .venv/bin/python bench/gateway.py            (proxy and serve)
-                          .venv/bin/python bench/gateway.py binding --repeats 5
+Run on a quiet machine:  .venv/bin/python bench/gateway.py            (both parts)
                           .venv/bin/python bench/gateway.py proxy --repeats 5
                           .venv/bin/python bench/gateway.py proxy --baseline-src /tmp/before
                           .venv/bin/python bench/gateway.py --smoke  (seconds; checks it works)
@@ -41,28 +33,20 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httptools
-import httpx
 import numpy as np
-import psutil
-import yaml
+from harness import bench_serve_run, gateway, ladle_serve
 
 from ladle.gateway.upstream import Pool
-from ladle.runtime_metrics import WAITING, samples
 
 ROOT = Path(__file__).resolve().parent.parent
-LADLE = [sys.executable, "-m", "ladle.cli"]
 TARGET_RPS = 1000.0
 TARGET_CHUNKS = 10_000.0
 TARGET_THROUGHPUT_RATIO = 0.97
@@ -186,63 +170,6 @@ async def first_events(port: int, count: int) -> list[float]:
     return latencies
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def gateway(
-    upstream: int | list[int],
-    workdir: Path,
-    core: int | None,
-    src: Path | None = None,
-    routing: dict[str, Any] | None = None,
-) -> Iterator[tuple[int, psutil.Process]]:
-    """A gateway subprocess in front of the backends: this checkout's, or ``src``'s."""
-    port = free_port()
-    routes = workdir / f"routes-{port}.yaml"
-    ports = upstream if isinstance(upstream, list) else [upstream]
-    service: dict[str, Any] = {
-        "name": "bench",
-        "model": "bench",
-        "endpoints": [f"http://127.0.0.1:{p}" for p in ports],
-    }
-    if routing is not None:
-        service["routing"] = routing
-    routes.write_text(yaml.safe_dump({"services": [service]}))
-    log = (workdir / f"gateway-{port}.log").open("w")
-    env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = str(src / "src")
-    proc = subprocess.Popen(
-        [*LADLE, "gateway", "--static", str(routes), "--port", str(port), "--scrape-interval", "0"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        if core is not None:
-            os.sched_setaffinity(proc.pid, {core})
-        wait_http(f"http://127.0.0.1:{port}/health/ready", 30)
-        yield port, psutil.Process(proc.pid)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
-
-
-def wait_http(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise SystemExit(f"bench: {url} did not answer within {timeout:.0f} s")
-
-
 def spread(values: list[float]) -> str:
     med = statistics.median(values)
     return f"{med:10,.0f}  ({min(values):,.0f} - {max(values):,.0f})"
@@ -353,60 +280,12 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
 # -- ladle bench serve, direct and through the gateway ---------------------------------
 
 
-def bench_serve_run(
-    url: str,
-    prompts: int,
-    input_len: int,
-    output_len: int,
-    concurrency: int,
-    out: Path,
-    range_ratio: float = 0.0,
-) -> dict[str, Any]:
-    subprocess.run(
-        [*LADLE, "bench", "serve", "--base-url", url, "--model", "bench",
-         "--num-prompts", str(prompts), "--input-len", str(input_len),
-         "--output-len", str(output_len), "--max-concurrency", str(concurrency),
-         "--range-ratio", str(range_ratio),
-         "--seed", "0", "--percentiles", "50,99", "--result-file", str(out)],
-        check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    result: dict[str, Any] = json.loads(out.read_text())
-    if result["failed"]:
-        raise SystemExit(f"bench: {result['failed']} requests failed ({url})")
-    return result
-
-
 def ttft_gaps(runs: dict[str, list[dict[str, Any]]], q: int) -> list[float]:
     """The gateway's TTFT percentile less direct's, run by run."""
     return [
         g[f"p{q}_ttft_ms"] - d[f"p{q}_ttft_ms"]
         for d, g in zip(runs["direct"], runs["gw"], strict=True)
     ]
-
-
-@contextlib.contextmanager
-def ladle_serve(workdir: Path, max_num_seqs: int, core: int | None = None) -> Iterator[int]:
-    """A ``ladle serve`` of the embedded model, prefix caching off (no run inherits another's
-    cache), ready; pinned to ``core`` with one thread when given."""
-    port = free_port()
-    log = (workdir / f"serve-{port}.log").open("w")
-    env = dict(os.environ)
-    if core is not None:
-        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    serve = subprocess.Popen(
-        [*LADLE, "serve", "--port", str(port), "--no-enable-prefix-caching",
-         "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    try:
-        if core is not None:
-            os.sched_setaffinity(serve.pid, {core})
-        wait_http(f"http://127.0.0.1:{port}/health/ready", 300)
-        yield port
-    finally:
-        serve.terminate()
-        serve.wait(60)
-        log.close()
 
 
 def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
@@ -483,105 +362,9 @@ def bench_serve(args: argparse.Namespace, workdir: Path) -> bool:
     )
 
 
-# -- late binding against early, on real pods ------------------------------------------------
-
-
-class QueueSampler:
-    """Samples the pods' own queues (``ladle:num_requests_waiting``, summed) in a thread."""
-
-    def __init__(self, ports: list[int], every: float = 0.2) -> None:
-        self.ports = ports
-        self.every = every
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> QueueSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=2) as client:
-            while not self._stop.wait(self.every):
-                total = 0.0
-                for port in self.ports:
-                    page = client.get(f"http://127.0.0.1:{port}/metrics").text
-                    total += sum(v for _, v in samples(page, (WAITING,))[WAITING])
-                self.samples.append(total)
-
-
-def bench_binding(args: argparse.Namespace, workdir: Path) -> bool:
-    cores = sorted(os.sched_getaffinity(0))
-    slots = args.slots
-    concurrency = 3 * 2 * slots
-    runs: dict[str, list[dict[str, Any]]] = {"late": [], "early": []}
-    queues: dict[str, list[list[float]]] = {"late": [], "early": []}
-    with contextlib.ExitStack() as stack:
-        pods = [
-            stack.enter_context(ladle_serve(workdir, slots, cores[i % len(cores)]))
-            for i in range(2)
-        ]
-        gateways = {
-            arm: stack.enter_context(
-                gateway(pods, workdir, None, routing={"maxConcurrency": limit})
-            )[0]
-            for arm, limit in (("late", slots), ("early", 0))
-        }
-        for i in range(args.repeats):
-            for arm in ("late", "early") if i % 2 == 0 else ("early", "late"):
-                out = workdir / f"binding-{arm}-{i}.json"
-                with QueueSampler(pods) as sampler:
-                    runs[arm].append(
-                        bench_serve_run(
-                            f"http://127.0.0.1:{gateways[arm]}", args.num_prompts,
-                            args.input_len, args.output_len, concurrency, out, range_ratio=0.8,
-                        )
-                    )  # fmt: skip
-                queues[arm].append(sampler.samples)
-    print(
-        f"\nlate binding against early: 2 ladle serve pods x {slots} slots, {args.num_prompts} "
-        f"prompts, {args.input_len} in / {args.output_len} out (+-80%), concurrency "
-        f"{concurrency} (3x the slots), x {args.repeats} (alternating)"
-    )
-    print(f"  {'':36} {'late':>22} {'early':>22}")
-
-    def row(label: str, values: dict[str, list[float]], fmt: str) -> None:
-        cells = [
-            f"{format(statistics.median(values[a]), fmt)} "
-            f"({format(min(values[a]), fmt)}-{format(max(values[a]), fmt)})"
-            for a in ("late", "early")
-        ]
-        print(f"  {label:36} {cells[0]:>22} {cells[1]:>22}")
-
-    for key, label in (
-        ("p50_ttft_ms", "TTFT p50 (ms)"),
-        ("p99_ttft_ms", "TTFT p99 (ms)"),
-        ("request_throughput", "requests/s"),
-        ("output_throughput", "output tokens/s"),
-    ):
-        row(label, {a: [r[key] for r in runs[a]] for a in runs}, ".1f")
-    row("pods' own queue, mean", {a: [statistics.fmean(q) for q in queues[a]] for a in runs}, ".2f")
-    row("pods' own queue, max", {a: [max(q) for q in queues[a]] for a in runs}, ".0f")
-    ratios = [
-        late["p99_ttft_ms"] / early["p99_ttft_ms"]
-        for late, early in zip(runs["late"], runs["early"], strict=True)
-    ]
-    print(
-        f"  TTFT p99 late / early, run by run: median {statistics.median(ratios):.2f} "
-        f"({min(ratios):.2f} - {max(ratios):.2f})"
-    )
-    return True
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "part", nargs="?", choices=("all", "proxy", "serve", "binding"), default="all"
-    )
+    parser.add_argument("part", nargs="?", choices=("all", "proxy", "serve"), default="all")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=10.0, help="proxy: per run")
     parser.add_argument("--concurrency", type=int, default=64, help="proxy: connections")
@@ -596,7 +379,6 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-concurrency", type=int, default=32)
-    parser.add_argument("--slots", type=int, default=4, help="binding: each pod's max-num-seqs")
     parser.add_argument(
         "--baseline-src",
         type=Path,
@@ -614,8 +396,6 @@ def main() -> int:
             ok &= bench_proxy(args, Path(tmp))
         if args.part in ("all", "serve"):
             ok &= bench_serve(args, Path(tmp))
-        if args.part == "binding":
-            ok &= bench_binding(args, Path(tmp))
     return 0 if ok or args.smoke else 1
 
 

@@ -1,0 +1,143 @@
+"""What the benchmark scripts share: ``ladle serve`` and ``ladle gateway`` as subprocesses on
+free ports, waited on until ready, and one ``ladle bench serve`` run read back from its result
+file. The scripts beside it import it by name (a script's folder is first on ``sys.path``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+LADLE = [sys.executable, "-m", "ladle.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def gateway(
+    upstream: int | list[int],
+    workdir: Path,
+    core: int | None,
+    src: Path | None = None,
+    routing: dict[str, Any] | None = None,
+    flags: tuple[str, ...] = (),
+) -> Iterator[tuple[int, psutil.Process]]:
+    """A gateway subprocess in front of the backends: this checkout's, or ``src``'s, with
+    ``routing`` as the service's ``spec.routing`` and more ``flags``."""
+    port = free_port()
+    routes = workdir / f"routes-{port}.yaml"
+    ports = upstream if isinstance(upstream, list) else [upstream]
+    service: dict[str, Any] = {
+        "name": "bench",
+        "model": "bench",
+        "endpoints": [f"http://127.0.0.1:{p}" for p in ports],
+    }
+    if routing is not None:
+        service["routing"] = routing
+    routes.write_text(yaml.safe_dump({"services": [service]}))
+    log = (workdir / f"gateway-{port}.log").open("w")
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src / "src")
+    proc = subprocess.Popen(
+        [
+            *LADLE,
+            "gateway",
+            "--static",
+            str(routes),
+            "--port",
+            str(port),
+            "--scrape-interval",
+            "0",
+            *flags,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        if core is not None:
+            os.sched_setaffinity(proc.pid, {core})
+        wait_http(f"http://127.0.0.1:{port}/health/ready", 30)
+        yield port, psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"bench: {url} did not answer within {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def ladle_serve(workdir: Path, max_num_seqs: int, core: int | None = None) -> Iterator[int]:
+    """A ``ladle serve`` of the embedded model, prefix caching off (no run inherits another's
+    cache), ready; pinned to ``core`` with one thread when given."""
+    port = free_port()
+    log = (workdir / f"serve-{port}.log").open("w")
+    env = dict(os.environ)
+    if core is not None:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    serve = subprocess.Popen(
+        [*LADLE, "serve", "--port", str(port), "--no-enable-prefix-caching",
+         "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    try:
+        if core is not None:
+            os.sched_setaffinity(serve.pid, {core})
+        wait_http(f"http://127.0.0.1:{port}/health/ready", 300)
+        yield port
+    finally:
+        serve.terminate()
+        serve.wait(60)
+        log.close()
+
+
+def bench_serve_run(
+    url: str,
+    prompts: int,
+    input_len: int,
+    output_len: int,
+    concurrency: int,
+    out: Path,
+    range_ratio: float = 0.0,
+    extra: tuple[str, ...] = (),
+    allow_failed: bool = False,
+) -> dict[str, Any]:
+    """One ``ladle bench serve`` run's result; failed requests end the benchmark unless
+    ``allow_failed`` (a run meant to overload the server counts them instead)."""
+    subprocess.run(
+        [*LADLE, "bench", "serve", "--base-url", url, "--model", "bench",
+         "--num-prompts", str(prompts), "--input-len", str(input_len),
+         "--output-len", str(output_len), "--max-concurrency", str(concurrency),
+         "--range-ratio", str(range_ratio),
+         "--seed", "0", "--percentiles", "50,99", "--result-file", str(out), *extra],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(out.read_text())
+    if result["failed"] and not allow_failed:
+        raise SystemExit(f"bench: {result['failed']} requests failed ({url})")
+    return result
