@@ -330,6 +330,8 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
         service(
             "beta", beta, fallback="alpha", circuitBreaker=beta_breaker,
             engine={**ENGINE, "maxNumSeqs": 1, "maxWaitingRequests": 1},
+            # Bound early, a burst reaches the pod, which refuses it (late, the gateway holds it).
+            routing={"maxConcurrency": 0},
         ),
     ]  # fmt: skip
     result = system.kubectl(

@@ -80,6 +80,7 @@ def service(
     quality: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
     rollout: dict[str, Any] | None = None,
+    routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "apiVersion": "ladle.dev/v1alpha1",
@@ -93,6 +94,7 @@ def service(
             "resources": {"gpus": 0, "cpu": "250m"},
             "quantization": quantization,
             "engine": {**ENGINE, **(engine or {})},
+            **({"routing": routing} if routing is not None else {}),
             "replicas": 1,
             "rollout": {
                 "steps": STEPS,
@@ -459,7 +461,9 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
     slow stable held most of them, the quick canary never saw three at once, and step 1
     passed. Each request asks for 64 tokens, so that the canary is busy a second or more with
     each: at 4 tokens, and again at 16 once pods ran one compute thread each, a quick canary
-    finished each before the next two came, and step 1 passed."""
+    finished each before the next two came, and step 1 passed. The gateway binds early
+    (``routing.maxConcurrency: 0``): binding late, it would hold what the canary cannot take,
+    and the canary would refuse nothing."""
     started = time.monotonic()
     since = mark()
     stable_revision = rollout(rollouts)["revisions"]["stable"]
@@ -470,6 +474,7 @@ def test_a_canary_that_refuses_requests_rolls_back_on_the_slo_gate(
                 QUALITY_OFF,
                 engine={"maxNumSeqs": 1, "maxWaitingRequests": 1},
                 rollout={**FAST, "failureLimit": 1},
+                routing={"maxConcurrency": 0},
             )
         ]
     )

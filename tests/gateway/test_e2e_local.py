@@ -343,10 +343,11 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     kube: Kube, services: str, gateway: Process
 ) -> None:
     # Beta runs one sequence with one waiting, so a burst is answered 429 by its runtime,
-    # which this breaker counts.
+    # which this breaker counts. The gateway binds early: late, it would hold the burst itself.
     kube.kubectl(
-        "patch", "lisvc", "beta", "-n", services, "--type=merge",
-        "-p", '{"spec": {"engine": {"maxNumSeqs": 1, "maxWaitingRequests": 1}}}',
+        "patch", "lisvc", "beta", "-n", services, "--type=merge", "-p",
+        '{"spec": {"engine": {"maxNumSeqs": 1, "maxWaitingRequests": 1},'
+        ' "routing": {"maxConcurrency": 0}}}',
     )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
     # Until the old pod is gone, the gateway would retry a 429 there.
@@ -396,7 +397,8 @@ def test_breaker_trips_to_the_fallback_half_opens_and_closes(
     kube.kubectl(
         "patch", "lisvc", "beta", "-n", services, "--type=json", "-p",
         '[{"op": "remove", "path": "/spec/engine/maxNumSeqs"},'
-        ' {"op": "remove", "path": "/spec/engine/maxWaitingRequests"}]',
+        ' {"op": "remove", "path": "/spec/engine/maxWaitingRequests"},'
+        ' {"op": "remove", "path": "/spec/routing/maxConcurrency"}]',
     )  # fmt: skip
     kube.wait_condition(services, "beta", "Ready", timeout=300)
 
