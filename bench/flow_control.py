@@ -254,7 +254,7 @@ def bench_priority(args: argparse.Namespace, workdir: Path) -> bool:
     max_held = 2 * 2 * slots
     # Three times what the pods serve (about 1.5 requests/s here), long enough to outlast the
     # critical client's run.
-    flood = Load(KEYS["batch"][0], 3 * args.heavy_prompts, 3 * args.heavy_prompts, "5", True)
+    flood = Load(KEYS["batch"][0], args.heavy_prompts, args.heavy_prompts, "5", True)
     runs: dict[str, list[dict[str, Any]]] = {"unloaded": [], "overloaded": []}
     floods: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -312,7 +312,7 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=4, help="each pod's max-num-seqs")
     parser.add_argument("--num-prompts", type=int, default=96, help="binding: requests a run")
     parser.add_argument("--light-prompts", type=int, default=16)
-    parser.add_argument("--heavy-prompts", type=int, default=60)
+    parser.add_argument("--heavy-prompts", type=int, default=180)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument(
