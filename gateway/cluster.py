@@ -169,6 +169,7 @@ class Cluster:
                     service, now, len(self.bands), self.max_held
                 )
                 self.metrics.breaker(*key, state.breaker.state)
+                self.metrics.new_service(*key, self.bands)
                 self.hooks.on_new(state)
             else:
                 state.configure(service, now)

@@ -39,6 +39,8 @@ class Series(Generic[M]):
                 self.metric.remove(*labels)
 
 
+# Why the flow queue gave up on a request (ladle_gateway_shed_total's reason).
+SHED_REASONS = ("queue_full", "displaced", "deadline", "no_ready_pods")
 # The gateway's own added latency is sub-millisecond; the buckets resolve 100 µs to 100 ms.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -202,12 +204,28 @@ class GatewayMetrics:
         for s in State:
             self.breaker_state.labels(namespace, service, s.value).set(1 if s is state else 0)
 
+    def new_service(self, namespace: str, service: str, bands: tuple[str, ...]) -> None:
+        """Start a service's queue series at zero, so that a queue never used reads 0 rather
+        than nothing (a rate over a counter that does not exist yet is no data, not 0)."""
+        for band in bands:
+            self.held(namespace, service, band).set(0)
+            for reason in SHED_REASONS:
+                self.shed(namespace, service, band, reason)
+
     def forget_service(self, namespace: str, service: str) -> None:
-        """Drop a deleted service's gauges, so that they do not report it forever."""
+        """Drop a deleted service's series, so that they do not report it forever."""
         for s in State:
             _remove(self.breaker_state, namespace, service, s.value)
         _remove(self.ejected, namespace, service)
-        for series in (self.in_flight, self.cache, self.held):
+        for series in (
+            self.in_flight,
+            self.cache,
+            self.held,
+            self.queued,
+            self.tenant_wait,
+            self.queue_wait,
+            self.shed,
+        ):
             series.forget(lambda labels: labels[:2] == (namespace, service))
 
     def forget_pod(self, pod: str) -> None:

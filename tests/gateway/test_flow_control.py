@@ -268,3 +268,17 @@ async def test_a_stopping_gateway_answers_or_fails_what_it_holds(
         assert all(r.json()["error"]["code"] == "shutting_down" for r in done)
         assert all(r.headers["retry-after"] == "1" for r in done)
         assert pod.order == ["r0"]
+
+
+async def test_a_services_queue_series_start_at_zero(fake_pods: Any, run_gateway: Any) -> None:
+    """Dashboards and recording rules read 0, not no data, for a queue never used."""
+    pod = await fake_pods()
+    gw = await run_gateway([service(pod, 4)])
+    registry = gw.gateway.metrics.registry
+    where = {"namespace": "default", "service": "chat"}
+    for band in ("critical", "standard", "sheddable"):
+        held = registry.get_sample_value("ladle_gateway_held_requests", {**where, "band": band})
+        assert held == 0
+        for reason in ("queue_full", "displaced", "deadline", "no_ready_pods"):
+            labels = {**where, "band": band, "reason": reason}
+            assert registry.get_sample_value("ladle_gateway_shed_total", labels) == 0
