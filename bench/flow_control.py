@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -193,7 +194,7 @@ def light_and_heavy(
                 heavy.concurrency, workdir / f"heavy-{tag}.json", 0.0,
                 ("--api-key", heavy.key, "--request-rate", heavy.rate), heavy.refused,
             )  # fmt: skip
-            threading.Event().wait(args.lead)  # the heavy client fills the pods and the queue
+            time.sleep(args.lead)  # the heavy client fills the pods and the queue first
         light = bench_serve_run(
             url, light_prompts, args.input_len, args.output_len, 2,
             workdir / f"light-{tag}.json", 0.0, ("--api-key", light_key, "--request-rate", "1"),

@@ -308,9 +308,9 @@ class Cluster:
         entry: Entry[Waiter] = Entry(ask.band, ask.tenant, ask.deadline, cost, waiter)
         shed = state.queue.push(entry)
         if shed is entry:
-            raise self._shed(state, entry, "queue_full")
+            raise self._overloaded(state, entry, "queue_full")
         if shed is not None:
-            shed.payload.future.set_exception(self._shed(state, shed, "displaced"))
+            shed.payload.future.set_exception(self._overloaded(state, shed, "displaced"))
         tenant = self.tenants.label(ask.tenant)
         self.metrics.queued(ns, name, band, tenant).inc()
         self._count_queue(state)
@@ -325,7 +325,7 @@ class Cluster:
                 if done:
                     return waiter.future.result()
                 if not state.pod_count:
-                    self._shed(state, entry, "no_ready_pods")
+                    self._count_shed(state, entry, "no_ready_pods")
                     raise GatewayError(
                         503,
                         f"{name} has no ready pod; waited {loop.time() - started:.0f} s for one",
@@ -333,7 +333,7 @@ class Cluster:
                         headers=[(b"retry-after", b"5")],
                     )
                 if loop.time() >= ask.deadline:
-                    self._shed(state, entry, "deadline")
+                    self._count_shed(state, entry, "deadline")
                     raise ask.expired()
         except BaseException:
             future = waiter.future
@@ -353,11 +353,15 @@ class Cluster:
                 state.held_since = None
                 self.hooks.on_hold(state)
 
-    def _shed(self, state: ServiceState, entry: Entry[Waiter], reason: str) -> GatewayError:
-        """Count a request the queue gives up on; the 429 it answers when shed for room."""
-        ns, name = state.key
+    def _count_shed(self, state: ServiceState, entry: Entry[Waiter], reason: str) -> None:
+        """Count a request the queue gives up on."""
+        self.metrics.shed(*state.key, self.bands[entry.band], reason).inc()
+
+    def _overloaded(self, state: ServiceState, entry: Entry[Waiter], reason: str) -> GatewayError:
+        """Count a request shed for room, and the 429 it is answered with."""
+        self._count_shed(state, entry, reason)
+        name = state.key[1]
         band = self.bands[entry.band]
-        self.metrics.shed(ns, name, band, reason).inc()
         waiting = len(state.queue)
         slots = max(1, state.service.concurrency * state.pod_count)
         retry = min(60, max(1, math.ceil(waiting * state.slot_seconds / slots)))
