@@ -5,9 +5,11 @@ A queueing simulator of model replicas replays each trace's requests (the same r
 the same seed, for every policy) and runs each policy on what it would observe:
 
 - **ladle**: ``ladle.operator.scaling.decide``, the operator's own code, every 2 s on the pods'
-  running/waiting counts and inter-token histogram totals (from which it learns their pace) and
-  the gateway's in-flight and held counts, starting from the state the operator's loop starts
-  from on a running service (``resumed``); scales to zero.
+  running/waiting counts and inter-token histogram totals (from which it learns their pace),
+  the gateway's in-flight and held counts and its moving average of the time a request holds a
+  slot, and the latest replica's start time (creation to ready, as the operator reads it from
+  pod status), starting from the state the operator's loop starts from on a running service
+  (``resumed``); scales to zero.
 - **hpa**: the Kubernetes HPA's average-utilisation rule on per-pod concurrency every 15 s:
   ``ceil(ready * average / target)`` with its 10% tolerance, scale-up limited to
   max(100%, 4 pods) per period, and the 300 s scale-down stabilisation; minReplicas 1 (an HPA
@@ -75,6 +77,7 @@ from ladle.operator.scaling import (
 )
 
 STEP = 0.1  # seconds of simulated time per step
+SLOT_EWMA = 0.05  # the gateway's weight of each finished request in its mean slot time
 INSTANT = "instant"
 # The second reference's standing headroom.
 HEADROOM = 1.25
@@ -201,6 +204,7 @@ def arrivals(trace: Trace, rate_per_replica: float, seed: int) -> list[float]:
 @dataclass
 class Replica:
     name: str  # as a pod's, unique in a run
+    created_at: float
     ready_at: float
     draining: bool = False
     # The replica's token clock: how many tokens each running sequence has had time to make.
@@ -230,6 +234,10 @@ class View:
     ready: tuple[Replica, ...]
     held: int  # requests waiting at the gateway: for a free slot, or for a ready replica
     in_flight: int  # requests the gateway has sent to replicas (held ones are not in flight)
+    # The gateway's moving average of the time a request holds a slot (None: none finished).
+    slot_seconds: float | None
+    # The latest ready replica's time from creation to ready (None: none yet).
+    start_seconds: float | None
 
 
 class Policy(Protocol):
@@ -262,7 +270,9 @@ def simulate(
 ) -> Result:
     """Run one policy over one trace's requests; deterministic for given inputs."""
     serials = itertools.count()
-    replicas: list[Replica] = [Replica(f"r{next(serials)}", 0.0) for _ in range(initial)]
+    replicas: list[Replica] = [Replica(f"r{next(serials)}", 0.0, 0.0) for _ in range(initial)]
+    slot_seconds: float | None = None
+    started: Replica | None = None
     target = initial
     gateway: deque[int] = deque()  # requests held at the gateway
     waits: list[float] = []
@@ -311,6 +321,12 @@ def simulate(
                 while r.finishing and r.finishing[0][0] <= r.clock:
                     _, _, admitted, ttft = heapq.heappop(r.finishing)
                     tpots.append((now - admitted - ttft) / (profile.output_tokens - 1))
+                    slot = now - admitted
+                    slot_seconds = (
+                        slot
+                        if slot_seconds is None
+                        else slot_seconds + SLOT_EWMA * (slot - slot_seconds)
+                    )
         # Draining replicas leave once empty (their queue was handed back when they drained).
         replicas = [r for r in replicas if not (r.draining and not r.finishing)]
         gpu_seconds += STEP * len(replicas)
@@ -319,13 +335,18 @@ def simulate(
             next_tick += policy.interval
             ready = [r for r in replicas if r.ready(now)]
             in_flight = sum(r.running + len(r.waiting) for r in replicas)
-            wanted = policy.decide(View(now, target, tuple(ready), len(gateway), in_flight))
+            started = max(ready, key=lambda r: r.ready_at, default=started)
+            start_seconds = None if started is None else started.ready_at - started.created_at
+            view = View(
+                now, target, tuple(ready), len(gateway), in_flight, slot_seconds, start_seconds
+            )
+            wanted = policy.decide(view)
             if wanted != target:
                 scale_events += 1
                 target = wanted
             live = [r for r in replicas if not r.draining]
             for _ in range(target - len(live)):
-                replicas.append(Replica(f"r{next(serials)}", now + profile.start_delay))
+                replicas.append(Replica(f"r{next(serials)}", now, now + profile.start_delay))
             if len(live) > target:
                 # Starting replicas go first, then the least busy.
                 live.sort(key=lambda r: (r.ready_at <= now, r.running + len(r.waiting)))
@@ -387,7 +408,10 @@ class LadlePolicy:
             current_replicas=view.replicas,
             ready_replicas=len(view.ready),
             pods=pods,
-            gateway=GatewayMetrics(in_flight=view.in_flight, held=view.held),
+            gateway=GatewayMetrics(
+                in_flight=view.in_flight, held=view.held, slot_seconds=view.slot_seconds
+            ),
+            start_seconds=view.start_seconds,
         )
         decision, self.state = decide(self.policy, self.state, obs)
         return decision.replicas

@@ -81,7 +81,9 @@ class ServiceState:
     def __init__(self, service: Service, now: float, bands: int, capacity: int) -> None:
         self.service = service
         self.queue: FlowQueue[Waiter] = FlowQueue(bands, capacity)
-        self.slot_seconds = 1.0  # the mean time a request holds a slot
+        # The mean time a request holds a slot; a guess until the first one is timed.
+        self.slot_seconds = 1.0
+        self.slot_timed = False
         self.breaker = CircuitBreaker(service.breaker, now)
         self.outlier = OutlierDetector(service.outlier)
         self.ready: dict[str, list[Pod]] = {}
@@ -468,10 +470,14 @@ class Cluster:
         """An attempt at ``pod`` ended with ``outcome`` after ``seconds``: its slot goes to the
         next waiting request, and the outcome is a mark for or against the pod with the
         outlier detector."""
-        state.slot_seconds += SLOT_EWMA * (seconds - state.slot_seconds)
+        if state.slot_timed:
+            state.slot_seconds += SLOT_EWMA * (seconds - state.slot_seconds)
+        else:
+            state.slot_seconds, state.slot_timed = seconds, True
+        ns, name = state.key
+        self.metrics.slot(ns, name).set(state.slot_seconds)
         ejection = state.outlier.record(pod.id, now, outcome not in _POD_FINE, state.pod_count)
         self._release(state, pod, now)  # after the verdict: an ejected pod gets no new request
-        ns, name = state.key
         if ejection is None:
             return
         self.metrics.ejections.labels(ns, name, pod.id).inc()

@@ -112,6 +112,13 @@ class GatewayMetrics:
             queue,
             registry=r,
         )
+        self.slot_metric = Gauge(
+            "ladle_gateway_slot_seconds",
+            "The mean time a request has lately held a pod's slot (a moving average, once one "
+            "has finished); the autoscaler turns the held requests into demand with it.",
+            svc,
+            registry=r,
+        )
         self.queued_metric = Counter(
             "ladle_gateway_queued",
             "Requests that had to wait for a slot, by band and tenant.",
@@ -195,6 +202,7 @@ class GatewayMetrics:
         self.duration = Series(self.duration_metric)
         self.ttfb = Series(self.ttfb_metric)
         self.held = Series(self.held_metric)
+        self.slot = Series(self.slot_metric)
         self.queued = Series(self.queued_metric)
         self.tenant_wait = Series(self.tenant_wait_metric)
         self.queue_wait = Series(self.queue_wait_metric)
@@ -221,6 +229,7 @@ class GatewayMetrics:
             self.in_flight,
             self.cache,
             self.held,
+            self.slot,
             self.queued,
             self.tenant_wait,
             self.queue_wait,

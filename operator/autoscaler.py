@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -228,12 +229,14 @@ class Autoscaler:
         targets = [Target(p.name, p.metrics_url) for p in pods if p.metrics_url]
         scraped = zip(pods, await scrape_pods(session, targets), strict=True)
         namespace, name = isvc.key
+        starts = [p.start_seconds for p in pods if p.start_seconds is not None]
         obs = Observation(
             time=now,
             current_replicas=current,
             ready_replicas=len(targets),
             pods=[replace(m, replica_set=p.replica_set) for p, m in scraped],
             gateway=None if expositions is None else gateway_metrics(expositions, namespace, name),
+            start_seconds=statistics.median(starts) if starts else None,
         )
         decision, tracked.state = decide(policy, tracked.state, obs)
         self._export(isvc, policy, decision, len(targets))

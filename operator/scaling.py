@@ -7,9 +7,9 @@ measures is what the cluster does.
 
 Demand is the number of requests that want a replica: what the runtime pods run and queue
 (``ladle:num_requests_running`` + ``ladle:num_requests_waiting``), or the gateway's in-flight
-count when that is larger (requests on their way to a pod), plus the requests the gateway holds
-because no pod is ready. A target per replica turns demand into replicas; with a KV-cache target
-too, the larger answer wins. Once the scaler has learned how a ReplicaSet's pods slow with
+count when that is larger (requests on their way to a pod), plus what the requests the gateway
+holds ask for (``_waiting``). A target per replica turns demand into replicas; with a KV-cache
+target too, the larger answer wins. Once the scaler has learned how a ReplicaSet's pods slow with
 their batch (``pace``), their running requests are counted at the target's pace: a crowded
 pod's requests are slow, not more traffic.
 
@@ -24,8 +24,8 @@ These rules come from the field's failures rather than from Knative:
   scale-to-zero grace period without any demand.
 - A rise in the panic window that is past the current count's tolerance, 20% above the load
   before it and three standard deviations beyond that load's noise scales up at once (reason
-  ``Rising``), before the stable mean or the 2x panic threshold shows it; only the stable window
-  scales down.
+  ``Rising``), before the stable mean or the 2x panic threshold shows it, to what its trend
+  projects over the pods' measured start time; only the stable window scales down.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeGuard
 
 from ladle.operator.pace import Paces, at_target
 from ladle.words import plural
@@ -59,6 +60,14 @@ RISE_DEVIATIONS = 3.0
 # than about 40% a minute) from the slow ones it can, where an early rise only buys replicas
 # early.
 RISE_OVER_STABLE = 0.2
+# A proven rise is projected one pod start ahead along the trend of this many seconds: a
+# longer one lags the ramp it projects (in the simulated bursts, 20 s waited 8% longer at p99
+# for 1% fewer GPU-hours), and the projection is capped at doubling the load, since a ramp
+# does not go on for ever.
+TREND = 10.0
+# The gateway's backlog is work to finish within this many pod starts (in the simulated
+# bursts, one start cost 1.4% more GPU-hours for 1.7% less wait).
+BACKLOG_STARTS = 2.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,8 @@ class GatewayMetrics:
     in_flight: float = 0.0
     held: float = 0.0
     error: str | None = None
+    # The mean time a request has lately held a pod's slot (None: none has yet).
+    slot_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,8 @@ class Observation:
     pods: Sequence[PodMetrics] = ()
     # None when no gateway fronts the service.
     gateway: GatewayMetrics | None = None
+    # How long the service's latest pods took from creation to ready (None: none started yet).
+    start_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,10 @@ class ScalerState:
     # (until, replicas): no decision below this count before then.
     floor: tuple[float, int] | None = None
     paces: Paces = field(default_factory=Paces)
+    # (time, requests held at the gateway) within the panic window, for the queue's growth.
+    held: tuple[tuple[float, float], ...] = ()
+    # The last pod start time seen: a service at zero has no pod to show one.
+    start_seconds: float | None = None
 
 
 def resumed(now: float, replicas: int, policy: ScalingPolicy) -> ScalerState:
@@ -205,25 +222,62 @@ def _valid(pod: PodMetrics) -> bool:
 def _demand(
     obs: Observation, target: float | None, lines: Mapping[str, tuple[float, float]]
 ) -> tuple[float, float, float]:
-    """(demand, KV usage sum, held requests) from the valid parts of an observation.
+    """(demand in flight, KV usage sum, the pace's scale) from the valid parts of an
+    observation.
 
     A pod whose ReplicaSet has a pace line has its running count taken at the target's pace.
     A pod with a queue is full: its batch says what it can serve, not what comes, so it counts
     as it is. The gateway's in-flight count (the same requests, and those on their way) is
-    scaled as the pods' total was."""
+    scaled as the pods' total was, by the returned scale."""
     pods = [p for p in obs.pods if _valid(p)]
     raw = sum(p.running + p.waiting for p in pods)
     demand = raw
     if target is not None:
         demand = sum(_worth(p, target, lines.get(p.replica_set)) for p in pods)
     kv = sum(p.kv_usage for p in pods)
-    held = 0.0
+    scale = demand / raw if raw else 1.0
     gateway = obs.gateway
-    if gateway is not None and gateway.error is None and not _bad(gateway.in_flight):
-        demand = max(demand, gateway.in_flight * (demand / raw if raw else 1.0))
-        if not _bad(gateway.held):
-            held = gateway.held
-    return demand + held, kv, held
+    if _readable(gateway):
+        demand = max(demand, gateway.in_flight * scale)
+    return demand, kv, scale
+
+
+def _readable(gateway: GatewayMetrics | None) -> TypeGuard[GatewayMetrics]:
+    return (
+        gateway is not None
+        and gateway.error is None
+        and not (_bad(gateway.in_flight) or _bad(gateway.held))
+    )
+
+
+def _waiting(
+    gateway: GatewayMetrics,
+    held: Sequence[tuple[float, float]],
+    scale: float,
+    start_seconds: float | None,
+) -> float:
+    """The concurrency that the requests held at the gateway stand for.
+
+    Held requests are not concurrency: a backlog of hundreds, behind saturated pods, would ask
+    for as many slots, twice a burst's peak in the simulator. By Little's law what they ask for
+    is a rate times the time a request holds a slot (``slot_seconds``, at the target's pace by
+    ``scale``): the queue's growth is the arrivals the pods cannot take, and the backlog itself
+    is work to finish within a few pod starts (``BACKLOG_STARTS``), as new replicas can take it
+    no sooner than one. Until the gateway has timed a request, or while no pod has started,
+    each held request counts as one.
+    """
+    if gateway.slot_seconds is None or _bad(gateway.slot_seconds) or not start_seconds:
+        return gateway.held
+    growth = max(0.0, _slope(held)) if len(held) > 1 else 0.0
+    return gateway.slot_seconds * scale * (growth + gateway.held / (BACKLOG_STARTS * start_seconds))
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of (time, value) samples."""
+    times = [t for t, _ in points]
+    if max(times) == min(times):
+        return 0.0
+    return statistics.linear_regression(times, [y for _, y in points]).slope
 
 
 def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
@@ -285,7 +339,11 @@ def _noise(policy: ScalingPolicy, window: Sequence[tuple[float, float, float]]) 
 
 
 def _rising(
-    policy: ScalingPolicy, window: Sequence[tuple[float, float, float]], now: float, current: int
+    policy: ScalingPolicy,
+    window: Sequence[tuple[float, float, float]],
+    now: float,
+    current: int,
+    start_seconds: float | None,
 ) -> int:
     """The count a rise in the panic window proves before the stable window's mean shows it.
 
@@ -296,6 +354,10 @@ def _rising(
     ``RISE_DEVIATIONS`` times that load's scatter (``_scatter``). A slower rise is the stable
     window's to follow. Only the stable window comes back down. Too little history proves
     nothing.
+
+    A proven rise is projected along its trend over the measured pod start time: the replicas
+    ordered now serve only then, and a ramp goes on meanwhile. Without it, the simulated bursts
+    waited 1.9x what a lag-free fleet does at p99; with it 1.3x, for the same GPU-hours.
     """
     earlier = [
         (t, load_in_replicas(policy, d, kv))
@@ -312,6 +374,11 @@ def _rising(
         return 0
     noise = _scatter(earlier)
     proven = min(load - RISE_DEVIATIONS * noise, load / (1.0 + TOLERANCE))
+    if start_seconds:
+        trend = [(t, load_in_replicas(policy, d, kv)) for t, d, kv in window if t > now - TREND]
+        slope = _slope(trend) if len(trend) > 2 else 0.0
+        if slope > 0:
+            proven += min(slope * start_seconds, load)
     wanted = math.ceil(proven)
     return wanted if wanted > current else 0
 
@@ -359,7 +426,15 @@ def decide(
     # Paced only when every pod is: a pod still counted as it runs (a new canary's, before
     # its pace is known) keeps the headroom such counts need.
     paced = bool(lines) and all(p.replica_set in lines for p in valid)
-    demand, kv, held = _demand(obs, target, lines)
+    demand, kv, scale = _demand(obs, target, lines)
+    start_seconds = obs.start_seconds or state.start_seconds
+    gateway = obs.gateway
+    held = 0.0
+    queue: tuple[tuple[float, float], ...] = ()
+    if _readable(gateway):
+        held = gateway.held
+        queue = (*(q for q in state.held if q[0] > now - policy.panic_window), (now, held))
+        demand += _waiting(gateway, queue, scale, start_seconds)
     last_active = state.last_active if state.last_active is not None else now
     if demand > 0:
         last_active = now
@@ -381,7 +456,9 @@ def decide(
             paced=paced,
             wanted=wanted,
         )
-        return decision, replace(state, last_active=last_active, paces=paces)
+        return decision, replace(
+            state, last_active=last_active, paces=paces, start_seconds=start_seconds
+        )
 
     earlier = tuple(s for s in state.window if s[0] > now - policy.stable_window)
     window = (*earlier, (now, demand, kv))
@@ -390,7 +467,7 @@ def decide(
     noise = _noise(policy, earlier) if paced else None
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
-    rising = _rising(policy, window, now, obs.current_replicas)
+    rising = _rising(policy, window, now, obs.current_replicas, start_seconds)
     stable_reason = RISING if rising > stable_wanted else STABLE
     stable_wanted = max(stable_wanted, rising)
     desired_stable = _clamp(stable_wanted, max_down, max_up)
@@ -406,8 +483,11 @@ def decide(
     elif panic_since is not None and now - panic_since > policy.stable_window:
         panic_since, max_panic = None, 0
     if panic_since is not None:
-        max_panic = max(max_panic, desired_stable, desired_panic)
-        desired, reason = max_panic, PANIC
+        # Panic keeps its own highest count, not the stable window's: a projected rise
+        # (``_rising``) holds only while the trend does.
+        max_panic = max(max_panic, desired_panic)
+        desired = max(max_panic, desired_stable)
+        reason = stable_reason if desired_stable > max_panic else PANIC
     else:
         desired, reason = desired_stable, stable_reason
 
@@ -440,7 +520,9 @@ def decide(
         paced=paced,
         wanted=wanted,
     )
-    state = ScalerState(window, panic_since, max_panic, recent, last_active, floor, paces)
+    state = ScalerState(
+        window, panic_since, max_panic, recent, last_active, floor, paces, queue, start_seconds
+    )
     return decision, state
 
 

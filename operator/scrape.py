@@ -10,6 +10,7 @@ error string that the decision treats as unknown data, never as zero load.
 from __future__ import annotations
 
 import asyncio
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
 GATEWAY_HELD = "ladle_gateway_held_requests"
+GATEWAY_SLOT = "ladle_gateway_slot_seconds"
 SCRAPE_TIMEOUT_SECONDS = 1.0
 
 
@@ -55,18 +57,20 @@ def parse_pod(name: str, text: str) -> PodMetrics:
     )
 
 
-def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float]:
-    """(in flight, held) for one service from one gateway replica's exposition."""
-    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD))
+def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float, float | None]:
+    """(in flight, held, mean slot time or None) for one service from one gateway replica's
+    exposition."""
+    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT))
 
-    def total(metric: str) -> float:
-        return sum(
+    def values(metric: str) -> list[float]:
+        return [
             value
             for labels, value in found[metric]
             if labels.get("namespace") == namespace and labels.get("service") == service
-        )
+        ]
 
-    return total(GATEWAY_IN_FLIGHT), total(GATEWAY_HELD)
+    slot = values(GATEWAY_SLOT)
+    return sum(values(GATEWAY_IN_FLIGHT)), sum(values(GATEWAY_HELD)), slot[0] if slot else None
 
 
 async def fetch(session: aiohttp.ClientSession, url: str) -> str:
@@ -113,17 +117,22 @@ async def scrape_gateways(
 def gateway_metrics(
     expositions: Mapping[str, str | BaseException], namespace: str, service: str
 ) -> GatewayMetrics | None:
-    """The gateways' counts for one service, summed over replicas; None without gateways."""
+    """The gateways' counts for one service, summed over replicas, and the mean of their slot
+    times (those that have timed one); None without gateways."""
     if not expositions:
         return None
     in_flight = held = 0.0
+    slots: list[float] = []
     for name, text in sorted(expositions.items()):
         if isinstance(text, BaseException):
             return GatewayMetrics(error=f"gateway {name}: {_why(text)}")
         try:
-            flight, waiting = parse_gateway(text, namespace, service)
+            flight, waiting, slot = parse_gateway(text, namespace, service)
         except ValueError as err:
             return GatewayMetrics(error=f"gateway {name}: unreadable metrics: {err}")
         in_flight += flight
         held += waiting
-    return GatewayMetrics(in_flight=in_flight, held=held)
+        if slot is not None:
+            slots.append(slot)
+    slot_seconds = statistics.fmean(slots) if slots else None
+    return GatewayMetrics(in_flight=in_flight, held=held, slot_seconds=slot_seconds)

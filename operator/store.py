@@ -101,6 +101,9 @@ class PodInfo:
     base_url: str | None = None
     # The ReplicaSet that owns it ("" if none): the autoscaler learns a pace per pod template.
     replica_set: str = ""
+    # Seconds from its creation to Ready, once Ready: the autoscaler projects a rising load
+    # over the time a new replica takes to serve.
+    start_seconds: float | None = None
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -124,6 +127,7 @@ class PodInfo:
             problem=None if deleting else _pod_problem(pod),
             starting_since=None if deleting else _starting_since(pod),
             base_url=None if deleting else _base_url(pod),
+            start_seconds=_start_seconds(pod),
             replica_set=next(
                 (
                     str(ref.get("name"))
@@ -158,6 +162,23 @@ def _base_url(pod: Mapping[str, Any]) -> str | None:
             if port.get("name") == "http":
                 return f"http://{host}:{port['containerPort']}"
     return None
+
+
+def _start_seconds(pod: Mapping[str, Any]) -> float | None:
+    """How long a Ready pod took from creation to Ready (scheduling, image pull, model load,
+    warm-up): the kubelet's own timestamps, to the second."""
+    created = parse_rfc3339((pod.get("metadata") or {}).get("creationTimestamp"))
+    ready = next(
+        (
+            parse_rfc3339(c.get("lastTransitionTime"))
+            for c in (pod.get("status") or {}).get("conditions") or ()
+            if c.get("type") == "Ready" and c.get("status") == "True"
+        ),
+        None,
+    )
+    if created is None or ready is None or ready < created:
+        return None
+    return ready - created
 
 
 def _pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import yaml
 
+from ladle.operator.scrape import parse_gateway
 from ladle.runtime_metrics import samples
 
 from .conftest import free_port, start_ladle
@@ -80,6 +81,26 @@ async def test_late_binding_keeps_the_pods_own_queue_empty(
         {"namespace": "default", "service": "chat", "band": "standard", "tenant": ""},
     )
     assert waited == 8
+
+
+async def test_the_gateway_times_a_slot_for_the_autoscaler(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    """Untimed, the service has no slot time on the page (the autoscaler then counts each held
+    request as one); once requests have held a slot, the time the autoscaler reads from the
+    gateway's own page is theirs."""
+    pod = await fake_pods(delay=0.3, slots=1)
+    gw = await run_gateway([service(pod, 1)])
+    async with httpx.AsyncClient(timeout=30) as client:
+        before = (await client.get(gw.url + "/metrics")).text
+        answers = await asyncio.gather(*(post(client, gw.url, f"r{i}") for i in range(3)))
+        after = (await client.get(gw.url + "/metrics")).text
+    assert [r.status_code for r in answers] == [200] * 3
+    assert parse_gateway(before, "default", "chat") == (0, 0, None)
+    in_flight, held, slot = parse_gateway(after, "default", "chat")
+    assert (in_flight, held) == (0, 0)
+    assert slot is not None
+    assert 0.3 <= slot < 1.0
 
 
 async def test_early_binding_when_concurrency_is_zero(fake_pods: Any, run_gateway: Any) -> None:

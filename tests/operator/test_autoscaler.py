@@ -7,11 +7,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from ladle.api import parse_isvc
+from ladle.gateway.metrics import GatewayMetrics as GatewayRegistry
 from ladle.operator.autoscaler import autoscaling_status, policy_for
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     PANIC,
     Decision,
+    GatewayMetrics,
 )
 from ladle.operator.scrape import gateway_metrics, parse_gateway, parse_pod
 
@@ -69,10 +71,28 @@ def test_a_pods_inter_token_totals_are_read_for_the_pace_and_optional() -> None:
 def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:
     one = gateway_exposition([("ns", "chat", "stable", 3, 1), ("ns", "chat", "canary", 2, 1)])
     other = gateway_exposition([("ns", "chat", "stable", 4, 0), ("ns", "other", "stable", 9, 9)])
-    assert parse_gateway(one, "ns", "chat") == (5, 1)
+    assert parse_gateway(one, "ns", "chat") == (5, 1, None)
     summed = gateway_metrics({"gw-a": one, "gw-b": other}, "ns", "chat")
     assert summed is not None
     assert (summed.in_flight, summed.held, summed.error) == (9, 1, None)
+
+
+def test_the_gateways_own_page_gives_the_held_requests_and_the_mean_slot_time() -> None:
+    """Read from what the gateway's own metrics write: held requests by band, and the slot
+    time once a request has been timed (a gateway that has timed none does not count)."""
+    timed, fresh = GatewayRegistry(), GatewayRegistry()
+    for gateway in (timed, fresh):
+        gateway.new_service("ns", "chat", ("critical", "standard"))
+        gateway.held("ns", "chat", "critical").set(2)
+        gateway.held("ns", "chat", "standard").set(5)
+        gateway.in_flight("ns", "chat", "stable").set(8)
+    timed.slot("ns", "chat").set(3.5)
+    timed.slot("ns", "other").set(60.0)
+    pages = {name: generate_latest(g.registry).decode() for name, g in (("a", timed), ("b", fresh))}
+    assert parse_gateway(pages["a"], "ns", "chat") == (8, 7, 3.5)
+    assert parse_gateway(pages["b"], "ns", "chat") == (8, 7, None)
+    summed = gateway_metrics(pages, "ns", "chat")
+    assert summed == GatewayMetrics(in_flight=16, held=14, slot_seconds=3.5)
 
 
 def test_an_unreachable_gateway_is_unknown_data_and_none_configured_is_no_data() -> None:

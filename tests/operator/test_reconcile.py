@@ -110,7 +110,10 @@ def test_children_are_complete_and_status_is_kubernetes_grade(
         k8s_namespace, label_selector=status["selector"]
     ).items
     serialize = kube.core.api_client.sanitize_for_serialization
-    assert {PodInfo.from_pod(serialize(p)).replica_set for p in pods} == {replica_set.metadata.name}
+    infos = [PodInfo.from_pod(serialize(p)) for p in pods]
+    assert {info.replica_set for info in infos} == {replica_set.metadata.name}
+    # And it projects a rising load over how long a pod took from creation to Ready.
+    assert all(info.start_seconds is not None and 0 <= info.start_seconds < 120 for info in infos)
     service = kube.core.read_namespaced_service("chat", k8s_namespace)
     assert service.spec.selector == {"ladle.dev/inferenceservice": "chat"}
     pdb = kube.policy.read_namespaced_pod_disruption_budget("chat-stable", k8s_namespace)
