@@ -147,6 +147,8 @@ class Cluster:
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
     outstanding: dict[str, int] = field(default_factory=dict)
+    # The same requests by band, per pod: who a higher band may displace.
+    banded: dict[str, list[int]] = field(default_factory=dict)
     tenants: TenantLabels = field(default_factory=TenantLabels)
 
     # -- table updates and time ----------------------------------------------------------
@@ -279,9 +281,9 @@ class Cluster:
         variant = self._variant(state, usable, ask.sticky)
         if variant is None:
             return None
-        pod = self._free_pod(state, usable[variant], variant, ask.prefix)
+        pod = self._free_pod(state, usable[variant], variant, ask.prefix, ask.band)
         if pod is not None:
-            self.sent(pod)
+            self.sent(pod, ask.band)
             if not ask.tried:  # a retry is not charged twice
                 state.queue.charge(ask.band, ask.tenant, ask.cost)
         return pod
@@ -315,6 +317,8 @@ class Cluster:
             shed.payload.future.set_exception(self._overloaded(state, shed, "displaced"))
         tenant = self.tenants.label(ask.tenant)
         self.metrics.queued(ns, name, band, tenant).inc()
+        if state.service.priority_scheduling and ask.band < len(self.bands) - 1:
+            self.pump(state, started)  # it may displace a lower band at once
         self._count_queue(state)
         hold_until = started + state.service.timeouts.scale_from_zero_seconds
         if state.held_since is None and not state.pod_count:
@@ -342,7 +346,7 @@ class Cluster:
             if future.done() and not future.cancelled() and future.exception() is None:
                 granted = future.result()  # a slot given as the client left: give it back
                 if granted is not None:
-                    self._release(state, granted, loop.time())
+                    self._release(state, granted, ask.band, loop.time())
             state.queue.remove(entry)
             raise
         finally:
@@ -380,12 +384,12 @@ class Cluster:
         """Hand free slots to waiting requests, in the flow queue's order."""
         granted = False
         while state.queue.length:
-            entry = state.queue.pop(lambda e: self._fits(state, e.payload, now))
+            entry = state.queue.pop(lambda e: self._fits(state, e, now))
             if entry is None:
                 break
             waiter = entry.payload
             assert waiter.placed is not None
-            self.sent(waiter.placed)
+            self.sent(waiter.placed, entry.band)
             if not waiter.future.done():
                 waiter.future.set_result(waiter.placed)
             granted = True
@@ -397,29 +401,41 @@ class Cluster:
         for state in self.states.values():
             self.pump(state, now)
 
-    def _fits(self, state: ServiceState, waiter: Waiter, now: float) -> bool:
-        """Whether a pod has a free slot for ``waiter`` now; records which in ``placed``."""
+    def _fits(self, state: ServiceState, entry: Entry[Waiter], now: float) -> bool:
+        """Whether a pod has a free slot for ``entry`` now (or one its band may take, see
+        ``_free_pod``); records which in ``placed``."""
+        waiter = entry.payload
         usable = self._usable(state, waiter.tried, now)
         variant = waiter.variant if waiter.variant in usable else None
         if variant is None:
             variant = self._variant(state, usable, waiter.sticky)
             if variant is None:
                 return False
-        waiter.placed = self._free_pod(state, usable[variant], variant, waiter.prefix)
+        waiter.placed = self._free_pod(state, usable[variant], variant, waiter.prefix, entry.band)
         return waiter.placed is not None
 
     def _free_pod(
-        self, state: ServiceState, pods: list[Pod], variant: str, prefix: bytes | None
+        self, state: ServiceState, pods: list[Pod], variant: str, prefix: bytes | None, band: int
     ) -> Pod | None:
-        """The picker's choice among ``pods`` that have a free slot."""
+        """The picker's choice among ``pods`` that have a free slot; failing that, where the
+        pods' engines order by priority, among those where this request may displace one of
+        this gateway's lower-band requests (each may be displaced once: the pod holds one
+        request beyond its slots for each), which the engine then preempts for it. So a higher
+        band waits for the pod's next step, not for the next request to finish; the displaced
+        one waits in the pod's queue, its tokens kept, and resumes when a slot frees."""
         limit = state.service.concurrency
         loads = self.loads()
         candidates = []
+        displacing = []
         by_id = {}
         for pod in pods:
             load = loads.get(pod.id)
             own = self.outstanding.get(pod.id, 0)
-            if limit and own + (0 if load is None else load.others) >= limit:
+            over = own + (0 if load is None else load.others) - limit
+            if limit and over >= 0:
+                if state.service.priority_scheduling and self._displaceable(pod.id, band) > over:
+                    displacing.append(Candidate(pod.id, own, None, None))
+                    by_id[pod.id] = pod
                 continue
             candidates.append(
                 Candidate(
@@ -431,13 +447,18 @@ class Cluster:
             )
             by_id[pod.id] = pod
         chosen = pick(
-            candidates,
+            candidates or displacing,
             rng=self.rng,
             key=prefix,
             ring=state.rings.get(variant),
             load_factor=state.service.routing.load_factor,
         )
         return None if chosen is None else by_id[chosen.name]
+
+    def _displaceable(self, pod: str, band: int) -> int:
+        """This gateway's requests on ``pod`` of a lower band than ``band``."""
+        counts = self.banded.get(pod)
+        return sum(counts[band + 1 :]) if counts else 0
 
     def _usable(self, state: ServiceState, tried: set[str], now: float) -> dict[str, list[Pod]]:
         """Each variant's ready pods that are neither ejected nor tried, where any are left."""
@@ -461,11 +482,15 @@ class Cluster:
 
     # -- what each attempt at a pod tells -------------------------------------------------
 
-    def sent(self, pod: Pod) -> None:
+    def sent(self, pod: Pod, band: int) -> None:
         self.outstanding[pod.id] = self.outstanding.get(pod.id, 0) + 1
+        counts = self.banded.get(pod.id)
+        if counts is None:
+            counts = self.banded[pod.id] = [0] * len(self.bands)
+        counts[band] += 1
 
     def answered(
-        self, state: ServiceState, pod: Pod, outcome: str, now: float, seconds: float
+        self, state: ServiceState, pod: Pod, band: int, outcome: str, now: float, seconds: float
     ) -> None:
         """An attempt at ``pod`` ended with ``outcome`` after ``seconds``: its slot goes to the
         next waiting request, and the outcome is a mark for or against the pod with the
@@ -477,7 +502,7 @@ class Cluster:
         ns, name = state.key
         self.metrics.slot(ns, name).set(state.slot_seconds)
         ejection = state.outlier.record(pod.id, now, outcome not in _POD_FINE, state.pod_count)
-        self._release(state, pod, now)  # after the verdict: an ejected pod gets no new request
+        self._release(state, pod, band, now)  # after the verdict: an ejected pod gets none
         if ejection is None:
             return
         self.metrics.ejections.labels(ns, name, pod.id).inc()
@@ -493,10 +518,12 @@ class Cluster:
             },
         )
 
-    def _release(self, state: ServiceState, pod: Pod, now: float) -> None:
+    def _release(self, state: ServiceState, pod: Pod, band: int, now: float) -> None:
         left = self.outstanding[pod.id] - 1
         if left:
             self.outstanding[pod.id] = left
+            self.banded[pod.id][band] -= 1
         else:
             del self.outstanding[pod.id]
+            del self.banded[pod.id]
         self.pump(state, now)

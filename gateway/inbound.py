@@ -2,7 +2,8 @@
 streams, the session key for a sticky canary split and the prompt prefix for pod affinity.
 
 The body is forwarded as received unless something must change (the model name on fallback,
-usage reporting for a token-limited key), and then it is re-serialized once.
+usage reporting for a token-limited key, the engine's priority for a band other than the
+default), and then it is re-serialized once.
 """
 
 from __future__ import annotations
@@ -63,15 +64,25 @@ class Inbound:
         options = self.doc.get("stream_options")
         return isinstance(options, dict) and options.get("include_usage") is True
 
-    def rewritten(self, model: str | None = None, include_usage: bool = False) -> bytes:
-        """The body to forward, changed only where it must be."""
-        if model is None and not include_usage:
+    def rewritten(
+        self, model: str | None = None, include_usage: bool = False, priority: int | None = None
+    ) -> bytes:
+        """The body to forward, changed only where it must be. ``priority`` (None: leave it) is
+        the engine's, set by the gateway's band: a client's own would jump its band, so it is
+        replaced, and the default band's 0 is the engine's default, sent as no field."""
+        reprioritised = priority is not None and (priority != 0 or "priority" in self.doc)
+        if model is None and not include_usage and not reprioritised:
             return self.body
         doc = dict(self.doc)
         if model is not None:
             doc["model"] = model
         if include_usage:
             doc["stream_options"] = {**(doc.get("stream_options") or {}), "include_usage": True}
+        if reprioritised:
+            if priority:
+                doc["priority"] = priority
+            else:
+                del doc["priority"]
         return json.dumps(doc).encode()
 
 

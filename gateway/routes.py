@@ -53,6 +53,10 @@ class Service:
     revisions: tuple[tuple[str, str], ...] = ()
     # Slots per pod: requests a pod takes from the gateway at once (0: no limit).
     concurrency: int = DEFAULT_MAX_NUM_SEQS
+    # The pods' engines order by vLLM's ``priority`` (``--scheduling-policy priority``): the
+    # gateway sends each request's band there, and may bind a higher band beyond a full pod's
+    # slots where one of its own lower-band requests runs, for the engine to displace.
+    priority_scheduling: bool = False
 
     @property
     def key(self) -> ServiceKey:
@@ -144,6 +148,7 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
             if traffic.routing.max_concurrency is not None
             else spec.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         ),
+        priority_scheduling=spec.engine.scheduling_policy == "priority",
     )
 
 

@@ -7,7 +7,8 @@ processes anywhere (and what the benchmark runs). Each entry reads like an Infer
         endpoints: [http://127.0.0.1:8001, http://127.0.0.1:8002]   # the stable variant
         fallback: backup                  # optional, another entry's name
         routing: {prefixChars: 200}       # optional: spec.routing, circuitBreaker, timeouts,
-        responseCache: {enabled: true}    #   responseCache
+        responseCache: {enabled: true}    #   responseCache, engine
+        engine: {schedulingPolicy: priority}  # what the endpoints run: fcfs unless said
       - name: backup
         model: smollm2-int8
         variants:                         # instead of endpoints: a canary split
@@ -30,7 +31,7 @@ from ladle.api import STABLE
 from ladle.flag_types import yaml_problem
 from ladle.gateway.routes import Pod, Service, parse_service
 
-_SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts", "responseCache")
+_SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts", "responseCache", "engine")
 _ENTRY_KEYS = ("name", "model", "namespace", "endpoints", "variants", *_SPEC_KEYS)
 
 
@@ -106,6 +107,8 @@ def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
                 "model": {"name": str(entry["model"])},
                 "replicas": count,
                 **{k: entry[k] for k in _SPEC_KEYS if k in entry},
+                # ``ladle serve``'s own default, unlike an InferenceService's pods.
+                "engine": {"schedulingPolicy": "fcfs", **(entry.get("engine") or {})},
             },
             "status": {
                 "rollout": {

@@ -133,6 +133,7 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
         ("dtype", engine.dtype),
         ("max-model-len", engine.max_model_len),
         ("max-num-seqs", engine.max_num_seqs),
+        ("scheduling-policy", engine.scheduling_policy),
         ("max-num-batched-tokens", engine.max_num_batched_tokens),
         ("block-size", engine.block_size),
         ("enable-prefix-caching", engine.enable_prefix_caching),

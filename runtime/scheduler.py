@@ -2,7 +2,8 @@
 
 One token budget covers prefill chunks and decodes alike, so long prompts are chunked and
 share steps with running decodes. When blocks run out, the lowest-priority sequence (the
-newest, under FCFS) is preempted and later recomputed.
+newest, under FCFS) is preempted and later recomputed; under the priority policy, so is one
+of a lower priority when a more urgent request finds every seat taken.
 
 Every admitted request eventually runs alone if it must, so none waits for ever: the input
 processor refuses what could not fit in the whole cache (one sequence up to max_model_len,
@@ -289,7 +290,11 @@ class Scheduler:
             group = self.groups[seq.request_id]
             seats = group.width if not group.forked else 1
             if self._seats_in_use() + seats > self.max_num_seqs:
-                break
+                seat = self._seat_for(seq)
+                if seat is None:
+                    break
+                budget += self._evict(seat, out, scheduled)
+                continue
             cached = self.kv.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv.block_size, budget)
             if not self.kv.allocate_slots(seq, num_new, cached):
@@ -319,6 +324,21 @@ class Scheduler:
             candidates += self.running
         later = [c for c in candidates if self._rank(c) > self._rank(seq)]
         return max(later, key=self._rank) if later else None
+
+    def _seat_for(self, seq: Sequence) -> Sequence | None:
+        """Whom the waiting head may evict for a seat when all are taken: under the priority
+        policy, the least urgent sequence of a strictly lower priority (a larger number). The
+        gateway binds a higher band's request to a full pod on that promise, so that its wait
+        is the next step rather than the next request to finish. Equal priorities never
+        displace each other: arrival order alone is no reason to recompute."""
+        if self.policy != "priority":
+            return None
+        lower = [
+            c
+            for c in (*self.running, *self.parked)
+            if c.priority > seq.priority and c.request_id != seq.request_id
+        ]
+        return max(lower, key=self._rank) if lower else None
 
     def _stamp(self, out: SchedulerOutput) -> None:
         """Note when each request first ran, and hand over the sequences freed since."""

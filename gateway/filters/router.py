@@ -95,7 +95,9 @@ class Router:
         headers = [(k, v) for k, v in req.headers if k not in _HOP_BY_HOP]
         headers.append((b"x-request-id", req.request_id.encode()))
         body = req.inbound.rewritten(
-            model=service.model if fallback else None, include_usage=add_usage
+            model=service.model if fallback else None,
+            include_usage=add_usage,
+            priority=req.engine_priority if service.priority_scheduling else None,
         )
         attempt = Attempt(
             band=req.band,
@@ -243,7 +245,7 @@ class Router:
             in_flight.dec()
             self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
             now = loop.time()
-            self.cluster.answered(a.state, pod, outcome, now, now - sent_at)
+            self.cluster.answered(a.state, pod, a.band, outcome, now, now - sent_at)
 
 
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:

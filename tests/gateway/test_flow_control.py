@@ -14,11 +14,13 @@ import pytest
 import yaml
 
 from ladle.operator.scrape import parse_gateway
-from ladle.runtime_metrics import samples
+from ladle.runtime_metrics import RUNNING, samples
 
-from .conftest import free_port, start_ladle
+from .conftest import SERVE_FLAGS, free_port, start_ladle
 
 pytestmark = pytest.mark.timeout(60)
+
+PREEMPTIONS = "ladle:num_preemptions_total"
 
 
 def service(pod: Any, slots: int, **extra: Any) -> dict[str, Any]:
@@ -303,3 +305,89 @@ async def test_a_services_queue_series_start_at_zero(fake_pods: Any, run_gateway
         for reason in ("queue_full", "displaced", "deadline", "no_ready_pods"):
             labels = {**where, "band": band, "reason": reason}
             assert registry.get_sample_value("ladle_gateway_shed_total", labels) == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+async def test_a_higher_band_displaces_a_lower_one_where_the_engine_orders_by_priority(
+    run_gateway: Any, tmp_path: Path, policy: str
+) -> None:
+    """One slot, on a real engine. Ordering by priority, a critical request that arrives while
+    a sheddable one runs is bound at once, beyond the slot, with its band as vLLM's
+    ``priority``: the engine preempts the sheddable one, and the critical one is answered
+    first. The sheddable one still finishes in full. Under fcfs (a static endpoint's default)
+    the critical one waits at the gateway for the slot instead."""
+    port = free_port()
+    flags = ("--max-num-seqs", "1", "--scheduling-policy", policy)
+    pod = await asyncio.to_thread(
+        start_ladle, tmp_path / "serve.log", "serve", "--port", str(port),
+        "--served-model-name", "m", *SERVE_FLAGS, *flags, port=port,
+    )  # fmt: skip
+    try:
+        engine = {"engine": {"schedulingPolicy": "priority"}} if policy == "priority" else {}
+        gw = await run_gateway([service(pod, 1, **engine)])
+        body = {"model": "m", "prompt": "Count to a hundred:", "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=120) as client:
+            low = asyncio.ensure_future(
+                client.post(
+                    gw.url + "/v1/completions",
+                    json={**body, "max_tokens": 160},
+                    headers={"x-ladle-priority": "sheddable"},
+                )
+            )
+            for _ in range(500):
+                page = (await client.get(pod.url + "/metrics")).text
+                if sum(v for _, v in samples(page, (RUNNING,))[RUNNING]) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            high = await client.post(
+                gw.url + "/v1/completions",
+                json={**body, "max_tokens": 4},
+                headers={"x-ladle-priority": "critical"},
+            )
+            first = not low.done()
+            low_answer = await low
+            page = (await client.get(pod.url + "/metrics")).text
+        assert (high.status_code, low_answer.status_code) == (200, 200)
+        assert low_answer.json()["usage"]["completion_tokens"] == 160
+        preempted = sum(v for _, v in samples(page, (PREEMPTIONS,))[PREEMPTIONS])
+        if policy == "priority":
+            assert first, "the critical request waited for the sheddable one"
+            assert preempted >= 1
+        else:
+            assert not first, "the critical request overtook a request under fcfs"
+            assert preempted == 0
+    finally:
+        pod.stop()
+
+
+async def test_the_band_reaches_the_engine_as_its_priority_and_a_clients_own_does_not(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    """Ordering by priority, the engine's ``priority`` is the band's distance from the
+    default band (no field for the default itself), whatever the client wrote there: its own
+    would jump its band. Under fcfs the body goes as it came."""
+    ordered, plain = await fake_pods(), await fake_pods()
+    gw = await run_gateway(
+        [
+            {**service(ordered, 4), "engine": {"schedulingPolicy": "priority"}},
+            {**service(plain, 4), "name": "plain", "model": "p"},
+        ]
+    )
+    cases = [("critical", -1), ("standard", None), ("sheddable", 1)]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for band, _ in cases:
+            answer = await client.post(
+                gw.url + "/v1/completions",
+                json={"model": "m", "prompt": "x", "max_tokens": 1, "priority": -5},
+                headers={"x-ladle-priority": band},
+            )
+            assert answer.status_code == 200
+        answer = await client.post(
+            gw.url + "/v1/completions",
+            json={"model": "p", "prompt": "x", "max_tokens": 1, "priority": -5},
+            headers={"x-ladle-priority": "sheddable"},
+        )
+        assert answer.status_code == 200
+    assert [seen.body.get("priority") for seen in ordered.seen] == [p for _, p in cases]
+    assert plain.seen[-1].body["priority"] == -5

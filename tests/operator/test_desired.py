@@ -166,6 +166,7 @@ def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
         "--dtype", "bfloat16",
         "--max-model-len", "8192",
         "--max-num-seqs", "64",
+        "--scheduling-policy", "priority",  # the gateway's bands reach the engine
         "--no-enable-prefix-caching",
         "--gpu-memory-utilization", "0.85",
         "--seed", "7",
@@ -201,7 +202,8 @@ def test_quantization_becomes_runtime_flags(
 ) -> None:
     isvc = parse_isvc(make_isvc(spec={"quantization": quantization}))
     args = render_flags(engine_config(isvc))
-    assert args[args.index("--served-model-name") + 2 : args.index("--drain-timeout")] == flags
+    start = args.index("--scheduling-policy") + 2
+    assert args[start : args.index("--drain-timeout")] == flags
     assert isvc.spec.quantization.label() == label
     # `ladle serve` takes exactly these flags, resolved as it resolves them.
     parser = build_parser()
@@ -283,6 +285,7 @@ def test_large_configuration_moves_into_a_config_map(make_isvc: Builder) -> None
         "served-model-name": "m",
         "model": f"/models/{long_path}",
         "max-model-len": 4096,
+        "scheduling-policy": "priority",
         "drain-timeout": 30,
     }
     ctr = container(children)

@@ -260,6 +260,7 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
         "dtype": "bfloat16",
         "maxModelLen": 4096,
         "maxNumSeqs": 64,
+        "schedulingPolicy": "fcfs",
         "maxNumBatchedTokens": 4096,
         "blockSize": 16,
         "enablePrefixCaching": False,

@@ -88,6 +88,36 @@ def test_priority_policy_preempts_less_urgent_work() -> None:
     assert background in sched.waiting
 
 
+def test_priority_policy_takes_a_seat_from_a_lower_priority_only() -> None:
+    """Every seat taken: a more urgent request displaces the least urgent running one (the
+    newest of the lowest priority) at once; one of equal priority waits, as under FCFS."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=100, policy="priority")
+    low_old, low_new = add(sched, 4, 0.0, priority=1), add(sched, 4, 1.0, priority=1)
+    run_step(sched)
+    peer = add(sched, 4, 2.0, priority=1)
+    out = run_step(sched)
+    assert {i.seq for i in out.scheduled} == {low_old, low_new}
+    assert sched.waiting == [peer]
+    urgent = add(sched, 4, 3.0, priority=0)
+    out = run_step(sched)
+    assert out.preempted == [low_new]
+    assert {i.seq for i in out.scheduled} == {low_old, urgent}
+    assert low_new.output_token_ids == [7, 7]  # kept; its KV is recomputed later
+    assert sched.waiting == [low_new, peer]  # by arrival within a priority
+
+
+def test_fcfs_never_takes_a_seat() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=100)
+    running = add(sched, 4, 0.0, priority=1)
+    run_step(sched)
+    urgent = add(sched, 4, 1.0, priority=0)
+    out = run_step(sched)
+    assert [i.seq for i in out.scheduled] == [running]
+    assert sched.waiting == [urgent]
+
+
 def test_fcfs_waits_instead_of_preempting_for_newcomers() -> None:
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)

@@ -57,6 +57,8 @@ class EngineSettings:
     dtype: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    # Ladle's pods order by the gateway's bands (vLLM's and ``ladle serve``'s default is fcfs).
+    scheduling_policy: str = "priority"
     max_num_batched_tokens: int | None = None
     block_size: int | None = None
     enable_prefix_caching: bool | None = None
@@ -206,6 +208,7 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
         dtype=opt_str(raw.get("dtype")),
         max_model_len=opt_int(raw.get("maxModelLen")),
         max_num_seqs=opt_int(raw.get("maxNumSeqs")),
+        scheduling_policy=str(raw.get("schedulingPolicy", "priority")),
         max_num_batched_tokens=opt_int(raw.get("maxNumBatchedTokens")),
         block_size=opt_int(raw.get("blockSize")),
         enable_prefix_caching=None if prefix is None else bool(prefix),
