@@ -13,8 +13,11 @@ key (first come, first served: what a gateway without fair shares gives it). Tar
 heavy tenant, the light one's TTFT p99 within 1.5x of its own alone.
 
 ``priority``: a ``critical`` key's requests unloaded, then while a ``sheddable`` key overloads
-the service past the gateway's queue (``--max-held-requests``). Targets: the critical TTFT p99
-within 1.5x of unloaded, and only the sheddable key gets 429s.
+the service past the gateway's queue (``--max-held-requests``), on pods that order by priority
+(``--scheduling-policy priority``: the gateway binds a critical request beyond a full pod's
+slots and the engine preempts a sheddable one for it; ``--scheduling-policy fcfs`` for bands
+that order the gateway's queue only). Targets: the critical TTFT p99 within 1.5x of unloaded,
+and only the sheddable key gets 429s.
 
 Run on a quiet machine:  .venv/bin/python bench/flow_control.py binding --repeats 3
                           .venv/bin/python bench/flow_control.py fairness
@@ -80,11 +83,11 @@ class QueueSampler:
 
 
 @contextlib.contextmanager
-def pods(workdir: Path, slots: int) -> Iterator[list[int]]:
+def pods(workdir: Path, slots: int, flags: tuple[str, ...] = ()) -> Iterator[list[int]]:
     cores = sorted(os.sched_getaffinity(0))
     with contextlib.ExitStack() as stack:
         yield [
-            stack.enter_context(ladle_serve(workdir, slots, cores[i % len(cores)]))
+            stack.enter_context(ladle_serve(workdir, slots, cores[i % len(cores)], flags))
             for i in range(2)
         ]
 
@@ -258,13 +261,15 @@ def bench_priority(args: argparse.Namespace, workdir: Path) -> bool:
     flood = Load(KEYS["batch"][0], args.heavy_prompts, args.heavy_prompts, "5", True)
     runs: dict[str, list[dict[str, Any]]] = {"unloaded": [], "overloaded": []}
     floods: list[dict[str, Any]] = []
+    policy = args.scheduling_policy
     with contextlib.ExitStack() as stack:
-        ports = stack.enter_context(pods(workdir, slots))
+        ports = stack.enter_context(pods(workdir, slots, ("--scheduling-policy", policy)))
         port, _ = stack.enter_context(
             gateway(
                 ports, workdir, None, routing={"maxConcurrency": slots},
                 flags=("--api-keys-file", str(keys_file(workdir)),
                        "--max-held-requests", str(max_held)),
+                engine={"schedulingPolicy": policy},
             )
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -278,7 +283,8 @@ def bench_priority(args: argparse.Namespace, workdir: Path) -> bool:
                 if flooded is not None:
                     floods.append(flooded)
     print(
-        f"\npriority: 2 pods x {slots} slots, a queue of {max_held}; the critical key sends "
+        f"\npriority: 2 pods x {slots} slots scheduling by {policy}, a queue of {max_held}; "
+        f"the critical key sends "
         f"{args.light_prompts} requests (1/s, 2 at a time) while the sheddable key sends "
         f"{flood.prompts} at 5/s, x {args.repeats} (alternating)"
     )
@@ -318,6 +324,13 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument(
         "--lead", type=float, default=5.0, help="seconds the heavy client runs alone first"
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=("priority", "fcfs"),
+        default="priority",
+        help="priority: the pods' engines displace a lower band for a higher one; fcfs: bands "
+        "order the gateway's queue only",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script works")
     args = parser.parse_args()

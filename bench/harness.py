@@ -36,9 +36,11 @@ def gateway(
     src: Path | None = None,
     routing: dict[str, Any] | None = None,
     flags: tuple[str, ...] = (),
+    engine: dict[str, Any] | None = None,
 ) -> Iterator[tuple[int, psutil.Process]]:
     """A gateway subprocess in front of the backends: this checkout's, or ``src``'s, with
-    ``routing`` as the service's ``spec.routing`` and more ``flags``."""
+    ``routing`` as the service's ``spec.routing``, ``engine`` as what the backends run
+    (``spec.engine``), and more ``flags``."""
     port = free_port()
     routes = workdir / f"routes-{port}.yaml"
     ports = upstream if isinstance(upstream, list) else [upstream]
@@ -49,6 +51,8 @@ def gateway(
     }
     if routing is not None:
         service["routing"] = routing
+    if engine is not None:
+        service["engine"] = engine
     routes.write_text(yaml.safe_dump({"services": [service]}))
     log = (workdir / f"gateway-{port}.log").open("w")
     env = dict(os.environ)
@@ -92,9 +96,11 @@ def wait_http(url: str, timeout: float) -> None:
 
 
 @contextlib.contextmanager
-def ladle_serve(workdir: Path, max_num_seqs: int, core: int | None = None) -> Iterator[int]:
+def ladle_serve(
+    workdir: Path, max_num_seqs: int, core: int | None = None, flags: tuple[str, ...] = ()
+) -> Iterator[int]:
     """A ``ladle serve`` of the embedded model, prefix caching off (no run inherits another's
-    cache), ready; pinned to ``core`` with one thread when given."""
+    cache), ready; pinned to ``core`` with one thread when given, with more ``flags``."""
     port = free_port()
     log = (workdir / f"serve-{port}.log").open("w")
     env = dict(os.environ)
@@ -102,7 +108,7 @@ def ladle_serve(workdir: Path, max_num_seqs: int, core: int | None = None) -> It
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     serve = subprocess.Popen(
         [*LADLE, "serve", "--port", str(port), "--no-enable-prefix-caching",
-         "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs)],
+         "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), *flags],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     try:

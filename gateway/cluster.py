@@ -53,6 +53,7 @@ class Ask:
     a request, since every object the data path allocates is garbage-collector work)."""
 
     band: int
+    level: int  # ``Cluster.arrive``'s: the band, and whether its tenant is under its share
     tenant: str
     deadline: float
     cost: float  # tokens it is expected to cost its tenant's fair share
@@ -67,6 +68,7 @@ class Ask:
 
 @dataclass(eq=False, slots=True)
 class Waiter:
+    level: int
     variant: str | None  # chosen by the split on arrival; None while there is no ready pod
     tried: set[str]
     sticky: bytes | None
@@ -90,6 +92,9 @@ class ServiceState:
         self.rings: dict[str, HashRing] = {}
         self.pod_count = 0
         self.held_since: float | None = None
+        # Requests of each (band, tenant) in the gateway, waiting or in flight: who competes
+        # for the band's slots now.
+        self.present: dict[tuple[int, str], int] = {}
 
     @property
     def key(self) -> ServiceKey:
@@ -141,14 +146,15 @@ class Cluster:
     pool: Pool
     max_held: int = 256
     bands: tuple[str, ...] = DEFAULT_BANDS
+    default_band: int = 1
     hooks: Hooks = field(default_factory=Hooks)
     loads: Callable[[], dict[str, PodLoad]] = dict
     rng: random.Random = field(default_factory=random.Random)
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
     outstanding: dict[str, int] = field(default_factory=dict)
-    # The same requests by band, per pod: who a higher band may displace.
-    banded: dict[str, list[int]] = field(default_factory=dict)
+    # The same requests by level (``arrive``), per pod: whom a request may displace.
+    leveled: dict[str, list[int]] = field(default_factory=dict)
     tenants: TenantLabels = field(default_factory=TenantLabels)
 
     # -- table updates and time ----------------------------------------------------------
@@ -274,16 +280,18 @@ class Cluster:
     def place(self, state: ServiceState, ask: Ask, now: float) -> Pod | None:
         """A pod with a free slot for this request, the slot already taken (``answered`` gives
         it back), when one is free and no request waits before it; None otherwise: ``wait``.
-        Synchronous, so that a request that need not wait costs no coroutine."""
-        if state.queue.length:
+        Synchronous, so that a request that need not wait costs no coroutine. Only lower bands
+        waiting is no reason to wait: this request would go first, and may displace one."""
+        queue = state.queue
+        if queue.length and any(queue.band_length(b) for b in range(ask.band + 1)):
             return None
         usable = self._usable(state, ask.tried, now)
         variant = self._variant(state, usable, ask.sticky)
         if variant is None:
             return None
-        pod = self._free_pod(state, usable[variant], variant, ask.prefix, ask.band)
+        pod = self._free_pod(state, usable[variant], variant, ask.prefix, ask.level)
         if pod is not None:
-            self.sent(pod, ask.band)
+            self.sent(pod, ask.level)
             if not ask.tried:  # a retry is not charged twice
                 state.queue.charge(ask.band, ask.tenant, ask.cost)
         return pod
@@ -298,7 +306,7 @@ class Cluster:
         variant = self._variant(state, usable, ask.sticky)
         if variant is None and ask.tried:
             return None
-        waiter = Waiter(variant, ask.tried, ask.sticky, ask.prefix, loop.create_future())
+        waiter = Waiter(ask.level, variant, ask.tried, ask.sticky, ask.prefix, loop.create_future())
         return await self._wait(state, ask, waiter, out)
 
     async def _wait(
@@ -317,8 +325,8 @@ class Cluster:
             shed.payload.future.set_exception(self._overloaded(state, shed, "displaced"))
         tenant = self.tenants.label(ask.tenant)
         self.metrics.queued(ns, name, band, tenant).inc()
-        if state.service.priority_scheduling and ask.band < len(self.bands) - 1:
-            self.pump(state, started)  # it may displace a lower band at once
+        if state.service.priority_scheduling and ask.level < 2 * len(self.bands) - 1:
+            self.pump(state, started)  # it may displace a lower level at once
         self._count_queue(state)
         hold_until = started + state.service.timeouts.scale_from_zero_seconds
         if state.held_since is None and not state.pod_count:
@@ -346,7 +354,7 @@ class Cluster:
             if future.done() and not future.cancelled() and future.exception() is None:
                 granted = future.result()  # a slot given as the client left: give it back
                 if granted is not None:
-                    self._release(state, granted, ask.band, loop.time())
+                    self._release(state, granted, ask.level, loop.time())
             state.queue.remove(entry)
             raise
         finally:
@@ -389,7 +397,7 @@ class Cluster:
                 break
             waiter = entry.payload
             assert waiter.placed is not None
-            self.sent(waiter.placed, entry.band)
+            self.sent(waiter.placed, waiter.level)
             if not waiter.future.done():
                 waiter.future.set_result(waiter.placed)
             granted = True
@@ -411,18 +419,19 @@ class Cluster:
             variant = self._variant(state, usable, waiter.sticky)
             if variant is None:
                 return False
-        waiter.placed = self._free_pod(state, usable[variant], variant, waiter.prefix, entry.band)
+        waiter.placed = self._free_pod(state, usable[variant], variant, waiter.prefix, waiter.level)
         return waiter.placed is not None
 
     def _free_pod(
-        self, state: ServiceState, pods: list[Pod], variant: str, prefix: bytes | None, band: int
+        self, state: ServiceState, pods: list[Pod], variant: str, prefix: bytes | None, level: int
     ) -> Pod | None:
         """The picker's choice among ``pods`` that have a free slot; failing that, where the
         pods' engines order by priority, among those where this request may displace one of
-        this gateway's lower-band requests (each may be displaced once: the pod holds one
+        this gateway's requests of a lower level (each may be displaced once: the pod holds one
         request beyond its slots for each), which the engine then preempts for it. So a higher
-        band waits for the pod's next step, not for the next request to finish; the displaced
-        one waits in the pod's queue, its tokens kept, and resumes when a slot frees."""
+        band, or a tenant under its share, waits for the pod's next step, not for the next
+        request to finish; the displaced one waits in the pod's queue, its tokens kept, and
+        resumes when a slot frees."""
         limit = state.service.concurrency
         loads = self.loads()
         candidates = []
@@ -433,7 +442,7 @@ class Cluster:
             own = self.outstanding.get(pod.id, 0)
             over = own + (0 if load is None else load.others) - limit
             if limit and over >= 0:
-                if state.service.priority_scheduling and self._displaceable(pod.id, band) > over:
+                if state.service.priority_scheduling and self._displaceable(pod.id, level) > over:
                     displacing.append(Candidate(pod.id, own, None, None))
                     by_id[pod.id] = pod
                 continue
@@ -455,10 +464,48 @@ class Cluster:
         )
         return None if chosen is None else by_id[chosen.name]
 
-    def _displaceable(self, pod: str, band: int) -> int:
-        """This gateway's requests on ``pod`` of a lower band than ``band``."""
-        counts = self.banded.get(pod)
-        return sum(counts[band + 1 :]) if counts else 0
+    def _displaceable(self, pod: str, level: int) -> int:
+        """This gateway's requests on ``pod`` of a lower level than ``level``."""
+        counts = self.leveled.get(pod)
+        return sum(counts[level + 1 :]) if counts else 0
+
+    # -- levels: a band, split by fair shares ---------------------------------------------
+
+    def arrive(self, state: ServiceState, band: int, tenant: str) -> int:
+        """Count a request in, and return its level: ``2 * band``, plus one unless its tenant
+        is under its fair share of the service's slots (the slots over the tenants its band
+        has in the gateway, waiting or in flight, with at least one other besides it). A
+        request under its share may displace one over its share in the same band, as a higher
+        band may displace a lower one: so a light tenant beside a heavy one waits for a step,
+        not for one of the heavy one's requests to finish. Alone, a tenant is never under its
+        share, so that its requests are not all raised above the next tenant to come."""
+        level = 2 * band + 1
+        if not tenant:
+            return level
+        present = state.present
+        mine = present.get((band, tenant), 0)
+        present[(band, tenant)] = mine + 1
+        if state.service.priority_scheduling:
+            tenants = sum(1 for b, _ in present if b == band)
+            slots = state.service.concurrency * state.pod_count
+            if tenants > 1 and mine * tenants < slots:
+                level -= 1
+        return level
+
+    def depart(self, state: ServiceState, band: int, tenant: str) -> None:
+        if not tenant:
+            return
+        key = (band, tenant)
+        left = state.present[key] - 1
+        if left:
+            state.present[key] = left
+        else:
+            del state.present[key]
+
+    def engine_priority(self, level: int) -> int:
+        """vLLM's request ``priority`` for a level: lower runs first, and 0, the engine's
+        default, is the default band's level over its share (as a tenant alone is)."""
+        return level - (2 * self.default_band + 1)
 
     def _usable(self, state: ServiceState, tried: set[str], now: float) -> dict[str, list[Pod]]:
         """Each variant's ready pods that are neither ejected nor tried, where any are left."""
@@ -482,15 +529,15 @@ class Cluster:
 
     # -- what each attempt at a pod tells -------------------------------------------------
 
-    def sent(self, pod: Pod, band: int) -> None:
+    def sent(self, pod: Pod, level: int) -> None:
         self.outstanding[pod.id] = self.outstanding.get(pod.id, 0) + 1
-        counts = self.banded.get(pod.id)
+        counts = self.leveled.get(pod.id)
         if counts is None:
-            counts = self.banded[pod.id] = [0] * len(self.bands)
-        counts[band] += 1
+            counts = self.leveled[pod.id] = [0] * (2 * len(self.bands))
+        counts[level] += 1
 
     def answered(
-        self, state: ServiceState, pod: Pod, band: int, outcome: str, now: float, seconds: float
+        self, state: ServiceState, pod: Pod, level: int, outcome: str, now: float, seconds: float
     ) -> None:
         """An attempt at ``pod`` ended with ``outcome`` after ``seconds``: its slot goes to the
         next waiting request, and the outcome is a mark for or against the pod with the
@@ -502,7 +549,7 @@ class Cluster:
         ns, name = state.key
         self.metrics.slot(ns, name).set(state.slot_seconds)
         ejection = state.outlier.record(pod.id, now, outcome not in _POD_FINE, state.pod_count)
-        self._release(state, pod, band, now)  # after the verdict: an ejected pod gets none
+        self._release(state, pod, level, now)  # after the verdict: an ejected pod gets none
         if ejection is None:
             return
         self.metrics.ejections.labels(ns, name, pod.id).inc()
@@ -518,12 +565,12 @@ class Cluster:
             },
         )
 
-    def _release(self, state: ServiceState, pod: Pod, band: int, now: float) -> None:
+    def _release(self, state: ServiceState, pod: Pod, level: int, now: float) -> None:
         left = self.outstanding[pod.id] - 1
         if left:
             self.outstanding[pod.id] = left
-            self.banded[pod.id][band] -= 1
+            self.leveled[pod.id][level] -= 1
         else:
             del self.outstanding[pod.id]
-            del self.banded[pod.id]
+            del self.leveled[pod.id]
         self.pump(state, now)

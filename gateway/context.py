@@ -36,9 +36,6 @@ class ClientRequest:
     parsed: Inbound | None = None  # the body filter's
     route: Service | None = None  # the route filter's
     band: int = 0  # the priority filter's: the request's priority band, 0 the highest
-    # The priority filter's: the band as the engine's vLLM ``priority`` (lower runs first; 0,
-    # the engine's default, is the gateway's default band).
-    engine_priority: int = 0
     tenant: str = ""  # the priority filter's: whose fair share the request counts against
     cache_key: bytes | None = None  # the cache filter's, when the answer may be kept
     watcher: asyncio.Task[None] | None = None  # the body filter's watch for a hang-up

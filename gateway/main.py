@@ -61,6 +61,7 @@ class Gateway:
             self.pool,
             max_held=settings.max_held_requests,
             bands=settings.priority_bands,
+            default_band=settings.priority_bands.index(settings.default_priority),
             loads=(lambda: scraper.loads) if scraper is not None else dict,
         )
         self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)

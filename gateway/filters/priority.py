@@ -47,7 +47,6 @@ class Priority:
                     f"the key {key.name!r} may ask for {floor!r} or a lower band, not {name!r}",
                     "priority_not_allowed",
                 )
-        req.engine_priority = req.band - self.bands.index(self.default)
         if key is not None:
             req.tenant = key.name
         else:

@@ -68,19 +68,23 @@ class Router:
     async def __call__(self, req: ClientRequest, send: Send, out: Outcome) -> None:
         loop = asyncio.get_running_loop()
         admitted = self.cluster.admit(req.service, loop.time(), out)
+        state = admitted.state
+        level = self.cluster.arrive(state, req.band, req.tenant)
         success: bool | None = None
         try:
-            success = await self._serve(admitted.state, req, send, out)
+            success = await self._serve(state, level, req, send, out)
         except GatewayError as exc:
             if exc.code in _BREAKER_FAILURES:
                 success = False
             raise
         finally:
+            self.cluster.depart(state, req.band, req.tenant)
             self.cluster.finish(admitted, success, loop.time())
 
     async def _serve(
         self,
         state: ServiceState,
+        level: int,
         req: ClientRequest,
         send: Send,
         out: Outcome,
@@ -97,10 +101,11 @@ class Router:
         body = req.inbound.rewritten(
             model=service.model if fallback else None,
             include_usage=add_usage,
-            priority=req.engine_priority if service.priority_scheduling else None,
+            priority=self.cluster.engine_priority(level) if service.priority_scheduling else None,
         )
         attempt = Attempt(
             band=req.band,
+            level=level,
             tenant=req.tenant,
             deadline=min(req.deadline, req.arrival + service.timeouts.request_seconds),
             cost=_cost(req.inbound),
@@ -245,7 +250,7 @@ class Router:
             in_flight.dec()
             self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
             now = loop.time()
-            self.cluster.answered(a.state, pod, a.band, outcome, now, now - sent_at)
+            self.cluster.answered(a.state, pod, a.level, outcome, now, now - sent_at)
 
 
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:

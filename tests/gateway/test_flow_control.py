@@ -307,16 +307,31 @@ async def test_a_services_queue_series_start_at_zero(fake_pods: Any, run_gateway
             assert registry.get_sample_value("ladle_gateway_shed_total", labels) == 0
 
 
+HEAVY = {"x-gateway-inference-fairness-id": "heavy"}
+LIGHT = {"x-gateway-inference-fairness-id": "light"}
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("policy", ["priority", "fcfs"])
-async def test_a_higher_band_displaces_a_lower_one_where_the_engine_orders_by_priority(
-    run_gateway: Any, tmp_path: Path, policy: str
+@pytest.mark.parametrize(
+    ("policy", "low", "high"),
+    [
+        ("priority", {"x-ladle-priority": "sheddable"}, {"x-ladle-priority": "critical"}),
+        ("priority", HEAVY, LIGHT),
+        ("fcfs", {"x-ladle-priority": "sheddable"}, {"x-ladle-priority": "critical"}),
+        ("fcfs", HEAVY, LIGHT),
+    ],
+    ids=["priority-bands", "priority-tenants", "fcfs-bands", "fcfs-tenants"],
+)
+async def test_a_higher_level_displaces_a_lower_one_where_the_engine_orders_by_priority(
+    run_gateway: Any, tmp_path: Path, policy: str, low: dict[str, str], high: dict[str, str]
 ) -> None:
     """One slot, on a real engine. Ordering by priority, a critical request that arrives while
     a sheddable one runs is bound at once, beyond the slot, with its band as vLLM's
     ``priority``: the engine preempts the sheddable one, and the critical one is answered
-    first. The sheddable one still finishes in full. Under fcfs (a static endpoint's default)
-    the critical one waits at the gateway for the slot instead."""
+    first. So does a light tenant's request beside a heavy tenant's in the same band (the light
+    one is under its fair share of the slot, the heavy one, alone when it came, is not). The
+    displaced one still finishes in full. Under fcfs (a static endpoint's default) the
+    newcomer waits at the gateway for the slot instead."""
     port = free_port()
     flags = ("--max-num-seqs", "1", "--scheduling-policy", policy)
     pod = await asyncio.to_thread(
@@ -332,7 +347,7 @@ async def test_a_higher_band_displaces_a_lower_one_where_the_engine_orders_by_pr
                 client.post(
                     gw.url + "/v1/completions",
                     json={**body, "max_tokens": 160},
-                    headers={"x-ladle-priority": "sheddable"},
+                    headers=low,
                 )
             )
             for _ in range(500):
@@ -343,7 +358,7 @@ async def test_a_higher_band_displaces_a_lower_one_where_the_engine_orders_by_pr
             high = await client.post(
                 gw.url + "/v1/completions",
                 json={**body, "max_tokens": 4},
-                headers={"x-ladle-priority": "critical"},
+                headers=high,
             )
             first = not low.done()
             low_answer = await low
@@ -352,10 +367,10 @@ async def test_a_higher_band_displaces_a_lower_one_where_the_engine_orders_by_pr
         assert low_answer.json()["usage"]["completion_tokens"] == 160
         preempted = sum(v for _, v in samples(page, (PREEMPTIONS,))[PREEMPTIONS])
         if policy == "priority":
-            assert first, "the critical request waited for the sheddable one"
+            assert first, "the newcomer waited for the running request"
             assert preempted >= 1
         else:
-            assert not first, "the critical request overtook a request under fcfs"
+            assert not first, "the newcomer overtook a running request under fcfs"
             assert preempted == 0
     finally:
         pod.stop()
@@ -364,9 +379,10 @@ async def test_a_higher_band_displaces_a_lower_one_where_the_engine_orders_by_pr
 async def test_the_band_reaches_the_engine_as_its_priority_and_a_clients_own_does_not(
     fake_pods: Any, run_gateway: Any
 ) -> None:
-    """Ordering by priority, the engine's ``priority`` is the band's distance from the
-    default band (no field for the default itself), whatever the client wrote there: its own
-    would jump its band. Under fcfs the body goes as it came."""
+    """Ordering by priority, the engine's ``priority`` is two steps a band from the default
+    band (no field for the default itself; the step between is a tenant under its fair share),
+    whatever the client wrote there: its own would jump its band. Under fcfs the body goes as
+    it came."""
     ordered, plain = await fake_pods(), await fake_pods()
     gw = await run_gateway(
         [
@@ -374,7 +390,7 @@ async def test_the_band_reaches_the_engine_as_its_priority_and_a_clients_own_doe
             {**service(plain, 4), "name": "plain", "model": "p"},
         ]
     )
-    cases = [("critical", -1), ("standard", None), ("sheddable", 1)]
+    cases = [("critical", -2), ("standard", None), ("sheddable", 2)]
     async with httpx.AsyncClient(timeout=30) as client:
         for band, _ in cases:
             answer = await client.post(

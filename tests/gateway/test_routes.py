@@ -178,7 +178,7 @@ def test_the_cluster_never_picks_an_unready_or_ejected_pod(
     ejected = state.outlier.ejected(now)
     unready = {p.id for p in objs if not p.ready}
     for n in range(30):
-        ask = Ask(1, "", math.inf, 1.0, set(), None, f"prefix {n}".encode())
+        ask = Ask(1, 3, "", math.inf, 1.0, set(), None, f"prefix {n}".encode())
         pod = cluster.place(state, ask, now)
         if pod is None:  # nothing to pick: the request would wait for a ready pod
             continue
