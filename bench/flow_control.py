@@ -9,8 +9,10 @@ each, and the pods' own queues (``ladle:num_requests_waiting``, read every 0.2 s
 
 ``fairness``: a light tenant (one API key, a few requests at a time) alone, then beside a heavy
 one (another key, ten times as many in flight), then beside the heavy one under the heavy one's
-key (first come, first served: what a gateway without fair shares gives it). Target: beside the
-heavy tenant, the light one's TTFT p99 within 1.5x of its own alone.
+key (first come, first served: what a gateway without fair shares gives it). On pods ordering
+by priority the light tenant, under its share, displaces the heavy one's requests (``fcfs``:
+order only). Target: beside the heavy tenant, the light one's TTFT p99 within 1.5x of its own
+alone.
 
 ``priority``: a ``critical`` key's requests unloaded, then while a ``sheddable`` key overloads
 the service past the gateway's queue (``--max-held-requests``), on pods that order by priority
@@ -214,12 +216,14 @@ def bench_fairness(args: argparse.Namespace, workdir: Path) -> bool:
         "one key (FCFS)": (KEYS["heavy"][0], heavy),
     }
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
+    policy = args.scheduling_policy
     with contextlib.ExitStack() as stack:
-        ports = stack.enter_context(pods(workdir, slots))
+        ports = stack.enter_context(pods(workdir, slots, ("--scheduling-policy", policy)))
         port, _ = stack.enter_context(
             gateway(
                 ports, workdir, None, routing={"maxConcurrency": slots},
                 flags=("--api-keys-file", str(keys_file(workdir))),
+                engine={"schedulingPolicy": policy},
             )
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -230,7 +234,8 @@ def bench_fairness(args: argparse.Namespace, workdir: Path) -> bool:
                 light, _ = light_and_heavy(args, url, workdir, key, load, f"{arm}-{i}")
                 runs[arm].append(light)
     print(
-        f"\nfair shares: 2 pods x {slots} slots; the light tenant sends {args.light_prompts} "
+        f"\nfair shares: 2 pods x {slots} slots scheduling by {policy}; the light tenant sends "
+        f"{args.light_prompts} "
         f"requests (1/s, 2 at a time), the heavy one {args.heavy_prompts} (20 at a time), "
         f"{args.input_len} in / {args.output_len} out, x {args.repeats} (alternating)"
     )

@@ -435,7 +435,7 @@ class Cluster:
         limit = state.service.concurrency
         loads = self.loads()
         candidates = []
-        displacing = []
+        displacing: list[Candidate] | None = None
         by_id = {}
         for pod in pods:
             load = loads.get(pod.id)
@@ -443,6 +443,8 @@ class Cluster:
             over = own + (0 if load is None else load.others) - limit
             if limit and over >= 0:
                 if state.service.priority_scheduling and self._displaceable(pod.id, level) > over:
+                    if displacing is None:
+                        displacing = []
                     displacing.append(Candidate(pod.id, own, None, None))
                     by_id[pod.id] = pod
                 continue
@@ -456,7 +458,7 @@ class Cluster:
             )
             by_id[pod.id] = pod
         chosen = pick(
-            candidates or displacing,
+            candidates if candidates or displacing is None else displacing,
             rng=self.rng,
             key=prefix,
             ring=state.rings.get(variant),
@@ -547,7 +549,6 @@ class Cluster:
         else:
             state.slot_seconds, state.slot_timed = seconds, True
         ns, name = state.key
-        self.metrics.slot(ns, name).set(state.slot_seconds)
         ejection = state.outlier.record(pod.id, now, outcome not in _POD_FINE, state.pod_count)
         self._release(state, pod, level, now)  # after the verdict: an ejected pod gets none
         if ejection is None:

@@ -64,6 +64,13 @@ class Gateway:
             default_band=settings.priority_bands.index(settings.default_priority),
             loads=(lambda: scraper.loads) if scraper is not None else dict,
         )
+        self.metrics.slot_times(
+            lambda: (
+                (*state.key, state.slot_seconds)
+                for state in self.cluster.states.values()
+                if state.slot_timed
+            )
+        )
         self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)
         self.keys: KeyStore | None = None
         self._tasks: list[asyncio.Task[None]] = []

@@ -7,11 +7,13 @@ request would cost more than the rest of the bookkeeping together.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.registry import Collector
 
 from ladle.gateway.breaker import State
 
@@ -112,13 +114,6 @@ class GatewayMetrics:
             queue,
             registry=r,
         )
-        self.slot_metric = Gauge(
-            "ladle_gateway_slot_seconds",
-            "The mean time a request has lately held a pod's slot (a moving average, once one "
-            "has finished); the autoscaler turns the held requests into demand with it.",
-            svc,
-            registry=r,
-        )
         self.queued_metric = Counter(
             "ladle_gateway_queued",
             "Requests that had to wait for a slot, by band and tenant.",
@@ -202,11 +197,16 @@ class GatewayMetrics:
         self.duration = Series(self.duration_metric)
         self.ttfb = Series(self.ttfb_metric)
         self.held = Series(self.held_metric)
-        self.slot = Series(self.slot_metric)
         self.queued = Series(self.queued_metric)
         self.tenant_wait = Series(self.tenant_wait_metric)
         self.queue_wait = Series(self.queue_wait_metric)
         self.shed = Series(self.shed_metric)
+
+    def slot_times(self, read: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        """Export ``ladle_gateway_slot_seconds`` from ``read`` ((namespace, service, seconds)
+        for each service that has timed a request) at scrape time: a gauge set as each request
+        ends would cost the data path a lock."""
+        self.registry.register(_SlotTimes(read))
 
     def breaker(self, namespace: str, service: str, state: State) -> None:
         for s in State:
@@ -229,7 +229,6 @@ class GatewayMetrics:
             self.in_flight,
             self.cache,
             self.held,
-            self.slot,
             self.queued,
             self.tenant_wait,
             self.queue_wait,
@@ -262,3 +261,19 @@ class TenantLabels:
             self._known.add(tenant)
             return tenant
         return "other"
+
+
+class _SlotTimes(Collector):
+    def __init__(self, read: Callable[[], Iterable[tuple[str, str, float]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "ladle_gateway_slot_seconds",
+            "The mean time a request has lately held a pod's slot (a moving average, once one "
+            "has finished); the autoscaler turns the held requests into demand with it.",
+            labels=["namespace", "service"],
+        )
+        for namespace, service, seconds in self.read():
+            family.add_metric([namespace, service], seconds)
+        yield family
