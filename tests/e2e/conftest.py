@@ -105,6 +105,25 @@ class System:
         return self.cluster.container_pid(pod, container)
 
 
+def cpu_service(name: str, model: str, **spec: Any) -> dict[str, Any]:
+    """An InferenceService of one CPU replica of the embedded model; ``spec`` adds fields.
+
+    It asks for a CPU, as every runtime pod should: without a request the kubelet gives a pod
+    the smallest CPU share (2 against the chart's pods' 102-256), and under load its engine
+    starves."""
+    return {
+        "apiVersion": "ladle.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": model},
+            "resources": {"gpus": 0, "cpu": "250m"},
+            "replicas": 1,
+            **spec,
+        },
+    }
+
+
 def _namespace(api: ApiClient, prefix: str) -> str:
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
     meta = client.V1ObjectMeta(name=name, annotations=local_namespace_annotations())

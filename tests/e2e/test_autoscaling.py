@@ -19,7 +19,7 @@ import pytest
 
 from ladle_dev.pytest_plugin import wait_until
 
-from .conftest import SELECTOR, Load, System
+from .conftest import SELECTOR, Load, System, cpu_service
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,29 +35,20 @@ LOAD_STOPPED: dict[str, float] = {}
 
 
 def service(min_replicas: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "ladle.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"name": MODEL},
-            # A CPU request, as every runtime pod should have: without one the kubelet gives a
-            # pod the smallest CPU share (2 against the chart's pods' 102-256), and under load
-            # its engine starves.
-            "resources": {"gpus": 0, "cpu": "250m"},
-            "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512, "drainTimeoutSeconds": 5},
-            "replicas": 1,
-            "minReplicas": min_replicas,
-            "maxReplicas": 2,
-            "autoscaling": {
-                "targetConcurrency": TARGET,
-                "stableWindowSeconds": STABLE_WINDOW,
-                "panicWindowPercent": 20,
-                "scaleDownDelaySeconds": SCALE_DOWN_DELAY,
-                "scaleToZeroGracePeriodSeconds": GRACE,
-            },
+    return cpu_service(
+        NAME,
+        MODEL,
+        engine={"kvCacheMemory": "64Mi", "maxModelLen": 512, "drainTimeoutSeconds": 5},
+        minReplicas=min_replicas,
+        maxReplicas=2,
+        autoscaling={
+            "targetConcurrency": TARGET,
+            "stableWindowSeconds": STABLE_WINDOW,
+            "panicWindowPercent": 20,
+            "scaleDownDelaySeconds": SCALE_DOWN_DELAY,
+            "scaleToZeroGracePeriodSeconds": GRACE,
         },
-    }
+    )
 
 
 @pytest.fixture(scope="module")

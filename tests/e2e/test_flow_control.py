@@ -17,7 +17,7 @@ import pytest
 from ladle.runtime_metrics import RUNNING, WAITING, samples
 from ladle_dev.pytest_plugin import wait_until
 
-from .conftest import Load, System
+from .conftest import Load, System, cpu_service
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,17 +28,9 @@ CONCURRENCY = 3 * SLOTS
 
 
 def service() -> dict[str, Any]:
-    return {
-        "apiVersion": "ladle.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"name": MODEL},
-            "resources": {"gpus": 0, "cpu": "250m"},
-            "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512, "maxNumSeqs": SLOTS},
-            "replicas": 1,
-        },
-    }
+    return cpu_service(
+        NAME, MODEL, engine={"kvCacheMemory": "64Mi", "maxModelLen": 512, "maxNumSeqs": SLOTS}
+    )
 
 
 class Sampler:

@@ -36,6 +36,8 @@ from ladle.monitoring import promconfig
 from ladle_dev.cluster import build, sre_tools
 from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
+from .conftest import cpu_service
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,21 +206,7 @@ def namespace(ladle_system: System) -> Iterator[str]:
 
 
 def service(name: str, model: str, **spec: Any) -> dict[str, Any]:
-    body = {
-        "model": {"name": model},
-        # A CPU request, as every runtime pod should have: without one the kubelet gives a
-        # pod the smallest CPU share (2 against other pods' 102-256), and under load it starves.
-        "resources": {"gpus": 0, "cpu": "250m"},
-        "engine": ENGINE,
-        "replicas": 1,
-        **spec,
-    }
-    return {
-        "apiVersion": "ladle.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": name},
-        "spec": body,
-    }
+    return cpu_service(name, model, **{"engine": ENGINE, **spec})
 
 
 def traffic(gateway: str, model: str, count: int) -> list[int]:

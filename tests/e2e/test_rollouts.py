@@ -33,7 +33,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ladle_dev.pytest_plugin import wait_until
 
-from .conftest import Load, System
+from .conftest import Load, System, cpu_service
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -82,40 +82,31 @@ def service(
     rollout: dict[str, Any] | None = None,
     routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "apiVersion": "ladle.dev/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": {"name": MODEL},
-            # A CPU request, as every runtime pod should have: without one the kubelet gives a
-            # pod the smallest CPU share (2 against the chart's pods' 102-256), and under load
-            # its engine starves.
-            "resources": {"gpus": 0, "cpu": "250m"},
-            "quantization": quantization,
-            "engine": {**ENGINE, **(engine or {})},
-            **({"routing": routing} if routing is not None else {}),
-            "replicas": 1,
-            "rollout": {
-                "steps": STEPS,
-                "intervalSeconds": INTERVAL,
-                "minRequests": 3,
-                "progressDeadlineSeconds": 480,
-                "paused": False,
-                "analysis": {
-                    "quality": {
-                        "prompts": {"configMapName": "canary-prompts", "key": "prompts.txt"},
-                        **(quality or {}),
-                    },
-                    # Both variants share the same two cores with the load generator: their
-                    # latencies measure the machine as much as the variant. The gates run and
-                    # report their numbers; the bounds leave room for that noise.
-                    "slo": {"maxTTFTP95Ratio": 4, "maxTPOTP95Ratio": 4},
+    return cpu_service(
+        NAME,
+        MODEL,
+        quantization=quantization,
+        engine={**ENGINE, **(engine or {})},
+        **({"routing": routing} if routing is not None else {}),
+        rollout={
+            "steps": STEPS,
+            "intervalSeconds": INTERVAL,
+            "minRequests": 3,
+            "progressDeadlineSeconds": 480,
+            "paused": False,
+            "analysis": {
+                "quality": {
+                    "prompts": {"configMapName": "canary-prompts", "key": "prompts.txt"},
+                    **(quality or {}),
                 },
-                **(rollout or {}),
+                # Both variants share the same two cores with the load generator: their
+                # latencies measure the machine as much as the variant. The gates run and
+                # report their numbers; the bounds leave room for that noise.
+                "slo": {"maxTTFTP95Ratio": 4, "maxTPOTP95Ratio": 4},
             },
+            **(rollout or {}),
         },
-    }
+    )
 
 
 def complete(gateway_url: str, timeout: float = 60) -> httpx.Response:

@@ -355,6 +355,8 @@ async def test_a_higher_level_displaces_a_lower_one_where_the_engine_orders_by_p
                 if sum(v for _, v in samples(page, (RUNNING,))[RUNNING]) == 1:
                     break
                 await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the first request never ran on the pod")
             high = await client.post(
                 gw.url + "/v1/completions",
                 json={**body, "max_tokens": 4},
