@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from ladle.runtime.engine import IterationStats, LLMEngine
 from ladle.runtime.outputs import RequestOutput
+from ladle.runtime_metrics import CACHE_CONFIG_INFO, KV_USAGE, PROTOCOL_GAUGES, RUNNING, WAITING
 
 PREFIX = "ladle:"
 # Latency buckets include 0.5, 1 and 2 s exactly, so those SLOs are read without interpolation.
@@ -127,13 +128,15 @@ class _EngineCollector(Collector):
         labels = ["model_name"]
         values = [self.model_name]
         for name, doc, value in (
-            ("num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_cache_usage),
+            (RUNNING, "Requests in the running batch.", stats.num_running),
+            (WAITING, "Requests waiting to be scheduled.", stats.num_waiting),
+            (KV_USAGE, "Fraction of KV blocks in use (0-1).", stats.kv_cache_usage),
         ):
-            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            gauge.add_metric(values, value)
-            yield gauge
+            for exported in (name, PROTOCOL_GAUGES[name]):
+                gauge = GaugeMetricFamily(exported, doc, labels=labels)
+                gauge.add_metric(values, value)
+                yield gauge
+        yield self._cache_config(stats.num_blocks)
         for name, doc, value in (
             ("prefix_cache_queries", "Prompt tokens looked up.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found cached.", stats.prefix_cache_hits),
@@ -142,6 +145,22 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+
+    def _cache_config(self, num_blocks: int) -> Metric:
+        """vLLM's ``cache_config_info``: the KV cache's layout as labels on a constant 1."""
+        args = self.engine.args
+        config = {
+            "block_size": str(args.block_size),
+            "num_gpu_blocks": str(num_blocks),
+            "cache_dtype": args.kv_cache_dtype,
+            "enable_prefix_caching": str(args.enable_prefix_caching),
+            "gpu_memory_utilization": str(args.gpu_memory_utilization),
+        }
+        info = GaugeMetricFamily(
+            CACHE_CONFIG_INFO, "The KV cache's configuration.", labels=list(config)
+        )
+        info.add_metric(list(config.values()), 1.0)
+        return info
 
 
 class ServerMetrics:

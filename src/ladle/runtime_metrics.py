@@ -14,6 +14,16 @@ from prometheus_client.parser import text_string_to_metric_families
 RUNNING = "ladle:num_requests_running"
 WAITING = "ladle:num_requests_waiting"
 KV_USAGE = "ladle:kv_cache_usage_perc"
+# The Gateway API Inference Extension's model-server protocol: the names under which every
+# endpoint picker (GAIE's, llm-d's) reads a pod's load, vLLM's own. The runtime exports each
+# of these gauges under both names, and the engine's cache layout as an info gauge whose
+# labels (block_size, num_gpu_blocks) the pickers' prefix-cache scorers read.
+PROTOCOL_GAUGES = {
+    RUNNING: "vllm:num_requests_running",
+    WAITING: "vllm:num_requests_waiting",
+    KV_USAGE: "vllm:kv_cache_usage_perc",
+}
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # Histograms (read as their _bucket, _sum and _count samples).
 ITL = "ladle:inter_token_latency_seconds"
 TTFT = "ladle:time_to_first_token_seconds"

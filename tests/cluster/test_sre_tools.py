@@ -22,12 +22,12 @@ def hack_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_the_tools_have_their_own_cache_key(hack_copy: Path, tmp_path: Path) -> None:
-    cluster, tools = build.versions_hash(), sre_tools.bin_dir()
+    cluster, tools = build.versions_hash(), sre_tools.TOOLSET.bin_dir()
     assert tools == tmp_path / "cache" / "sre-tools" / tools.parent.name / "bin"
-    assert sre_tools.missing() == ["promtool", "prometheus", "kstatus-compute"]
+    assert sre_tools.TOOLSET.missing() == ["promtool", "prometheus", "kstatus-compute"]
     gomod = hack_copy / "prometheus" / "go.mod"
     gomod.write_text(gomod.read_text().replace("v0.316.0", "v0.316.1"))
-    assert sre_tools.bin_dir() != tools
+    assert sre_tools.TOOLSET.bin_dir() != tools
     assert build.versions_hash() == cluster
     kube = hack_copy / "kubernetes" / "go.mod"
     kube.write_text(kube.read_text() + "\n// bumped\n")
@@ -36,7 +36,7 @@ def test_the_tools_have_their_own_cache_key(hack_copy: Path, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("name", ["prometheus", "promtool"])
 def test_the_built_binaries_carry_their_version_and_no_cloud_discovery(name: str) -> None:
-    path = sre_tools.bin_dir() / name
+    path = sre_tools.TOOLSET.bin_dir() / name
     if not path.is_file():
         pytest.fail(f"{name} is not built: run `make cluster-build`")
     shown = subprocess.run(

@@ -155,7 +155,7 @@ def prometheus(
         ),
     }
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    binary = sre_tools.bin_dir() / "prometheus"
+    binary = sre_tools.TOOLSET.bin_dir() / "prometheus"
     if not binary.is_file():
         pytest.fail("prometheus is not built: run `make cluster-build`")
     port = free_port()

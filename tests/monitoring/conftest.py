@@ -39,7 +39,7 @@ def tool(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def promtool() -> Path:
-    return tool(sre_tools.bin_dir() / "promtool")
+    return tool(sre_tools.TOOLSET.bin_dir() / "promtool")
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def argocd_health(kind: str, obj: dict[str, Any]) -> dict[str, str]:
 
 
 def kstatus(objects: list[dict[str, Any]]) -> list[str]:
-    path = sre_tools.bin_dir() / "kstatus-compute"
+    path = sre_tools.TOOLSET.bin_dir() / "kstatus-compute"
     if not path.is_file():
         pytest.fail("kstatus-compute is not built: run `make cluster-build`")
     out = subprocess.run(

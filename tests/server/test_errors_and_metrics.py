@@ -7,11 +7,14 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ladle.gateway.scrape import parse_load
 from ladle.operator.analysis import parse_metrics
 from ladle.operator.pace import Pace
 from ladle.operator.scrape import parse_pod
+from ladle.runtime_metrics import CACHE_CONFIG_INFO, PROTOCOL_GAUGES
+from ladle_dev.cluster import gaie
 
 from .conftest import Server
 
@@ -282,3 +285,29 @@ def test_every_reader_of_metrics_finds_its_series_on_a_real_runtime(server: Serv
     assert after.started is not None
     assert parse_load(text.encode()) is not None
     assert parse_pod("p", text).error is None
+
+
+def test_the_runtime_exports_the_model_server_protocol_of_the_pinned_gaie(server: Server) -> None:
+    """Every metric in the model-server protocol document of the pinned Gateway API Inference
+    Extension (read from its Go module), under vLLM's name and of the protocol's type, so that
+    any endpoint picker reads a Ladle pod as it reads a vLLM one; the gauges agree with ours."""
+    protocol = gaie.protocol_metrics()
+    assert {m.vllm for m in protocol if not m.optional} == set(PROTOCOL_GAUGES.values())
+    post(server, "/v1/completions", {"prompt": "Count on", "max_tokens": 2})
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=30).text)
+    }
+    for metric in protocol:
+        family = families.get(metric.vllm)
+        assert family is not None, f"{metric.name}: no {metric.vllm} on /metrics"
+        assert family.type == metric.type, f"{metric.vllm} is a {family.type}"
+        if metric.label is not None:
+            (sample,) = family.samples
+            assert int(sample.labels[metric.label]) > 0, sample.labels
+    for ours, theirs in PROTOCOL_GAUGES.items():
+        assert families[ours].samples == [
+            s._replace(name=ours) for s in families[theirs].samples
+        ], ours
+    (config,) = families[CACHE_CONFIG_INFO].samples
+    assert config.labels["block_size"] == "16"

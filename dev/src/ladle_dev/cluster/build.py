@@ -208,7 +208,7 @@ def _go_json(go: str, module_dir: str, *args: str) -> dict[str, object]:
     return result
 
 
-def _module_info(go: str, module_dir: str, module: str) -> tuple[str, str, Path]:
+def module_info(go: str, module_dir: str, module: str) -> tuple[str, str, Path]:
     """Version, release time and source folder of ``module`` as resolved by the wrapper."""
     info = _go_json(go, module_dir, "list", "-m", "-json", module)
     if "Dir" not in info:
@@ -291,6 +291,34 @@ def build(force: bool = False) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class ToolSet:
+    """Binaries that tests run beside the cluster, built with the cluster's recipe but cached
+    under a key of their own: pinning one set anew never rebuilds another, or Kubernetes."""
+
+    folder: str
+    tools: tuple[Tool, ...]
+    recipe: str = "1"
+
+    def bin_dir(self) -> Path:
+        return cache_root() / self.folder / versions_hash(self.tools, self.recipe) / "bin"
+
+    def missing(self) -> list[str]:
+        return [tool.name for tool in self.tools if not (self.bin_dir() / tool.name).is_file()]
+
+    def build_missing(self, force: bool = False) -> Path:
+        """Build whatever is missing (everything with ``force``); returns the ``bin/`` folder."""
+        target = self.bin_dir()
+        todo = [tool for tool in self.tools if force or tool.name in self.missing()]
+        if not todo:
+            names = ", ".join(tool.name for tool in self.tools)
+            _log(f"{names} up to date in {target}")
+            return target
+        build_tools(todo, target)
+        prune(target.parent)
+        return target
+
+
 def prune(current: Path) -> None:
     """Remove the binaries of other pins beside ``current`` (about 800 MB each): a bumped pin
     would otherwise leave every earlier build in the cache for good."""
@@ -316,7 +344,7 @@ def build_tools(tools: Sequence[Tool], target: Path, steps: int | None = None) -
             _download(go, tool.module_dir)
             downloaded.add(tool.module_dir)
             _log(f"      modules ready in {time.monotonic() - t0:.0f}s")
-        version, released, _ = _module_info(go, tool.module_dir, tool.version_module)
+        version, released, _ = module_info(go, tool.module_dir, tool.version_module)
         xflags = [f"-X {flag}={_xvalue(flag, version, released)}" for flag in tool.xflags]
         ldflags = " ".join(["-s", "-w", *xflags])
         # Per-process name: two builds racing into one cache never write the same file.
@@ -367,7 +395,7 @@ def _download(go: str, module_dir: str) -> None:
 
 def _copy_stages(go: str) -> None:
     """Copy kwok's stage files out of the module cache, so `up` never needs Go."""
-    _, _, source = _module_info(go, "kwok", "sigs.k8s.io/kwok")
+    _, _, source = module_info(go, "kwok", "sigs.k8s.io/kwok")
     dest = stages_dir()
     dest.mkdir(parents=True, exist_ok=True)
     for stage in KWOK_STAGES:

@@ -138,7 +138,7 @@ def _build(args: argparse.Namespace) -> int:
         return 0
     try:
         build.build(force=args.force)
-        sre_tools.build_missing(force=args.force)
+        sre_tools.TOOLSET.build_missing(force=args.force)
         if not args.no_images:
             for built in images.build_all():
                 size = built.size / 2**30

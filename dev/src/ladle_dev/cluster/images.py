@@ -205,9 +205,9 @@ def build_base() -> None:
 
 def pause_source() -> Path:
     """Kubernetes' pause.c, from the module the cluster binaries are built from."""
-    from ladle_dev.cluster.build import _module_info, find_go
+    from ladle_dev.cluster.build import find_go, module_info
 
-    _, _, source = _module_info(find_go(), "kubernetes", "k8s.io/kubernetes")
+    _, _, source = module_info(find_go(), "kubernetes", "k8s.io/kubernetes")
     return source / "build" / "pause" / "linux" / "pause.c"
 
 
