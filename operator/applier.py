@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.api import JSON
+from ladle.api import INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND, JSON
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.desired import object_digest
 from ladle.operator.events import EventRecorder, ObjectRef
@@ -55,6 +55,7 @@ API_VERSIONS = {
     "Service": "v1",
     "ConfigMap": "v1",
     "PodDisruptionBudget": "policy/v1",
+    INFERENCE_POOL_KIND: INFERENCE_POOL_API_VERSION,
 }
 
 

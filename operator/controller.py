@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ladle.api import (
+    INFERENCE_POOL_KIND,
     ISVC_KIND,
     POOL_KIND,
     GPUPool,
@@ -55,7 +56,7 @@ from ladle.operator.store import (
     trim_child,
 )
 from ladle.operator.telemetry import Metrics
-from ladle.operator.watch import CHILD_KINDS, WATCHED, Watched
+from ladle.operator.watch import CHILD_KINDS, REQUIRED, WATCHED, Watched
 from ladle.operator.workqueue import WorkQueue
 
 log = logging.getLogger("ladle.operator.controller")
@@ -153,6 +154,8 @@ class Controller:
             gateway_selector=config.gateway_selector,
         )
         self._primed = False
+        # What kopf watches: WATCHED less the optional kinds the API server does not serve.
+        self.served = REQUIRED
         self._sweep_due = asyncio.Event()
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._group: asyncio.TaskGroup | None = None
@@ -239,7 +242,8 @@ class Controller:
                     self.pools.invalidate(isvc.spec.gpu_pool)
         if new is None:
             assert old is not None
-            self.inference.forget(key, old.meta.uid)
+            self.inference.deleted(key, old.meta.uid)
+            self.queue.add(WorkKey("isvc", *key))
             return
         if _held_since(new) and not (old and _held_since(old)):
             self.autoscaler.poke()  # a request waits at a service with no ready pod
@@ -299,10 +303,13 @@ class Controller:
 
     # ---- listing: priming a new term, and sweeping after re-lists
 
-    async def prime(self) -> None:
+    async def prime(self, served: frozenset[Watched] = REQUIRED) -> None:
         """Fill the store before the first reconcile, so quota plans see every claim and
         status reads every object it depends on (a new leader must not report a Degraded
-        service as recovered, or an existing Service as missing)."""
+        service as recovered, or an existing Service as missing). ``served``: the kinds that
+        kopf watches, and so the kinds listed."""
+        self.served = served
+        self.inference.inference_pools = any(w.kind == INFERENCE_POOL_KIND for w in served)
         await self.sweep()
         self._primed = True
         log.info(
@@ -318,8 +325,9 @@ class Controller:
     async def sweep(self) -> None:
         """List every watched kind; feed what is listed and evict what vanished."""
         started = self.store.sequence
-        for watched in WATCHED:
-            await self._sweep_kind(watched)
+        for watched in WATCHED:  # in priming order
+            if watched in self.served:
+                await self._sweep_kind(watched)
         self.store.forget_touches(started)
 
     async def _sweep_kind(self, watched: Watched) -> None:

@@ -16,6 +16,8 @@ import yaml
 from ladle.api import (
     API_VERSION,
     CANARY,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
     ISVC_KIND,
     JSON,
     LABEL_ISVC,
@@ -415,5 +417,32 @@ def desired_service(isvc: InferenceService) -> JSON:
             "ports": [
                 {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
             ],
+        },
+    }
+
+
+def desired_inference_pool(isvc: InferenceService) -> JSON:
+    """The Gateway API Inference Extension's InferencePool for the service: the Service's
+    selector (every variant's pods) on the runtime's port, and the endpoint picker that a GAIE
+    gateway asks which of them serves each request."""
+    name = isvc.meta.name
+    picker = isvc.spec.endpoint_picker
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": INFERENCE_POOL_KIND,
+        "metadata": {
+            "name": name,
+            "namespace": isvc.meta.namespace,
+            "labels": common_labels(name),
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {
+                "name": picker.name or f"{name}-epp",
+                "port": {"number": picker.port},
+                "failureMode": picker.failure_mode,
+            },
         },
     }

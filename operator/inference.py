@@ -39,6 +39,7 @@ from ladle.operator.desired import (
     Blueprint,
     blueprint,
     children_of,
+    desired_inference_pool,
     desired_service,
     label_selector,
     profiling,
@@ -150,6 +151,16 @@ class InferenceServiceReconciler:
         # The ladle.dev/profiling problem last announced per service, so that a reconcile
         # repeats no Event (the recorder would count each repeat with an API write).
         self._profiling_said: dict[str, tuple[str, str] | None] = {}
+        # Whether the cluster has GAIE's InferencePool CRD (the controller finds out as its
+        # term starts): each service then gets a pool.
+        self.inference_pools = False
+        # Services deleted since their last reconcile, by key: their uid, forgotten by the
+        # next reconcile of the key, which the work queue runs after any one in flight (that
+        # one would otherwise export the series of a deleted service again).
+        self._deleted: dict[IsvcKey, str] = {}
+
+    def deleted(self, key: IsvcKey, uid: str) -> None:
+        self._deleted[key] = uid
 
     def forget(self, key: IsvcKey, uid: str | None) -> None:
         self.metrics.forget_isvc(*key)
@@ -194,9 +205,9 @@ class InferenceServiceReconciler:
     def desired(
         self, isvc: InferenceService, state: RolloutState, plan: list[Planned], grant: Grant
     ) -> list[JSON]:
-        """Every child: each variant's, then the Service. A variant about to roll out gets the
-        strategy its pool's headroom allows; the others keep the one they have, so that a
-        strategy never changes (and bumps a Deployment) for nothing."""
+        """Every child: each variant's, then the Service (and the InferencePool). A variant
+        about to roll out gets the strategy its pool's headroom allows; the others keep the
+        one they have, so that a strategy never changes (and bumps a Deployment) for nothing."""
         replicas = variant_replicas(isvc, state, grant.replicas)
         objects: list[JSON] = []
         for p in plan:
@@ -207,7 +218,8 @@ class InferenceServiceReconciler:
                 idle=p.weight == 0 and state.active,
             )
             objects += children.all()
-        return [*objects, desired_service(isvc)]
+        pool = [desired_inference_pool(isvc)] if self.inference_pools else []
+        return [*objects, desired_service(isvc), *pool]
 
     def _observation(
         self,
@@ -259,6 +271,9 @@ class InferenceServiceReconciler:
 
     async def reconcile(self, key: IsvcKey) -> None:
         isvc: InferenceService | None = self.store.get(ISVC_KIND, key)
+        gone = self._deleted.pop(key, None)
+        if gone is not None and (isvc is None or isvc.meta.uid != gone):
+            self.forget(key, gone)
         if isvc is None:
             return
         if isvc.meta.deleting:

@@ -33,7 +33,7 @@ from ladle.operator.leader import (
     LeaseNamespaceMissing,
 )
 from ladle.operator.telemetry import Health, Metrics, build_app, serve
-from ladle.operator.watch import build_registry, build_settings
+from ladle.operator.watch import REQUIRED, Watched, build_registry, build_settings, served
 
 log = logging.getLogger("ladle.operator")
 
@@ -78,6 +78,8 @@ class Operator:
         self.kopf_stop = asyncio.Event()
         self.kopf_task: asyncio.Task[None] | None = None
         self.failed = False
+        # The kinds kopf watches, found before the first term primes (kopf starts once).
+        self.watched: frozenset[Watched] | None = None
 
     def ready(self) -> bool:
         # A standby is ready too: it is healthy, and a rolling update must be able to proceed.
@@ -159,7 +161,7 @@ class Operator:
         started = asyncio.Event()
         self.kopf_task = asyncio.create_task(
             kopf.operator(
-                registry=build_registry(self.router.observe, login),
+                registry=build_registry(self.router.observe, login, self.watched or REQUIRED),
                 settings=build_settings(self.options.workers),
                 clusterwide=True,
                 standalone=True,
@@ -206,11 +208,13 @@ class Operator:
             return True
         return False
 
-    async def _prime(self, controller: Controller) -> bool:
+    async def _prime(self, controller: Controller, client: KubeClient) -> bool:
         delay = 1.0
         while not self.stop.is_set():
             try:
-                await controller.prime()
+                if self.watched is None:
+                    self.watched = await served(client)
+                await controller.prime(self.watched)
                 return True
             except REQUEST_ERRORS as err:
                 log.warning("could not list the cluster; retrying", extra={"error": str(err)})
@@ -233,7 +237,7 @@ class Operator:
         # Events from now on reach the new store; priming lists what came before.
         self.router.controller = controller
         try:
-            if not await self._until_stopped(self._prime(controller)) or self.stop.is_set():
+            if not await self._until_stopped(self._prime(controller, client)) or self.stop.is_set():
                 return
             await self._start_kopf()
             workers = asyncio.create_task(controller.run(), name="reconcilers")

@@ -8,7 +8,8 @@ watched and what is listed can never differ.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,12 +17,18 @@ import kopf
 
 from ladle.api import (
     API_VERSION,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
+    INFERENCE_POOL_PLURAL,
     ISVC_KIND,
     ISVC_PLURAL,
     MANAGED_SELECTOR,
     POOL_KIND,
     POOL_PLURAL,
 )
+from ladle.kube import KubeClient
+
+log = logging.getLogger("ladle.operator.watch")
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ class Watched:
     plural: str
     # Filtered on the server: the operator never sees foreign children or pods.
     label_selector: str | None = None
+    # Served only where someone else's CRD is installed; the operator does without it.
+    optional: bool = False
 
     @property
     def list_path(self) -> str:
@@ -48,18 +57,47 @@ WATCHED = (
     Watched("Service", "v1", "services", MANAGED_SELECTOR),
     Watched("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets", MANAGED_SELECTOR),
     Watched("ConfigMap", "v1", "configmaps", MANAGED_SELECTOR),
+    Watched(
+        INFERENCE_POOL_KIND,
+        INFERENCE_POOL_API_VERSION,
+        INFERENCE_POOL_PLURAL,
+        MANAGED_SELECTOR,
+        optional=True,
+    ),
     Watched("Pod", "v1", "pods", MANAGED_SELECTOR),
     Watched(ISVC_KIND, API_VERSION, ISVC_PLURAL),
 )
-CHILD_KINDS = frozenset({"Deployment", "Service", "PodDisruptionBudget", "ConfigMap"})
+CHILD_KINDS = frozenset(
+    {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", INFERENCE_POOL_KIND}
+)
+
+REQUIRED = frozenset(w for w in WATCHED if not w.optional)
 
 Observe = Callable[[str, str | None, Mapping[str, Any]], None]
 
 
+async def served(client: KubeClient) -> frozenset[Watched]:
+    """The watched kinds the API server serves: every required one, and each optional one
+    whose CRD is installed. Asked once per process, as kopf resolves its watches once; the
+    operator says in one line what it does without."""
+    found = set(REQUIRED)
+    for watched in WATCHED:
+        if watched.optional:
+            listing = await client.get(f"/apis/{watched.api_version}")
+            if any(r.get("name") == watched.plural for r in (listing or {}).get("resources", ())):
+                found.add(watched)
+            else:
+                log.info(
+                    f"the API server does not serve {watched.plural} ({watched.api_version}), "
+                    "so none are made: install its CRDs and restart the operator to have them"
+                )
+    return frozenset(found)
+
+
 def build_registry(
-    observe: Observe, login_fn: Callable[[], kopf.ConnectionInfo]
+    observe: Observe, login_fn: Callable[[], kopf.ConnectionInfo], watched: Collection[Watched]
 ) -> kopf.OperatorRegistry:
-    """kopf handlers that feed the controller; one registry per leadership term."""
+    """kopf handlers that feed the controller, for the kinds ``served`` found."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -72,8 +110,8 @@ def build_registry(
 
         return handler
 
-    for watched in WATCHED:
-        kopf.on.event(watched.api_version, watched.plural, registry=registry)(feed(watched))
+    for kind in watched:
+        kopf.on.event(kind.api_version, kind.plural, registry=registry)(feed(kind))
     return registry
 
 

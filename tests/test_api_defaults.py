@@ -57,6 +57,7 @@ INFERENCE_SERVICES = {
         "resources": {},
         "quantization": {},
         "runtime": {},
+        "inferencePool": {"endpointPicker": {}},
     },
     "a rollout with empty gates": {
         "model": {"name": "m"},

@@ -22,7 +22,15 @@ import aiohttp
 import kopf
 import yaml
 
-from ladle.api import API_VERSION, ISVC_KIND, JSON, POOL_KIND
+from ladle.api import (
+    API_VERSION,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
+    INFERENCE_POOL_PLURAL,
+    ISVC_KIND,
+    JSON,
+    POOL_KIND,
+)
 from ladle.flag_types import yaml_problem
 
 # (apiVersion, kind) → (plural, namespaced), for every kind the operator touches.
@@ -37,6 +45,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("coordination.k8s.io/v1", "Lease"): ("leases", True),
     (API_VERSION, ISVC_KIND): ("inferenceservices", True),
     (API_VERSION, POOL_KIND): ("gpupools", False),
+    (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): (INFERENCE_POOL_PLURAL, True),
 }
 
 APPLY_PATCH = "application/apply-patch+yaml"

@@ -26,6 +26,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
+from ladle_dev.cluster import gaie
 from ladle_dev.cluster.node import LocalNode
 from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
@@ -170,11 +171,19 @@ def ladle_system(
     k8s_local_nodes: list[LocalNode],
 ) -> Iterator[System]:
     """The chart installed with its defaults (two operator replicas, leader election), its
-    operator running as pods on the local nodes; and the GPUPool from examples/."""
+    operator running as pods on the local nodes; and the GPUPool from examples/. The cluster
+    has the Gateway API Inference Extension's InferencePool CRD before the operator starts,
+    as a cluster whose admins run a GAIE gateway does, so every service gets a pool."""
     system_namespace = _namespace(k8s_api, "ladle-e2e-system")
     namespace = _namespace(k8s_api, "e2e")
     system = System(k8s_cluster, k8s_api, system_namespace, namespace)
     request.config.stash[_SYSTEM_KEY] = system
+    crd = system.kubectl("apply", "-f", str(gaie.module_dir() / gaie.POOL_CRD))
+    assert crd.returncode == 0, crd.stderr
+    established = system.kubectl(
+        "wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io"
+    )
+    assert established.returncode == 0, established.stderr
     started = time.monotonic()
     helm = subprocess.run(
         [

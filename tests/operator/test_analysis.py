@@ -24,6 +24,7 @@ from ladle.operator.analysis import (
     quality_thresholds,
     slo_gates,
 )
+from ladle.runtime.config import EngineArgs
 from ladle.runtime.eval.metrics import GATES, Gate
 
 
@@ -36,12 +37,12 @@ class RuntimePage:
 
         stats = SimpleNamespace(
             num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=0,
-            prefix_cache_hits=0, num_preemptions=0,
+            prefix_cache_hits=0, num_preemptions=0, num_blocks=64,
         )  # fmt: skip
         engine = SimpleNamespace(
             served_model_name="smollm2",
             max_model_len=512,
-            args=SimpleNamespace(max_num_batched_tokens=512),
+            args=EngineArgs(max_num_batched_tokens=512),
             iteration_observers=[],
             stats=lambda: stats,
         )

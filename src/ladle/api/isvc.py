@@ -145,6 +145,20 @@ class RolloutSpec:
     slo: SLOGateSpec = SLOGateSpec()
 
 
+# The endpoint picker's ext_proc port in GAIE's own chart.
+DEFAULT_PICKER_PORT = 9002
+
+
+@dataclass(frozen=True)
+class EndpointPicker:
+    """The Service of the endpoint picker that a service's InferencePool names; None as the
+    name means ``<service>-epp``."""
+
+    name: str | None = None
+    port: int = DEFAULT_PICKER_PORT
+    failure_mode: str = "FailClose"
+
+
 @dataclass(frozen=True)
 class InferenceServiceSpec:
     served_model_name: str
@@ -162,6 +176,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec | None = None
     rollout: RolloutSpec | None = None
     traffic: TrafficSpec = field(default_factory=TrafficSpec)
+    endpoint_picker: EndpointPicker = EndpointPicker()
 
 
 @dataclass(frozen=True)
@@ -300,6 +315,15 @@ def parse_rollout(raw: Mapping[str, Any] | None) -> RolloutSpec | None:
     )
 
 
+def parse_endpoint_picker(raw: Mapping[str, Any] | None) -> EndpointPicker:
+    raw = raw or {}
+    return EndpointPicker(
+        name=opt_str(raw.get("name")),
+        port=int(raw.get("port", DEFAULT_PICKER_PORT)),
+        failure_mode=str(raw.get("failureMode", "FailClose")),
+    )
+
+
 def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
     model = spec.get("model") or {}
     runtime = spec.get("runtime") or {}
@@ -329,6 +353,9 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
         rollout=parse_rollout(spec.get("rollout")),
         traffic=parse_traffic(spec),
+        endpoint_picker=parse_endpoint_picker(
+            (spec.get("inferencePool") or {}).get("endpointPicker")
+        ),
     )
 
 

@@ -12,6 +12,10 @@ ISVC_KIND = "InferenceService"
 ISVC_PLURAL = "inferenceservices"
 POOL_KIND = "GPUPool"
 POOL_PLURAL = "gpupools"
+# The Gateway API Inference Extension's pool, which the operator creates where its CRDs are.
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+INFERENCE_POOL_KIND = "InferencePool"
+INFERENCE_POOL_PLURAL = "inferencepools"
 
 # Labels on every child; the first two are also the Deployment/Service selectors.
 LABEL_ISVC = "ladle.dev/inferenceservice"
