@@ -15,7 +15,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -33,6 +33,11 @@ from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.http_errors import unknown_endpoint, wrong_method
 from ladle.logs import request_id_var
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from ladle.tracing import Tracing
 
 log = logging.getLogger("ladle.gateway")
 access = logging.getLogger("ladle.gateway.access")
@@ -69,6 +74,21 @@ async def _send_json(
     await send({"type": "http.response.body", "body": body})
 
 
+def _end_span(span: Span, out: Outcome) -> None:
+    """The request's span says how it ended: status, where it went, and what it cost."""
+    span.set_attribute("http.response.status_code", out.status)
+    if out.service is not None:
+        span.set_attribute("ladle.service", out.service.name)
+    if out.pod:
+        span.set_attributes({"ladle.pod": out.pod, "ladle.variant": out.variant})
+    span.set_attribute("ladle.attempts", out.attempts)
+    if out.completion_tokens is not None:
+        span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
+    if out.error is not None:
+        span.set_attribute("error.type", out.error)
+    span.end()
+
+
 class GatewayApp:
     def __init__(
         self,
@@ -80,6 +100,7 @@ class GatewayApp:
         authentication: Authentication | None = None,
         access_log: bool = True,
         audit: AuditLog | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.handler = handler
         self.cluster = cluster
@@ -88,6 +109,7 @@ class GatewayApp:
         self.authentication = authentication
         self.access_log = access_log
         self.audit = audit or AuditLog(None, "gateway")
+        self.tracing = tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -110,6 +132,14 @@ class GatewayApp:
         rid = next((v for k, v in reversed(headers) if k == b"x-request-id"), None)
         request_id = rid.decode() if rid and _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex
         req = ClientRequest(request_id, b"POST", path, headers, arrival, receive)
+        if self.tracing is not None:
+            req.span = self.tracing.server(
+                f"POST {path.decode()}",
+                arrival,
+                headers,
+                {"http.request.method": "POST", "url.path": path.decode(),
+                 "ladle.request_id": request_id},
+            )  # fmt: skip
         token = request_id_var.set(request_id)
         out = Outcome(captured=[] if self.audit.text else None)
 
@@ -150,6 +180,8 @@ class GatewayApp:
                 await _send_json(send, 500, err.body(), [(b"x-request-id", request_id.encode())])
         finally:
             self._account(out, req.key, req.parsed, loop.time() - arrival, request_id, path)
+            if req.span is not None:
+                _end_span(req.span, out)
             request_id_var.reset(token)
 
     def _account(

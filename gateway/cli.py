@@ -12,7 +12,7 @@ import socket
 from ladle.audit import add_audit_args
 from ladle.flag_types import existing_file, integer, memory, seconds, size_text
 from ladle.gateway.settings import GatewaySettings
-from ladle.settings import Default, add_log_level
+from ladle.settings import Default, add_log_level, add_tracing
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -132,6 +132,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     add_audit_args(parser)
     add_log_level(parser)
+    add_tracing(parser)
     parser.set_defaults(func=_run)
 
 

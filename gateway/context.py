@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ladle.gateway.apikeys import ApiKey
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.routes import Service
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -39,6 +42,7 @@ class ClientRequest:
     tenant: str = ""  # the priority filter's: whose fair share the request counts against
     cache_key: bytes | None = None  # the cache filter's, when the answer may be kept
     watcher: asyncio.Task[None] | None = None  # the body filter's watch for a hang-up
+    span: Span | None = None  # the request's trace span, when the gateway traces
     _by_name: dict[bytes, bytes] | None = field(default=None, repr=False)
 
     def header(self, name: bytes) -> bytes | None:

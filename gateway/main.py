@@ -8,7 +8,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 import uvicorn
@@ -37,6 +37,9 @@ from ladle.gateway.upstream import Pool
 from ladle.gateway.watch import Informer
 from ladle.kube import KubeClient, LoginError, login
 from ladle.listen import bind
+
+if TYPE_CHECKING:
+    from ladle.tracing import Tracing
 
 log = logging.getLogger("ladle.gateway")
 
@@ -72,6 +75,16 @@ class Gateway:
             )
         )
         self.audit = AuditLog(settings.audit_log, "gateway", text=settings.audit_text)
+        self.tracing: Tracing | None = None
+        if settings.otlp_traces_endpoint is not None:
+            from ladle.tracing import start_tracing
+
+            self.tracing = start_tracing(
+                "ladle-gateway", settings.otlp_traces_endpoint, settings.trace_sample_ratio
+            )
+            self.metrics.registry.register(
+                self.tracing.dropped_metric("ladle_gateway_trace_spans_dropped")
+            )
         self.keys: KeyStore | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._service_informers: list[Informer[Service]] = []
@@ -105,6 +118,7 @@ class Gateway:
             authentication=authentication,
             access_log=self.settings.access_log,
             audit=self.audit,
+            tracing=self.tracing,
         )
 
     def data_path(self, authentication: Authentication | None) -> Chain:
@@ -121,7 +135,11 @@ class Gateway:
         if settings.response_cache:
             filters.append(Cache(ResponseCache(settings.response_cache_size), self.metrics))
         router = Router(
-            self.cluster, self.pool, self.metrics, count_usage=settings.audit_log is not None
+            self.cluster,
+            self.pool,
+            self.metrics,
+            count_usage=settings.audit_log is not None,
+            tracing=self.tracing,
         )
         return Chain(filters, router)
 
@@ -228,6 +246,8 @@ class Gateway:
                 await task
         self.pool.close()
         self.audit.close()
+        if self.tracing is not None:
+            self.tracing.close()
         if self.api is not None:
             await self.api.close()
 

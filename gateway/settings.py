@@ -45,6 +45,8 @@ class GatewaySettings:
     audit_text: bool = False
     response_cache: bool = True
     response_cache_size: int = 256 << 20
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
     namespaces_all: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ladle.gateway.cluster import Ask, Cluster, ServiceState
 from ladle.gateway.context import ClientRequest, HeaderList, Outcome, Send
@@ -14,6 +15,11 @@ from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.relay import relay_events, usage_tokens
 from ladle.gateway.routes import Pod
 from ladle.gateway.upstream import Pool, Response, UpstreamError, UpstreamTimeout
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from ladle.tracing import Tracing
 
 # Never forwarded in either direction (RFC 9110 §7.6.1), or set by the gateway itself.
 _HOP_BY_HOP = frozenset(
@@ -32,6 +38,8 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"server"}
+# The client's trace context, replaced by the attempt's own when the gateway traces.
+_TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
 _RETRY_STATUSES = frozenset({502, 503, 504})
 # The gateway's own answers that mean the service failed (a missing pod is the hold's business).
 _BREAKER_FAILURES = frozenset({"first_token_timeout", "request_timeout", "upstream_unavailable"})
@@ -64,6 +72,7 @@ class Router:
     metrics: GatewayMetrics
     # Read every response's usage (the audit trail's token counts), not only limited keys'.
     count_usage: bool = False
+    tracing: Tracing | None = None
 
     async def __call__(self, req: ClientRequest, send: Send, out: Outcome) -> None:
         loop = asyncio.get_running_loop()
@@ -167,10 +176,16 @@ class Router:
         first_deadline = min(a.deadline, sent_at + a.state.service.timeouts.first_token_seconds)
         outcome = "ok"
         response: Response | None = None
+        headers = a.headers
+        span = None
+        if self.tracing is not None and req.span is not None:
+            span = self._trace_attempt(self.tracing, req.span, a, pod, variant, out, sent_at)
+            headers = [h for h in headers if h[0] not in _TRACE_HEADERS]
+            headers += self.tracing.traceparent(span)
         try:
             try:
                 response = await self.pool.request(
-                    pod.host, pod.port, req.method, req.path, a.headers, a.body, first_deadline
+                    pod.host, pod.port, req.method, req.path, headers, a.body, first_deadline
                 )
                 if response.status in _RETRY_STATUSES and not last:
                     outcome = "http_5xx"
@@ -245,12 +260,48 @@ class Router:
                     out.failed = failure != "client_deadline"
             return None
         finally:
+            if span is not None:
+                span.set_attribute("ladle.outcome", outcome)
+                if response is not None:
+                    span.set_attribute("http.response.status_code", response.status)
+                span.end()
             if response is not None:
                 response.release()
             in_flight.dec()
             self.metrics.upstream(ns, name, variant, pod.id, outcome).inc()
             now = loop.time()
             self.cluster.answered(a.state, pod, a.level, outcome, now, now - sent_at)
+
+    @staticmethod
+    def _trace_attempt(
+        tracing: Tracing,
+        parent: Span,
+        a: Attempt,
+        pod: Pod,
+        variant: str,
+        out: Outcome,
+        sent_at: float,
+    ) -> Span:
+        """The attempt's span, whose context goes to the pod; before the first, the request's
+        routing (filters, picking) and the time it was held for a slot."""
+        if out.attempts == 1:
+            bound = sent_at - out.held_seconds
+            tracing.record("gateway.route", a.req.arrival, bound, parent)
+            if out.held_seconds > 0:
+                tracing.record("gateway.queue", bound, sent_at, parent)
+        return tracing.child(
+            "upstream",
+            sent_at,
+            parent,
+            {
+                "ladle.pod": pod.id,
+                "ladle.variant": variant,
+                "ladle.attempt": out.attempts,
+                "server.address": pod.host,
+                "server.port": pod.port,
+            },
+            client=True,
+        )
 
 
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:

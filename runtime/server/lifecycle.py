@@ -28,6 +28,7 @@ from ladle.words import plural
 if TYPE_CHECKING:
     from ladle.runtime.async_engine import AsyncLLM
     from ladle.runtime.server.metrics import ServerMetrics
+    from ladle.tracing import Tracing
 
 log = logging.getLogger("ladle.server")
 
@@ -52,6 +53,14 @@ class ServerState:
         self._tasks: set[asyncio.Task[None]] = set()
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
+        self.tracing: Tracing | None = None
+        if settings.otlp_traces_endpoint is not None:
+            from ladle.tracing import start_tracing
+
+            self.tracing = start_tracing(
+                "ladle-runtime", settings.otlp_traces_endpoint, settings.trace_sample_ratio
+            )
+            self.registry.register(self.tracing.dropped_metric("ladle:trace_spans_dropped"))
         self._load_engine = load_engine
         self.llm: AsyncLLM | None = None
         self.metrics: ServerMetrics | None = None
@@ -123,6 +132,8 @@ class ServerState:
             task.cancel()
         if self.llm is not None:
             self.llm.shutdown()
+        if self.tracing is not None:
+            self.tracing.close()
         self.audit.close()
 
     # -- probes -------------------------------------------------------------------------

@@ -58,6 +58,17 @@ class ServerMiddleware:
             entry = AuditEntry(key=_key_name(headers), text=audit.text)
             scope["state"]["audit"] = entry
         arrival = time.monotonic()
+        tracing = self.state.tracing
+        span = None
+        if tracing is not None and not open_path:
+            span = tracing.server(
+                f"{scope['method']} {scope['path']}",
+                arrival,
+                scope["headers"],
+                {"http.request.method": scope["method"], "url.path": scope["path"],
+                 "ladle.request_id": request_id},
+            )  # fmt: skip
+            scope["state"]["span"] = span
 
         async def send_with_id(message: Message) -> None:
             nonlocal started, status
@@ -90,6 +101,9 @@ class ServerMiddleware:
             if entry is not None:
                 fields = entry.fields(scope["path"], status or 500, time.monotonic() - arrival)
                 audit.write(request_id, fields)
+            if span is not None:
+                span.set_attribute("http.response.status_code", status or 500)
+                span.end()
             request_id_var.reset(token)
 
     def _reject_early(self, headers: Headers) -> JSONResponse | None:

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -38,6 +38,9 @@ from ladle.runtime.server.protocol import (
     _GenerationRequest,
 )
 from ladle.runtime.server.rendering import ChoiceState, Shown
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 from ladle.runtime.server.streaming import (
     ClientDisconnected,
     merge,
@@ -98,8 +101,10 @@ class OpenAIServing:
         priority: int,
         deadline: float | None,
         audit: AuditEntry | None,
+        span: Span | None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """One engine request; however it ends, its record is finished, counted and logged."""
+        """One engine request; however it ends, its record is finished, counted, logged and
+        traced."""
         metrics = self.state.metrics
         self.state.engine_request_started(record.engine_request_id, record.num_seqs)
         inputs = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
@@ -118,6 +123,8 @@ class OpenAIServing:
             record.finished = time.monotonic()
             self.state.engine_request_finished(record.engine_request_id)
             self._finished(record)
+            if span is not None:
+                self._trace(record, span)
             if audit is not None:
                 audit.engine_request(record)
 
@@ -143,6 +150,44 @@ class OpenAIServing:
             extra["prompt"] = record.prompt
         log.info("request finished", extra=extra)
 
+    def _trace(self, record: RequestRecord, span: Span) -> None:
+        """The engine's phases of one request, under the request's span, from its record's
+        timings. Detokenizing is incremental, inside each decode step; ``stream`` is the
+        last output's way out, after the last token."""
+        tracing = self.state.tracing
+        assert tracing is not None
+        finished = record.finished if record.finished is not None else time.monotonic()
+        engine = tracing.child(
+            "engine.request",
+            record.arrival,
+            span,
+            {
+                "ladle.request_id": record.request_id,
+                "ladle.engine_request_id": record.engine_request_id,
+                "gen_ai.usage.input_tokens": record.prompt_tokens,
+                "gen_ai.usage.output_tokens": record.completion_tokens,
+                "ladle.cached_tokens": record.cached_tokens,
+                "ladle.finish_reason": record.finish_reason,
+            },
+        )
+        tracing.record("engine.queue", record.arrival, record.first_scheduled, engine)
+        tracing.record(
+            "engine.prefill",
+            record.first_scheduled,
+            record.first_token,
+            engine,
+            {"gen_ai.usage.input_tokens": record.prompt_tokens},
+        )
+        tracing.record(
+            "engine.decode",
+            record.first_token,
+            record.last_token,
+            engine,
+            {"gen_ai.usage.output_tokens": record.completion_tokens},
+        )
+        tracing.record("stream", record.last_token, finished, engine)
+        tracing.end(engine, finished)
+
     def _streams(
         self,
         llm: AsyncLLM,
@@ -155,6 +200,7 @@ class OpenAIServing:
         arrival: float,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         request_id: str = raw.state.request_id
+        span: Span | None = getattr(raw.state, "span", None)
         public = public_params(params)
         deadline = self._deadline(request, raw, arrival)
         if deadline is not None:
@@ -178,7 +224,7 @@ class OpenAIServing:
                 num_seqs=width,
             )
             streams.append(
-                self._run(llm, record, prompt, params, request.priority, deadline, audit)
+                self._run(llm, record, prompt, params, request.priority, deadline, audit, span)
             )
         return streams
 

@@ -15,7 +15,7 @@ from ladle.audit import add_audit_args
 from ladle.flag_types import existing_file, integer, memory, seconds, size_text
 from ladle.runtime.config import ConfigError, parse_memory_size
 from ladle.runtime.server.profiles import ENV_PROFILES
-from ladle.settings import Default, add_env_profile, add_log_level
+from ladle.settings import Default, add_env_profile, add_log_level, add_tracing
 
 
 @dataclass
@@ -39,6 +39,8 @@ class ServerSettings:
     output_filters: list[str] = field(default_factory=list)
     profile_dir: Path | None = None
     profile_max_seconds: float = 60.0
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -78,6 +80,8 @@ class ServerSettings:
             output_filters=list(args.output_filter or []),
             profile_dir=None if args.profile_dir is None else Path(args.profile_dir),
             profile_max_seconds=args.profile_max_seconds,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
+            trace_sample_ratio=args.trace_sample_ratio,
         )
 
 
@@ -184,3 +188,4 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="a profile still running this long after /start_profile stops itself and writes "
         "its trace",
     )
+    add_tracing(group)

@@ -7,6 +7,7 @@ its value came from. Only the standard library, for ``ladle --help``.
 from __future__ import annotations
 
 import math
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -155,6 +156,13 @@ def address(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise Invalid("expected HOST:PORT, such as 127.0.0.1:8080")
     return host or "127.0.0.1", int(port)
+
+
+def http_url(value: str) -> str:
+    parts = urllib.parse.urlsplit(str(value).strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise Invalid("expected an http:// or https:// URL, such as http://otel-collector:4318")
+    return parts.geturl()
 
 
 def text(value: str) -> str:

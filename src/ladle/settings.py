@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ladle.flag_types import LOG_LEVELS, Invalid, boolean, log_level, yaml_problem
+from ladle.flag_types import (
+    LOG_LEVELS,
+    Invalid,
+    boolean,
+    http_url,
+    log_level,
+    number,
+    yaml_problem,
+)
 
 ENV_PREFIX = "LADLE_"
 # Where a command's resolver and name live in its parsed namespace.
@@ -70,6 +78,24 @@ def add_log_level(parser: argparse.ArgumentParser | Any, default: str = "info") 
         default=default,
         metavar="{" + ",".join(LOG_LEVELS) + "}",
         help="the least severe level logged",
+    )
+
+
+def add_tracing(parser: argparse.ArgumentParser | Any) -> None:
+    """The OpenTelemetry flags, the same in the gateway and the runtime (the first is vLLM's)."""
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        type=http_url,
+        default=None,
+        help="send OpenTelemetry traces over OTLP/HTTP to this collector's base URL (such as "
+        "http://otel-collector:4318); no tracing without one",
+    )
+    parser.add_argument(
+        "--trace-sample-ratio",
+        type=number(0.0, 1.0),
+        default=1.0,
+        help="the share of new traces recorded; a request that arrives with a traceparent "
+        "keeps its caller's sampling decision",
     )
 
 
