@@ -14,7 +14,7 @@ import os
 import socket
 from pathlib import Path
 
-from ladle.flag_types import address, integer, number, seconds, text
+from ladle.flag_types import address, http_url, integer, number, seconds, text
 from ladle.operator.config import DEFAULT_RUNTIME_IMAGE
 from ladle.settings import Default, SettingError, add_log_level
 
@@ -147,6 +147,20 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "probe timings (docs/operator.md#environment-profiles); the spec's fields still win",
     )
     parser.add_argument(
+        "--runtime-otlp-traces-endpoint",
+        type=http_url,
+        default=Default(None, "none"),
+        metavar="URL",
+        help="every runtime pod traces to this OTLP/HTTP collector (ladle serve "
+        "--otlp-traces-endpoint), unless its spec.tracing names another",
+    )
+    parser.add_argument(
+        "--runtime-trace-sample-ratio",
+        type=number(0.0, 1.0),
+        default=1.0,
+        help="the share of new traces the runtime pods record, unless a spec.tracing says",
+    )
+    parser.add_argument(
         "--workers",
         type=integer(1),
         default=32,
@@ -193,6 +207,8 @@ def _run(args: argparse.Namespace) -> int:
                 default_gpu_resource=args.default_gpu_resource,
                 config_map_threshold_bytes=args.config_map_threshold_bytes,
                 runtime_env_profile=args.runtime_env_profile,
+                runtime_otlp_traces_endpoint=args.runtime_otlp_traces_endpoint,
+                runtime_trace_sample_ratio=args.runtime_trace_sample_ratio,
             ),
             metrics_host=host,
             metrics_port=port,

@@ -30,3 +30,7 @@ class OperatorConfig:
     # `ladle serve --env-profile` for every runtime pod (dev, staging, prod), and the probe
     # timings that go with it (runtime_pod.RUNTIME_PROBES); None: neither.
     runtime_env_profile: str | None = None
+    # Where runtime pods send traces, and the share of new traces they record, for services
+    # whose spec.tracing leaves them unset; None: no tracing.
+    runtime_otlp_traces_endpoint: str | None = None
+    runtime_trace_sample_ratio: float = 1.0

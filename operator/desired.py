@@ -199,12 +199,22 @@ def profiling(isvc: InferenceService) -> Profiling:
 
 def operator_settings(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
     """The ``ladle serve`` settings the operator adds to the spec's: the environment profile
-    (a layer under every flag, so the spec's engine fields win) and profiling."""
+    (a layer under every flag, so the spec's engine fields win), profiling, and tracing (the
+    spec's, else the chart's)."""
     settings: dict[str, Any] = {}
     if config.runtime_env_profile is not None:
         settings["env-profile"] = config.runtime_env_profile
     if profiling(isvc).enabled:
         settings["profile-dir"] = PROFILE_MOUNT
+    tracing = isvc.spec.tracing
+    endpoint = tracing.endpoint or config.runtime_otlp_traces_endpoint
+    if endpoint:
+        settings["otlp-traces-endpoint"] = endpoint
+        settings["trace-sample-ratio"] = (
+            config.runtime_trace_sample_ratio
+            if tracing.sampling_ratio is None
+            else tracing.sampling_ratio
+        )
     return settings
 
 

@@ -86,7 +86,8 @@ def add_tracing(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument(
         "--otlp-traces-endpoint",
         type=http_url,
-        default=None,
+        default=Default(None, "off"),
+        metavar="URL",
         help="send OpenTelemetry traces over OTLP/HTTP to this collector's base URL (such as "
         "http://otel-collector:4318); no tracing without one",
     )

@@ -7,6 +7,7 @@ one runtime, and the client is the ``openai`` package."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 from collections.abc import Iterator
@@ -118,9 +119,7 @@ def traced(collector: Jaeger, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )  # fmt: skip
     routes = folder / "routes.yaml"
     routes.write_text(
-        yaml.safe_dump(
-            {"services": [{"name": MODEL, "model": MODEL, "endpoints": [runtime.url]}]}
-        )
+        yaml.safe_dump({"services": [{"name": MODEL, "model": MODEL, "endpoints": [runtime.url]}]})
     )
     gateway_port = free_port()
     gateway = start_ladle(
@@ -208,7 +207,7 @@ def test_a_streamed_chat_completion_is_one_trace_from_gateway_to_engine(
     seconds = gateway["duration"] / 1e6
     assert abs(seconds - measured) <= 0.1 * measured, (seconds, measured)
     phases = [one(n) for n in ("engine.queue", "engine.prefill", "engine.decode", "stream")]
-    for before, after in zip(phases, phases[1:], strict=False):
+    for before, after in itertools.pairwise(phases):
         assert before["startTime"] + before["duration"] <= after["startTime"] + 1
     total = sum(p["duration"] for p in phases)
     assert abs(total - engine["duration"]) <= 0.1 * engine["duration"] + 1000

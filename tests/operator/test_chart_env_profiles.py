@@ -1,5 +1,6 @@
-"""The chart's ``envProfile``: what each profile renders, diffed against no profile, down to the
-runtime pods the operator then makes. ``helm template`` only: no cluster."""
+"""The chart's environment for its components: what each ``envProfile`` renders, diffed
+against no profile, and ``tracing``, down to the runtime pods the operator then makes.
+``helm template`` only: no cluster."""
 
 from __future__ import annotations
 
@@ -123,3 +124,37 @@ def test_the_operator_reads_the_charts_profile_into_its_runtime_pods(
     assert (live["periodSeconds"], live["failureThreshold"]) == (
         (30, 20) if profile == "dev" else (10, 3)
     )
+
+
+def test_the_charts_tracing_reaches_the_gateway_and_the_runtime_pods() -> None:
+    """tracing.endpoint, resolved from the rendered environment by `ladle gateway` and by
+    `ladle operator` as in their pods: the gateway traces, and so do the runtime pods the
+    operator renders; without it, neither has a tracing flag."""
+    parser = build_parser()
+    off = objects()
+    assert not [k for k in env(off, "ladle-gateway") if "TRACE" in k]
+    assert not [k for k in env(off, "ladle") if "TRACE" in k]
+    docs = objects("tracing.endpoint=http://otel.observability:4318", "tracing.samplingRatio=0.1")
+    gateway = settings.resolve(
+        settings.parse(parser, ["gateway"]), env(docs, "ladle-gateway"), parser
+    )
+    assert (gateway.otlp_traces_endpoint, gateway.trace_sample_ratio) == (
+        "http://otel.observability:4318",
+        0.1,
+    )
+    args = settings.resolve(settings.parse(parser, ["operator"]), env(docs, "ladle"), parser)
+    config = OperatorConfig(
+        runtime_otlp_traces_endpoint=args.runtime_otlp_traces_endpoint,
+        runtime_trace_sample_ratio=args.runtime_trace_sample_ratio,
+    )
+    isvc = parse_isvc(
+        {
+            "metadata": {"name": "chat", "namespace": "a", "uid": "u", "generation": 1},
+            "spec": {"model": {"name": "m", "source": {"builtin": {}}}},
+        }
+    )
+    ctr = desired_children(isvc, None, 1, config).deployment["spec"]["template"]["spec"]
+    flags = ctr["containers"][0]["args"]
+    assert flags[-4:] == [
+        "--otlp-traces-endpoint", "http://otel.observability:4318", "--trace-sample-ratio", "0.1"
+    ]  # fmt: skip

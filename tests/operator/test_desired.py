@@ -20,6 +20,7 @@ from ladle.operator.desired import (
     desired_service,
     engine_config,
     object_digest,
+    operator_settings,
     profiling,
     render_flags,
     template_hash,
@@ -130,6 +131,27 @@ def test_pool_supplies_gpu_resource_node_selector_and_tolerations(
         "requests": {"cpu": "4", "memory": "16Gi", "example.com/gpu": "2"},
         "limits": {"memory": "16Gi", "example.com/gpu": "2"},
     }
+
+
+@pytest.mark.parametrize(
+    ("spec", "chart", "flags"),
+    [
+        ({}, None, []),
+        ({}, "http://otel:4318", ["--otlp-traces-endpoint", "http://otel:4318",
+                                  "--trace-sample-ratio", "0.25"]),
+        ({"samplingRatio": 1.0}, "http://otel:4318",
+         ["--otlp-traces-endpoint", "http://otel:4318", "--trace-sample-ratio", "1.0"]),
+        ({"endpoint": "http://mine:4318"}, None,
+         ["--otlp-traces-endpoint", "http://mine:4318", "--trace-sample-ratio", "0.25"]),
+    ],
+    ids=["off", "the chart's", "the chart's endpoint at the spec's ratio", "the spec's own"],
+)  # fmt: skip
+def test_runtime_pods_trace_where_the_spec_or_else_the_chart_says(
+    make_isvc: Builder, spec: dict[str, Any], chart: str | None, flags: list[str]
+) -> None:
+    config = OperatorConfig(runtime_otlp_traces_endpoint=chart, runtime_trace_sample_ratio=0.25)
+    isvc = parse_isvc(make_isvc(spec={"model": {"name": "m"}, "tracing": spec}))
+    assert render_flags(operator_settings(isvc, config)) == flags
 
 
 @pytest.mark.parametrize(

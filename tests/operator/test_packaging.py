@@ -190,8 +190,8 @@ def test_wheel_holds_no_development_code(wheel: Path) -> None:
 @pytest.mark.parametrize("command", ["operator", "gateway"])
 def test_control_plane_imports_only_what_its_image_installs(command: str) -> None:
     """Dockerfile.operator installs the wheel with --no-deps plus a short list, and runs both
-    `ladle operator` and `ladle gateway`. Import each with every other distribution hidden, as
-    in that image: it must still load."""
+    `ladle operator` and `ladle gateway`. Import each (and the gateway's tracing) with every
+    other distribution hidden, as in that image: it must still load."""
     install = next(
         arg for word, arg in dockerfile("Dockerfile.operator") if word == "RUN" and "kopf" in arg
     )
@@ -217,6 +217,7 @@ class HideUninstalled:
         return None
 sys.meta_path[:] = [HideUninstalled(list(sys.meta_path))]
 import ladle.{command}.main, ladle.{command}.cli, ladle.cli
+import ladle.tracing  # loaded once --otlp-traces-endpoint is given
 ladle.cli.build_parser().parse_args(["{command}", "--help"])
 """
     result = subprocess.run(

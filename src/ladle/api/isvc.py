@@ -160,6 +160,14 @@ class EndpointPicker:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    """Where a service's pods send traces; None: the operator's (the chart's) setting."""
+
+    endpoint: str | None = None
+    sampling_ratio: float | None = None
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     served_model_name: str
     source: ModelSource
@@ -177,6 +185,7 @@ class InferenceServiceSpec:
     rollout: RolloutSpec | None = None
     traffic: TrafficSpec = field(default_factory=TrafficSpec)
     endpoint_picker: EndpointPicker = EndpointPicker()
+    tracing: TracingSpec = TracingSpec()
 
 
 @dataclass(frozen=True)
@@ -324,6 +333,13 @@ def parse_endpoint_picker(raw: Mapping[str, Any] | None) -> EndpointPicker:
     )
 
 
+def parse_tracing(raw: Mapping[str, Any] | None) -> TracingSpec:
+    raw = raw or {}
+    return TracingSpec(
+        endpoint=opt_str(raw.get("endpoint")), sampling_ratio=opt_float(raw.get("samplingRatio"))
+    )
+
+
 def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
     model = spec.get("model") or {}
     runtime = spec.get("runtime") or {}
@@ -356,6 +372,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         endpoint_picker=parse_endpoint_picker(
             (spec.get("inferencePool") or {}).get("endpointPicker")
         ),
+        tracing=parse_tracing(spec.get("tracing")),
     )
 
 

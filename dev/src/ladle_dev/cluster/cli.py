@@ -131,7 +131,7 @@ def node_options(args: argparse.Namespace) -> Any:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from ladle_dev.cluster import build, gaie, images, sre_tools
+    from ladle_dev.cluster import build, gaie, images, jaeger, sre_tools
 
     if args.print_bin_dir:
         print(build.bin_dir())
@@ -140,6 +140,7 @@ def _build(args: argparse.Namespace) -> int:
         build.build(force=args.force)
         sre_tools.TOOLSET.build_missing(force=args.force)
         gaie.TOOLSET.build_missing(force=args.force)
+        jaeger.TOOLSET.build_missing(force=args.force)
         if not args.no_images:
             for built in images.build_all():
                 size = built.size / 2**30
