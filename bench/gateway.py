@@ -111,6 +111,27 @@ class _Backend(asyncio.Protocol):
         write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
 
+class _TraceSink(asyncio.Protocol):
+    """An OTLP/HTTP receiver that keeps nothing: every export is answered 200 with an empty
+    (valid) ExportTraceServiceResponse, and its bytes counted, so the traced gateway pays for
+    building, batching and sending its spans, and never for a slow collector."""
+
+    received = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+        self.parser = httptools.HttpRequestParser(self)
+
+    def data_received(self, data: bytes) -> None:
+        _TraceSink.received += len(data)
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n"
+        )
+
+
 # -- the load generator ----------------------------------------------------------------
 
 
@@ -185,7 +206,11 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
     _Backend.chunks = args.chunks
     server = loop.run_until_complete(loop.create_server(_Backend, "127.0.0.1", 0))
     backend_port = server.sockets[0].getsockname()[1]
-    targets = ["direct", "gw"] + (["base"] if args.baseline_src else [])
+    targets = (
+        ["direct", "gw"]
+        + (["base"] if args.baseline_src else [])
+        + (["traced"] if args.traced else [])
+    )
     rows: dict[str, list[float]] = {
         f"{t}_{m}": [] for t in targets for m in ("rps", "cps", "rps_cpu", "cps_cpu")
     }
@@ -194,6 +219,17 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
         if args.baseline_src:
             gateways["base"] = stack.enter_context(
                 gateway(backend_port, workdir, gateway_core, args.baseline_src)
+            )
+        if args.traced:
+            sink = loop.run_until_complete(loop.create_server(_TraceSink, "127.0.0.1", 0))
+            endpoint = f"http://127.0.0.1:{sink.sockets[0].getsockname()[1]}"
+            gateways["traced"] = stack.enter_context(
+                gateway(
+                    backend_port,
+                    workdir,
+                    gateway_core,
+                    flags=("--otlp-traces-endpoint", endpoint, "--trace-sample-ratio", "1"),
+                )
             )
         ports = {"direct": backend_port, **{t: port for t, (port, _) in gateways.items()}}
         for i in range(args.repeats):
@@ -228,7 +264,11 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
         f"\nproxy benchmark: gateway {pinned}, {args.concurrency} connections, "
         f"{args.seconds:g} s x {args.repeats}"
     )
-    names = {"gw": "through the gateway", "base": "through the baseline gateway"}
+    names = {
+        "gw": "through the gateway",
+        "base": "through the baseline gateway",
+        "traced": "through the gateway, tracing every request",
+    }
     print(f"  {'':44} {'median':>10}  (min - max)")
     print(f"  {'direct to the backend, requests/s':44} {spread(rows['direct_rps'])}")
     for t in gateways:
@@ -246,6 +286,14 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
                     rows[f"base_{metric}{suffix}"]
                 )
                 print(f"    {label + what:36} {ratio:10.3f}")
+    if args.traced:
+        print(f"  tracing every request / not tracing, by the medians ({_TraceSink.received:,} "
+              "bytes of spans exported):")  # fmt: skip
+        for metric, label in (("rps", "requests/s"), ("cps", "chunks/s")):
+            ratio = statistics.median(rows[f"traced_{metric}"]) / statistics.median(
+                rows[f"gw_{metric}"]
+            )
+            print(f"    {label:36} {ratio:10.3f}  (target >= 0.97)")
     first = {t: [ms for r in rounds for ms in r[t]] for t in targets}
     print(
         f"  one stream at a time, ms to the first event ({len(first['gw']):,} requests each, "
@@ -383,6 +431,11 @@ def main() -> int:
         "--baseline-src",
         type=Path,
         help="proxy: also run the gateway of this checkout (a git worktree), in turn",
+    )
+    parser.add_argument(
+        "--traced",
+        action="store_true",
+        help="proxy: also a gateway that traces every request to a local OTLP sink, in turn",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: proves the script works")
     args = parser.parse_args()
