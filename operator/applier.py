@@ -33,7 +33,13 @@ from collections.abc import Callable, Collection, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ladle.api import INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND, JSON
+from ladle.api import (
+    HTTP_ROUTE_API_VERSION,
+    HTTP_ROUTE_KIND,
+    INFERENCE_POOL_API_VERSION,
+    INFERENCE_POOL_KIND,
+    JSON,
+)
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.desired import object_digest
 from ladle.operator.events import EventRecorder, ObjectRef
@@ -56,6 +62,7 @@ API_VERSIONS = {
     "ConfigMap": "v1",
     "PodDisruptionBudget": "policy/v1",
     INFERENCE_POOL_KIND: INFERENCE_POOL_API_VERSION,
+    HTTP_ROUTE_KIND: HTTP_ROUTE_API_VERSION,
 }
 
 

@@ -14,7 +14,8 @@ import os
 import socket
 from pathlib import Path
 
-from ladle.flag_types import address, http_url, integer, number, seconds, text
+from ladle.api import GatewayRef
+from ladle.flag_types import Invalid, address, http_url, integer, number, seconds, text
 from ladle.operator.config import DEFAULT_RUNTIME_IMAGE
 from ladle.settings import Default, SettingError, add_log_level
 
@@ -161,6 +162,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="the share of new traces the runtime pods record, unless a spec.tracing says",
     )
     parser.add_argument(
+        "--inference-gateway",
+        type=gateway_ref,
+        default=Default(None, "none"),
+        metavar="NAMESPACE/NAME",
+        help="where the cluster has the Gateway API Inference Extension and the Gateway API, "
+        "route each service's model from this Gateway to its InferencePool (an HTTPRoute), "
+        "unless its spec.inferencePool.gateway names another",
+    )
+    parser.add_argument(
         "--workers",
         type=integer(1),
         default=32,
@@ -176,6 +186,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     add_log_level(parser)
     parser.set_defaults(func=_run)
+
+
+def gateway_ref(value: str) -> GatewayRef:
+    namespace, sep, name = str(value).strip().partition("/")
+    if not sep or not namespace or not name or "/" in name:
+        raise Invalid("expected NAMESPACE/NAME of a Gateway, such as gateways/inference")
+    return GatewayRef(name, namespace)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -209,6 +226,7 @@ def _run(args: argparse.Namespace) -> int:
                 runtime_env_profile=args.runtime_env_profile,
                 runtime_otlp_traces_endpoint=args.runtime_otlp_traces_endpoint,
                 runtime_trace_sample_ratio=args.runtime_trace_sample_ratio,
+                inference_gateway=args.inference_gateway,
             ),
             metrics_host=host,
             metrics_port=port,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ladle import __version__
+from ladle.api import GatewayRef
 
 DEFAULT_RUNTIME_IMAGE = f"ghcr.io/ladle-dev/ladle-runtime:{__version__}"
 
@@ -34,3 +35,6 @@ class OperatorConfig:
     # whose spec.tracing leaves them unset; None: no tracing.
     runtime_otlp_traces_endpoint: str | None = None
     runtime_trace_sample_ratio: float = 1.0
+    # The Gateway whose HTTPRoutes send each service's model to its InferencePool, for
+    # services whose spec.inferencePool.gateway is unset; None: no route.
+    inference_gateway: GatewayRef | None = None

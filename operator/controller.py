@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ladle.api import (
+    HTTP_ROUTE_KIND,
     INFERENCE_POOL_KIND,
     ISVC_KIND,
     POOL_KIND,
@@ -310,6 +311,7 @@ class Controller:
         kopf watches, and so the kinds listed."""
         self.served = served
         self.inference.inference_pools = any(w.kind == INFERENCE_POOL_KIND for w in served)
+        self.inference.http_routes = any(w.kind == HTTP_ROUTE_KIND for w in served)
         await self.sweep()
         self._primed = True
         log.info(

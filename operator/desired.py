@@ -16,6 +16,8 @@ import yaml
 from ladle.api import (
     API_VERSION,
     CANARY,
+    HTTP_ROUTE_API_VERSION,
+    HTTP_ROUTE_KIND,
     INFERENCE_POOL_API_VERSION,
     INFERENCE_POOL_KIND,
     ISVC_KIND,
@@ -27,6 +29,7 @@ from ladle.api import (
     MANAGED_BY,
     PROFILING_ANNOTATION,
     STABLE,
+    GatewayRef,
     GPUPoolSpec,
     InferenceService,
 )
@@ -436,7 +439,7 @@ def desired_inference_pool(isvc: InferenceService) -> JSON:
     selector (every variant's pods) on the runtime's port, and the endpoint picker that a GAIE
     gateway asks which of them serves each request."""
     name = isvc.meta.name
-    picker = isvc.spec.endpoint_picker
+    picker = isvc.spec.inference_pool.endpoint_picker
     return {
         "apiVersion": INFERENCE_POOL_API_VERSION,
         "kind": INFERENCE_POOL_KIND,
@@ -454,5 +457,57 @@ def desired_inference_pool(isvc: InferenceService) -> JSON:
                 "port": {"number": picker.port},
                 "failureMode": picker.failure_mode,
             },
+        },
+    }
+
+
+# The header that GAIE's body-based router sets from a request's ``model``: how one Gateway
+# sends each model to its own pool.
+MODEL_HEADER = "X-Gateway-Model-Name"
+
+
+def desired_http_route(isvc: InferenceService, gateway: GatewayRef) -> JSON:
+    """The HTTPRoute from ``gateway`` to the service's InferencePool, for requests whose model
+    (the header GAIE's body-based router sets) is the service's."""
+    name = isvc.meta.name
+    parent: JSON = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway.name}
+    if gateway.namespace:
+        parent["namespace"] = gateway.namespace
+    if gateway.section_name:
+        parent["sectionName"] = gateway.section_name
+    return {
+        "apiVersion": HTTP_ROUTE_API_VERSION,
+        "kind": HTTP_ROUTE_KIND,
+        "metadata": {
+            "name": name,
+            "namespace": isvc.meta.namespace,
+            "labels": common_labels(name),
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "spec": {
+            "parentRefs": [parent],
+            "rules": [
+                {
+                    "matches": [
+                        {
+                            "path": {"type": "PathPrefix", "value": "/"},
+                            "headers": [
+                                {
+                                    "type": "Exact",
+                                    "name": MODEL_HEADER,
+                                    "value": isvc.spec.served_model_name,
+                                }
+                            ],
+                        }
+                    ],
+                    "backendRefs": [
+                        {
+                            "group": INFERENCE_POOL_API_VERSION.split("/")[0],
+                            "kind": INFERENCE_POOL_KIND,
+                            "name": name,
+                        }
+                    ],
+                }
+            ],
         },
     }

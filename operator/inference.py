@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from ladle.api import (
     API_VERSION,
     CANARY,
+    HTTP_ROUTE_KIND,
     ISVC_KIND,
     JSON,
     ROLLOUT_ACTION_ANNOTATION,
@@ -39,6 +40,7 @@ from ladle.operator.desired import (
     Blueprint,
     blueprint,
     children_of,
+    desired_http_route,
     desired_inference_pool,
     desired_service,
     label_selector,
@@ -66,7 +68,7 @@ log = logging.getLogger("ladle.operator.inference")
 IsvcKey = tuple[str, str]
 # Children that come and go with the spec: deleted when no longer desired (a canary's
 # Deployment goes when its rollout ends).
-PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget", "Deployment")
+PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget", "Deployment", HTTP_ROUTE_KIND)
 
 
 def isvc_ref(isvc: InferenceService) -> ObjectRef:
@@ -151,9 +153,11 @@ class InferenceServiceReconciler:
         # The ladle.dev/profiling problem last announced per service, so that a reconcile
         # repeats no Event (the recorder would count each repeat with an API write).
         self._profiling_said: dict[str, tuple[str, str] | None] = {}
-        # Whether the cluster has GAIE's InferencePool CRD (the controller finds out as its
-        # term starts): each service then gets a pool.
+        # Whether the cluster has GAIE's InferencePool CRD and the Gateway API's HTTPRoute (the
+        # controller finds out as its term starts): each service then gets a pool, and a route
+        # to it from the Gateway its spec (or the operator) names.
         self.inference_pools = False
+        self.http_routes = False
         # Services deleted since their last reconcile, by key: their uid, forgotten by the
         # next reconcile of the key, which the work queue runs after any one in flight (that
         # one would otherwise export the series of a deleted service again).
@@ -218,8 +222,13 @@ class InferenceServiceReconciler:
                 idle=p.weight == 0 and state.active,
             )
             objects += children.all()
-        pool = [desired_inference_pool(isvc)] if self.inference_pools else []
-        return [*objects, desired_service(isvc), *pool]
+        gaie: list[JSON] = []
+        if self.inference_pools:
+            gaie.append(desired_inference_pool(isvc))
+            gateway = isvc.spec.inference_pool.gateway or self.config.inference_gateway
+            if self.http_routes and gateway is not None:
+                gaie.append(desired_http_route(isvc, gateway))
+        return [*objects, desired_service(isvc), *gaie]
 
     def _observation(
         self,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ladle.api import (
+    HTTP_ROUTE_KIND,
     INFERENCE_POOL_KIND,
     JSON,
     LABEL_ISVC,
@@ -32,8 +33,10 @@ ObjKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped k
 Indexer = Callable[[Any], Iterable[Any]]
 
 # Kinds whose metadata.generation moves only when their spec does (a GAIE gateway writes an
-# InferencePool's status: that is not a change to revert).
-GENERATION_KINDS = frozenset({"Deployment", "PodDisruptionBudget", INFERENCE_POOL_KIND})
+# InferencePool's or an HTTPRoute's status: that is not a change to revert).
+GENERATION_KINDS = frozenset(
+    {"Deployment", "PodDisruptionBudget", INFERENCE_POOL_KIND, HTTP_ROUTE_KIND}
+)
 # Container waiting reasons that are part of a normal start. A pod whose volumes or sandbox
 # cannot be set up also waits in one of them: the kubelet says why only in the pod's Events.
 NORMAL_WAITS = frozenset({"ContainerCreating", "PodInitializing"})

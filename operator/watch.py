@@ -17,6 +17,9 @@ import kopf
 
 from ladle.api import (
     API_VERSION,
+    HTTP_ROUTE_API_VERSION,
+    HTTP_ROUTE_KIND,
+    HTTP_ROUTE_PLURAL,
     INFERENCE_POOL_API_VERSION,
     INFERENCE_POOL_KIND,
     INFERENCE_POOL_PLURAL,
@@ -64,11 +67,21 @@ WATCHED = (
         MANAGED_SELECTOR,
         optional=True,
     ),
+    Watched(
+        HTTP_ROUTE_KIND, HTTP_ROUTE_API_VERSION, HTTP_ROUTE_PLURAL, MANAGED_SELECTOR, optional=True
+    ),
     Watched("Pod", "v1", "pods", MANAGED_SELECTOR),
     Watched(ISVC_KIND, API_VERSION, ISVC_PLURAL),
 )
 CHILD_KINDS = frozenset(
-    {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", INFERENCE_POOL_KIND}
+    {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "ConfigMap",
+        INFERENCE_POOL_KIND,
+        HTTP_ROUTE_KIND,
+    }
 )
 
 REQUIRED = frozenset(w for w in WATCHED if not w.optional)

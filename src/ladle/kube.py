@@ -24,6 +24,9 @@ import yaml
 
 from ladle.api import (
     API_VERSION,
+    HTTP_ROUTE_API_VERSION,
+    HTTP_ROUTE_KIND,
+    HTTP_ROUTE_PLURAL,
     INFERENCE_POOL_API_VERSION,
     INFERENCE_POOL_KIND,
     INFERENCE_POOL_PLURAL,
@@ -46,6 +49,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     (API_VERSION, ISVC_KIND): ("inferenceservices", True),
     (API_VERSION, POOL_KIND): ("gpupools", False),
     (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): (INFERENCE_POOL_PLURAL, True),
+    (HTTP_ROUTE_API_VERSION, HTTP_ROUTE_KIND): (HTTP_ROUTE_PLURAL, True),
 }
 
 APPLY_PATCH = "application/apply-patch+yaml"

@@ -1,9 +1,10 @@
-"""The Gateway API Inference Extension's InferencePool, on the real API server with the CRD
-from the pinned GAIE module: absent CRDs cost one log line and no pool; present ones give each
-InferenceService a pool that selects its pods, kept like any other child.
+"""The Gateway API Inference Extension's InferencePool and the Gateway API's HTTPRoute, on the
+real API server with the CRDs from the pinned modules: absent CRDs cost one log line each and
+no object; present ones give each InferenceService a pool that selects its pods, and a route to
+it from the Gateway it names, kept like any other child.
 
-The tests run in order: the first removes the CRD (a standing cluster may have it from an
-earlier run), the second installs it, as a cluster admin would after Ladle."""
+The tests run in order: the first removes the CRDs (a standing cluster may have them from an
+earlier run), the second installs them, as a cluster admin would after Ladle."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ladle_dev.cluster import gaie
 pytestmark = pytest.mark.cluster
 
 CRD = "inferencepools.inference.networking.k8s.io"
+ROUTE_CRD = "httproutes.gateway.networking.k8s.io"
 
 
 def pool(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
@@ -28,16 +30,19 @@ def pool(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
 def test_without_the_crds_no_pool_is_made_and_one_line_says_so(
     kube: Kube, k8s_namespace: str, operator_factory: OperatorFactory
 ) -> None:
-    removed = kube.kubectl("delete", "crd", CRD, "--ignore-not-found", "--wait=true")
+    removed = kube.kubectl("delete", "crd", CRD, ROUTE_CRD, "--ignore-not-found", "--wait=true")
     assert removed.returncode == 0, removed.stderr
     op = operator_factory("inference-pool-absent")
     op.wait_leading()
-    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    kube.apply(
+        isvc_manifest("chat", inferencePool={"gateway": {"name": "inference"}}), k8s_namespace
+    )
     kube.wait_condition(k8s_namespace, "chat", "Ready")
-    said = [line for line in op.log.read_text().splitlines() if "inferencepools" in line]
-    assert len(said) == 1, said
-    assert "does not serve inferencepools" in said[0]
-    assert "restart the operator" in said[0]
+    for plural in ("inferencepools", "httproutes"):
+        said = [line for line in op.log.read_text().splitlines() if plural in line]
+        assert len(said) == 1, said
+        assert f"does not serve {plural}" in said[0]
+        assert "restart the operator" in said[0]
     assert kube.kubectl("get", "crd", CRD).returncode != 0
     op.stop()
 
@@ -45,9 +50,12 @@ def test_without_the_crds_no_pool_is_made_and_one_line_says_so(
 def test_each_service_gets_a_pool_of_its_pods_kept_and_collected_with_it(
     kube: Kube, k8s_namespace: str, operator_factory: OperatorFactory
 ) -> None:
-    installed = kube.kubectl("apply", "-f", str(gaie.module_dir() / gaie.POOL_CRD))
-    assert installed.returncode == 0, installed.stderr
-    established = kube.kubectl("wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=60s")
+    for path in (gaie.module_dir() / gaie.POOL_CRD, gaie.http_route_crd()):
+        installed = kube.kubectl("apply", "--server-side", "-f", str(path))
+        assert installed.returncode == 0, installed.stderr
+    established = kube.kubectl(
+        "wait", "--for=condition=Established", f"crd/{CRD}", f"crd/{ROUTE_CRD}", "--timeout=60s"
+    )
     assert established.returncode == 0, established.stderr
     op = operator_factory("inference-pool-present")
     op.wait_leading()
@@ -82,6 +90,9 @@ def test_each_service_gets_a_pool_of_its_pods_kept_and_collected_with_it(
     listed = kube.kubectl("get", "-n", k8s_namespace, "inferencepools", "-o", "name")
     assert listed.stdout.split() == ["inferencepool.inference.networking.k8s.io/chat"]
 
+    # No Gateway named, no route.
+    assert gone(kube, "-n", k8s_namespace, "httproute/chat")
+
     deleted = kube.kubectl("delete", "-n", k8s_namespace, "inferencepool/chat", "--wait=true")
     assert deleted.returncode == 0, deleted.stderr
     wait_until(
@@ -96,4 +107,44 @@ def test_each_service_gets_a_pool_of_its_pods_kept_and_collected_with_it(
         lambda: gone(kube, "-n", k8s_namespace, "inferencepool/chat"),
         "the InferencePool to be garbage-collected with its service",
     )
+    op.stop()
+
+
+def route(kube: Kube, namespace: str, name: str) -> dict[str, Any] | None:
+    shown = kube.kubectl("get", "-n", namespace, "httproute", name, "-o", "json")
+    return json.loads(shown.stdout) if shown.returncode == 0 else None
+
+
+def test_a_named_gateway_gets_an_http_route_to_the_pool_which_goes_with_the_name(
+    kube: Kube, k8s_namespace: str, operator_factory: OperatorFactory
+) -> None:
+    """Runs after the CRDs are installed (the test above)."""
+    op = operator_factory("inference-pool-route")
+    op.wait_leading()
+    gateway = {"name": "inference", "namespace": "gateways", "sectionName": "http"}
+    kube.apply(isvc_manifest("chat", inferencePool={"gateway": gateway}), k8s_namespace)
+    made = wait_until(lambda: route(kube, k8s_namespace, "chat"), "the HTTPRoute")
+    spec = made["spec"]
+    assert spec["parentRefs"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference",
+         "namespace": "gateways", "sectionName": "http"}
+    ]  # fmt: skip
+    (rule,) = spec["rules"]
+    (match,) = rule["matches"]
+    assert match["headers"] == [
+        {"type": "Exact", "name": "X-Gateway-Model-Name", "value": "smollm2"}
+    ]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        "chat",
+    )
+    assert pool(kube, k8s_namespace, "chat") is not None
+    # The service stops naming a Gateway: its route goes, its pool stays.
+    kube.apply(isvc_manifest("chat"), k8s_namespace)
+    wait_until(
+        lambda: gone(kube, "-n", k8s_namespace, "httproute/chat"), "the HTTPRoute to be deleted"
+    )
+    assert pool(kube, k8s_namespace, "chat") is not None
     op.stop()

@@ -160,6 +160,25 @@ class EndpointPicker:
 
 
 @dataclass(frozen=True)
+class GatewayRef:
+    """A Gateway (Gateway API) that routes to a service's InferencePool through an HTTPRoute;
+    None as the namespace means the service's own."""
+
+    name: str
+    namespace: str | None = None
+    section_name: str | None = None
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """How a service's InferencePool is reached: its endpoint picker, and the Gateway whose
+    HTTPRoute sends the service's model there (None: the operator's default, if any)."""
+
+    endpoint_picker: EndpointPicker = EndpointPicker()
+    gateway: GatewayRef | None = None
+
+
+@dataclass(frozen=True)
 class TracingSpec:
     """Where a service's pods send traces; None: the operator's (the chart's) setting."""
 
@@ -184,7 +203,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec | None = None
     rollout: RolloutSpec | None = None
     traffic: TrafficSpec = field(default_factory=TrafficSpec)
-    endpoint_picker: EndpointPicker = EndpointPicker()
+    inference_pool: InferencePoolSpec = InferencePoolSpec()
     tracing: TracingSpec = TracingSpec()
 
 
@@ -324,12 +343,25 @@ def parse_rollout(raw: Mapping[str, Any] | None) -> RolloutSpec | None:
     )
 
 
-def parse_endpoint_picker(raw: Mapping[str, Any] | None) -> EndpointPicker:
+def parse_inference_pool(raw: Mapping[str, Any] | None) -> InferencePoolSpec:
     raw = raw or {}
-    return EndpointPicker(
-        name=opt_str(raw.get("name")),
-        port=int(raw.get("port", DEFAULT_PICKER_PORT)),
-        failure_mode=str(raw.get("failureMode", "FailClose")),
+    picker = raw.get("endpointPicker") or {}
+    gateway = raw.get("gateway")
+    return InferencePoolSpec(
+        endpoint_picker=EndpointPicker(
+            name=opt_str(picker.get("name")),
+            port=int(picker.get("port", DEFAULT_PICKER_PORT)),
+            failure_mode=str(picker.get("failureMode", "FailClose")),
+        ),
+        gateway=(
+            GatewayRef(
+                str(gateway["name"]),
+                opt_str(gateway.get("namespace")),
+                opt_str(gateway.get("sectionName")),
+            )
+            if gateway
+            else None
+        ),
     )
 
 
@@ -369,9 +401,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         autoscaling=parse_autoscaling(spec.get("autoscaling")),
         rollout=parse_rollout(spec.get("rollout")),
         traffic=parse_traffic(spec),
-        endpoint_picker=parse_endpoint_picker(
-            (spec.get("inferencePool") or {}).get("endpointPicker")
-        ),
+        inference_pool=parse_inference_pool(spec.get("inferencePool")),
         tracing=parse_tracing(spec.get("tracing")),
     )
 

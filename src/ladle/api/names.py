@@ -16,6 +16,10 @@ POOL_PLURAL = "gpupools"
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 INFERENCE_POOL_KIND = "InferencePool"
 INFERENCE_POOL_PLURAL = "inferencepools"
+# The Gateway API's route, which sends a service's model from a Gateway to its pool.
+HTTP_ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
+HTTP_ROUTE_KIND = "HTTPRoute"
+HTTP_ROUTE_PLURAL = "httproutes"
 
 # Labels on every child; the first two are also the Deployment/Service selectors.
 LABEL_ISVC = "ladle.dev/inferenceservice"

@@ -1,5 +1,5 @@
 """The Gateway API Inference Extension from its pinned Go module (``hack/k8s/gaie``): the CRDs
-that tests install, the model-server protocol document that the runtime's metrics are checked
+that tests install (with the Gateway API's HTTPRoute), the model-server protocol document that the runtime's metrics are checked
 against, and the reference endpoint picker (EPP), built and cached like the cluster's binaries.
 
 Everything is read from the module that the Go module proxy serves, never copied by hand, so a
@@ -19,12 +19,21 @@ MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 TOOLSET = build.ToolSet("gaie", (Tool("epp", "gaie", f"{MODULE}/cmd/epp", MODULE),))
 POOL_CRD = "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
 PROTOCOL_DOC = "docs/proposals/003-model-server-protocol/README.md"
+# The Gateway API (``hack/k8s/gateway-api``), for the HTTPRoute CRD.
+GATEWAY_API = "sigs.k8s.io/gateway-api"
+HTTP_ROUTE_CRD = "config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"
 
 
 def module_dir() -> Path:
     """The pinned module's source folder (downloaded on first use)."""
     _, _, path = build.module_info(build.find_go(), "gaie", MODULE)
     return path
+
+
+def http_route_crd() -> Path:
+    """The HTTPRoute CRD of the pinned Gateway API."""
+    _, _, path = build.module_info(build.find_go(), "gateway-api", GATEWAY_API)
+    return path / HTTP_ROUTE_CRD
 
 
 @dataclass(frozen=True)
