@@ -1,9 +1,10 @@
 """The Gateway API Inference Extension from its pinned Go module (``hack/k8s/gaie``): the CRDs
-that tests install (with the Gateway API's HTTPRoute), the model-server protocol document that the runtime's metrics are checked
-against, and the reference endpoint picker (EPP), built and cached like the cluster's binaries.
+that tests install (with the Gateway API's HTTPRoute, from ``hack/k8s/gateway-api``), the
+model-server protocol document that the runtime's metrics are checked against, and the
+reference endpoint picker (EPP), built and cached like the cluster's binaries.
 
-Everything is read from the module that the Go module proxy serves, never copied by hand, so a
-new pin brings its CRDs, its protocol and its picker together.
+Everything is read from the modules that the Go module proxy serves, never copied by hand, so
+a new pin brings its CRDs, its protocol and its picker together.
 """
 
 from __future__ import annotations
