@@ -180,10 +180,16 @@ def ladle_system(
     request.config.stash[_SYSTEM_KEY] = system
     crd = system.kubectl("apply", "-f", str(gaie.module_dir() / gaie.POOL_CRD))
     assert crd.returncode == 0, crd.stderr
-    established = system.kubectl(
-        "wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io"
-    )
-    assert established.returncode == 0, established.stderr
+    # kubectl wait errs rather than waits while a new CRD has no conditions yet.
+    wait_until(
+        lambda: system.kubectl(
+            "wait", "--for=condition=Established",
+            "crd/inferencepools.inference.networking.k8s.io", "--timeout=5s",
+        ).returncode
+        == 0,
+        "the InferencePool CRD to be Established",
+        60,
+    )  # fmt: skip
     started = time.monotonic()
     helm = subprocess.run(
         [

@@ -53,10 +53,20 @@ def test_each_service_gets_a_pool_of_its_pods_kept_and_collected_with_it(
     for path in (gaie.module_dir() / gaie.POOL_CRD, gaie.http_route_crd()):
         installed = kube.kubectl("apply", "--server-side", "-f", str(path))
         assert installed.returncode == 0, installed.stderr
-    established = kube.kubectl(
-        "wait", "--for=condition=Established", f"crd/{CRD}", f"crd/{ROUTE_CRD}", "--timeout=60s"
+    # kubectl wait errs rather than waits while a new CRD has no conditions yet.
+    wait_until(
+        lambda: (
+            kube.kubectl(
+                "wait",
+                "--for=condition=Established",
+                f"crd/{CRD}",
+                f"crd/{ROUTE_CRD}",
+                "--timeout=5s",
+            ).returncode
+            == 0
+        ),
+        "the CRDs to be Established",
     )
-    assert established.returncode == 0, established.stderr
     op = operator_factory("inference-pool-present")
     op.wait_leading()
     kube.apply(
