@@ -42,7 +42,7 @@ from typing import Any
 
 import httptools
 import numpy as np
-from harness import bench_serve_run, gateway, ladle_serve
+from harness import TraceSink, bench_serve_run, gateway, ladle_serve
 
 from ladle.gateway.upstream import Pool
 
@@ -109,27 +109,6 @@ class _Backend(asyncio.Protocol):
             write(piece)
         done = b"data: [DONE]\n\n"
         write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
-
-
-class _TraceSink(asyncio.Protocol):
-    """An OTLP/HTTP receiver that keeps nothing: every export is answered 200 with an empty
-    (valid) ExportTraceServiceResponse, and its bytes counted, so the traced gateway pays for
-    building, batching and sending its spans, and never for a slow collector."""
-
-    received = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: Any = transport
-        self.parser = httptools.HttpRequestParser(self)
-
-    def data_received(self, data: bytes) -> None:
-        _TraceSink.received += len(data)
-        self.parser.feed_data(data)
-
-    def on_message_complete(self) -> None:
-        self.transport.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n"
-        )
 
 
 # -- the load generator ----------------------------------------------------------------
@@ -221,7 +200,7 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
                 gateway(backend_port, workdir, gateway_core, args.baseline_src)
             )
         if args.traced:
-            sink = loop.run_until_complete(loop.create_server(_TraceSink, "127.0.0.1", 0))
+            sink = loop.run_until_complete(loop.create_server(TraceSink, "127.0.0.1", 0))
             endpoint = f"http://127.0.0.1:{sink.sockets[0].getsockname()[1]}"
             gateways["traced"] = stack.enter_context(
                 gateway(
@@ -287,7 +266,7 @@ def bench_proxy(args: argparse.Namespace, workdir: Path) -> bool:
                 )
                 print(f"    {label + what:36} {ratio:10.3f}")
     if args.traced:
-        print(f"  tracing every request / not tracing, by the medians ({_TraceSink.received:,} "
+        print(f"  tracing every request / not tracing, by the medians ({TraceSink.received:,} "
               "bytes of spans exported):")  # fmt: skip
         for metric, label in (("rps", "requests/s"), ("cps", "chunks/s")):
             ratio = statistics.median(rows[f"traced_{metric}"]) / statistics.median(

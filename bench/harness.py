@@ -4,6 +4,7 @@ file. The scripts beside it import it by name (a script's folder is first on ``s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httptools
 import httpx
 import psutil
 import yaml
@@ -147,3 +149,22 @@ def bench_serve_run(
     if result["failed"] and not allow_failed:
         raise SystemExit(f"bench: {result['failed']} requests failed ({url})")
     return result
+
+
+class TraceSink(asyncio.Protocol):
+    """An OTLP/HTTP receiver that keeps nothing: every export is answered 200 with an empty
+    (valid) ExportTraceServiceResponse, and its bytes counted, so a traced process pays for
+    building, batching and sending its spans, and never for a slow collector."""
+
+    received = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: Any = transport
+        self.parser = httptools.HttpRequestParser(self)
+
+    def data_received(self, data: bytes) -> None:
+        TraceSink.received += len(data)
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")

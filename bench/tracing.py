@@ -25,36 +25,17 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httptools
-from harness import bench_serve_run, gateway, ladle_serve
+from harness import TraceSink, bench_serve_run, gateway, ladle_serve
 
 TARGET_RATIO = 0.97
-
-
-class _Sink(asyncio.Protocol):
-    """An OTLP/HTTP receiver that answers 200 (an empty ExportTraceServiceResponse)."""
-
-    received = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport: Any = transport
-        self.parser = httptools.HttpRequestParser(self)
-
-    def data_received(self, data: bytes) -> None:
-        _Sink.received += len(data)
-        self.parser.feed_data(data)
-
-    def on_message_complete(self) -> None:
-        self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
 
 
 @contextlib.contextmanager
 def sink() -> Iterator[str]:
     """The sink on its own thread and loop; yields its base URL."""
     loop = asyncio.new_event_loop()
-    server = loop.run_until_complete(loop.create_server(_Sink, "127.0.0.1", 0))
+    server = loop.run_until_complete(loop.create_server(TraceSink, "127.0.0.1", 0))
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     try:
@@ -103,7 +84,7 @@ def main() -> int:
     print(
         f"\ntracing's cost, ladle bench serve through the gateway: {args.num_prompts} prompts, "
         f"{args.input_len} in / {args.output_len} out, concurrency {args.max_concurrency}, "
-        f"x {args.repeats} (alternating; {_Sink.received:,} bytes of spans exported)"
+        f"x {args.repeats} (alternating; {TraceSink.received:,} bytes of spans exported)"
     )
     for traced, label in ((False, "not tracing"), (True, "tracing every request")):
         values = rates[traced]
@@ -115,7 +96,7 @@ def main() -> int:
         f"  traced / plain, round by round: median {ratio:.3f} "
         f"({min(ratios):.3f} - {max(ratios):.3f}); target >= {TARGET_RATIO}"
     )
-    if not _Sink.received:
+    if not TraceSink.received:
         print("  no span reached the sink: the traced runs did not trace")
         return 1
     return 0 if ratio >= TARGET_RATIO else 1

@@ -412,18 +412,24 @@ def desired_children(
     return children_of(blueprint(isvc, pool, config, variant), replicas, surge=surge, idle=idle)
 
 
+def _service_metadata(isvc: InferenceService) -> JSON:
+    """The metadata of the children named after the service itself, not a variant."""
+    name = isvc.meta.name
+    return {
+        "name": name,
+        "namespace": isvc.meta.namespace,
+        "labels": common_labels(name),
+        "ownerReferences": [owner_reference(isvc)],
+    }
+
+
 def desired_service(isvc: InferenceService) -> JSON:
     """The Service behind status.url; it selects the pods of every variant."""
     name = isvc.meta.name
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": isvc.meta.namespace,
-            "labels": common_labels(name),
-            "ownerReferences": [owner_reference(isvc)],
-        },
+        "metadata": _service_metadata(isvc),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
@@ -443,12 +449,7 @@ def desired_inference_pool(isvc: InferenceService) -> JSON:
     return {
         "apiVersion": INFERENCE_POOL_API_VERSION,
         "kind": INFERENCE_POOL_KIND,
-        "metadata": {
-            "name": name,
-            "namespace": isvc.meta.namespace,
-            "labels": common_labels(name),
-            "ownerReferences": [owner_reference(isvc)],
-        },
+        "metadata": _service_metadata(isvc),
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
             "targetPorts": [{"number": HTTP_PORT}],
@@ -478,12 +479,7 @@ def desired_http_route(isvc: InferenceService, gateway: GatewayRef) -> JSON:
     return {
         "apiVersion": HTTP_ROUTE_API_VERSION,
         "kind": HTTP_ROUTE_KIND,
-        "metadata": {
-            "name": name,
-            "namespace": isvc.meta.namespace,
-            "labels": common_labels(name),
-            "ownerReferences": [owner_reference(isvc)],
-        },
+        "metadata": _service_metadata(isvc),
         "spec": {
             "parentRefs": [parent],
             "rules": [
