@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ladle.runtime.config import EngineArgs
     from ladle.runtime.engine import LLMEngine
     from ladle.runtime.llm import LLM
+    from ladle.runtime.lora.request import LoRARequest
     from ladle.runtime.outputs import CompletionOutput, RequestOutput
     from ladle.runtime.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ _EXPORTS = {
     "EngineArgs": "ladle.runtime.config",
     "LLM": "ladle.runtime.llm",
     "LLMEngine": "ladle.runtime.engine",
+    "LoRARequest": "ladle.runtime.lora.request",
     "RequestOutput": "ladle.runtime.outputs",
     "SamplingParams": "ladle.runtime.sampling_params",
 }
@@ -32,6 +34,7 @@ __all__ = [
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -97,6 +97,11 @@ class EngineArgs:
     quantization: str | None = None
     quantization_method: str | None = None
     quantization_group_size: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # Adapters kept in CPU memory; None: max_loras (vLLM's default).
+    max_cpu_loras: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,7 +114,13 @@ class EngineArgs:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be auto, cpu or cuda[:N]; got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "max_loras",
+            "max_lora_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -121,6 +132,11 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ConfigError(
                 f"scheduling_policy must be fcfs or priority; got {self.scheduling_policy!r}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras})"
             )
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.quantization_config()  # validates
@@ -276,6 +292,31 @@ class EngineArgs:
             type=integer(32),
             default=Default(None, f"{DEFAULT_GROUP_SIZE} for int4, per output channel for int8"),
             help="weights per scale and offset, a multiple of 32",
+        )
+
+        lora = parser.add_argument_group("LoRA adapters")
+        lora.add_argument(
+            "--enable-lora",
+            action="store_true",
+            help="serve LoRA adapters on top of the model, batched with it",
+        )
+        lora.add_argument(
+            "--max-loras",
+            type=integer(1),
+            default=defaults.max_loras,
+            help="adapters resident on the device at once: a step runs at most this many",
+        )
+        lora.add_argument(
+            "--max-lora-rank",
+            type=integer(1),
+            default=defaults.max_lora_rank,
+            help="the highest adapter rank served; every slot is sized for it",
+        )
+        lora.add_argument(
+            "--max-cpu-loras",
+            type=integer(1),
+            default=Default(None, "--max-loras"),
+            help="adapters kept in CPU memory; the rest are read from disk when needed",
         )
 
     @classmethod

@@ -28,6 +28,10 @@ from ladle.runtime.input_processor import InputProcessor, PromptInput, Request
 from ladle.runtime.kernels import decode_step
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.limits import RequestLimits
+from ladle.runtime.lora.adapter import LoRAAdapter
+from ladle.runtime.lora.manager import LoRAManager
+from ladle.runtime.lora.request import LoRARequest
+from ladle.runtime.lora.slots import LoRASlots
 from ladle.runtime.model_runner import ModelRunner, ModelRunnerOutput
 from ladle.runtime.models.config import ModelConfig, model_config_from_hf
 from ladle.runtime.models.llama import LlamaModel
@@ -38,6 +42,7 @@ from ladle.runtime.quantization.apply import quantize_at_load
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 from ladle.runtime.scheduler import Scheduler
 from ladle.runtime.scheduler_output import SchedulerOutput
+from ladle.runtime.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +67,9 @@ class EngineStats:
     num_preemptions: int
     num_blocks: int
     num_free_blocks: int
+    # Adapters of running and of waiting requests, by name (vLLM's lora_requests_info).
+    running_loras: list[str]
+    waiting_loras: list[str]
 
 
 @dataclass
@@ -133,6 +141,12 @@ class LLMEngine:
         self.model.load_weights(iter_safetensors(self.model_path))
         quantization = args.quantization_config()
         quantize_at_load(self.model, quantization, self.model_path)
+        self.lora: LoRAManager | None = None
+        if args.enable_lora:
+            slots = LoRASlots(cfg, args.max_loras, args.max_lora_rank, self.dtype, self.device)
+            self.model.enable_lora(slots)
+            cpu = args.max_cpu_loras or args.max_loras
+            self.lora = LoRAManager(slots, cfg, args.max_lora_rank, cpu)
         num_blocks = self._num_blocks(spec)
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         caches = self.attention.allocate(num_blocks)
@@ -143,8 +157,10 @@ class LLMEngine:
             args.scheduling_policy,
             self.max_model_len,
             self.eos_token_ids,
+            args.max_loras if args.enable_lora else None,
         )
         self.runner = ModelRunner(self.model, self.attention, caches, self.kv, self.device)
+        self.runner.lora = self.lora
         graphs = self.attention.name == "triton" and not args.enforce_eager
         if self.device.type == "cuda" and graphs:
             self.runner.graphs = DecodeGraphRunner(
@@ -264,11 +280,20 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Tokenize and validate; safe to call from any thread, it changes no engine state."""
-        return self.input_processor.process(
+        if lora_request is not None and self.lora is None:
+            raise RequestError(
+                f"the LoRA adapter {lora_request.lora_name!r} cannot be served: LoRA is off; "
+                "start the engine with --enable-lora",
+                "model",
+            )
+        request = self.input_processor.process(
             request_id, prompt, params, arrival_time, priority, deadline
         )
+        request.lora_request = lora_request
+        return request
 
     def add_request(
         self,
@@ -277,17 +302,26 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Admit a request; ``deadline`` (``time.monotonic()``) ends it with finish reason
-        "abort" if it is not done by then."""
+        "abort" if it is not done by then. An adapter not yet served is read from its folder
+        first, as vLLM does."""
         if isinstance(prompt, Request):
             request = prompt
         else:
             request = self.process_inputs(
-                request_id, prompt, params or SamplingParams(), priority=priority, deadline=deadline
+                request_id,
+                prompt,
+                params or SamplingParams(),
+                priority=priority,
+                deadline=deadline,
+                lora_request=lora_request,
             )
         if self.output_processor.has_request(request.request_id):
             raise RequestError(f"request id {request.request_id!r} is already in use")
+        if request.lora_request is not None and self.lora is not None:
+            self.lora.add(request.lora_request)
         if not self.has_unfinished_requests():
             self.last_progress = time.monotonic()
         self.scheduler.add_request(request)
@@ -319,6 +353,24 @@ class LLMEngine:
             return 0.0
         return time.monotonic() - self.last_progress
 
+    # -- adapters (vLLM's add_lora, remove_lora, list_loras) --------------------------------
+
+    def add_lora(self, lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> bool:
+        """Serve an adapter; ``adapter``: its weights, already read (``LoRAManager.load``
+        off the engine's thread). False if its id is served already."""
+        return self._lora_manager().add(lora_request, adapter)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._lora_manager().remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return {r.lora_int_id for r in self._lora_manager().served()}
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise RequestError("LoRA is off; start the engine with --enable-lora")
+        return self.lora
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's ``reset_prefix_cache``), e.g. between benchmark
         runs, so that no run is served from another's cache."""
@@ -335,6 +387,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_blocks=self.kv.pool.num_blocks,
             num_free_blocks=self.kv.num_free_blocks,
+            running_loras=_adapter_names((*self.scheduler.running, *self.scheduler.parked)),
+            waiting_loras=_adapter_names(self.scheduler.waiting),
         )
 
     # -- stepping ---------------------------------------------------------------------------
@@ -402,3 +456,7 @@ class LLMEngine:
                 f"the model step failed for every sequence {self._failed_steps} times in a row"
             )
         return result, failed
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> list[str]:
+    return sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None})

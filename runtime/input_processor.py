@@ -16,6 +16,7 @@ from typing import Any
 from ladle.runtime.beam_search import BeamSearch
 from ladle.runtime.errors import RequestError, require_text
 from ladle.runtime.limits import RequestLimits
+from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 from ladle.words import plural
 
@@ -36,6 +37,7 @@ class Request:
     beam_params: BeamSearchParams | None = None
     # ``time.monotonic()`` after which the engine ends the request (finish reason "abort").
     deadline: float | None = None
+    lora_request: LoRARequest | None = None
 
 
 class InputProcessor:

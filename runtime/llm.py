@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceOf
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -13,10 +13,12 @@ from ladle.runtime.beam_search import BeamSearchOutput, BeamSearchSequence
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine, PromptInput, Request
 from ladle.runtime.limits import RequestLimits
+from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
+T = TypeVar("T")
 
 
 def _as_prompt_list(prompts: PromptInput | SequenceOf[PromptInput]) -> list[PromptInput]:
@@ -25,6 +27,17 @@ def _as_prompt_list(prompts: PromptInput | SequenceOf[PromptInput]) -> list[Prom
     items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
+    return items
+
+
+def _per_prompt(
+    value: T | SequenceOf[T | None] | None, kind: type[T], count: int, name: str
+) -> list[T | None]:
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    items = list(value)  # type: ignore[arg-type]
+    if len(items) != count:
+        raise ValueError(f"{name} must be one per prompt")
     return items
 
 
@@ -49,21 +62,21 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: SequenceOf[int] | None = None,
+        lora_request: LoRARequest | SequenceOf[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. ``lora_request``:
+        one adapter for all prompts, or one (or None, the base model) per prompt."""
         items = _as_prompt_list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise ValueError("sampling_params must be one per prompt")
+        params = _per_prompt(sampling_params, SamplingParams, len(items), "sampling_params")
+        adapters = _per_prompt(lora_request, LoRARequest, len(items), "lora_request")
+        final = SamplingParams()
         requests = [
             self.engine.process_inputs(
                 str(next(self._ids)),
                 prompt,
-                dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY),
+                dataclasses.replace(p or final, output_kind=RequestOutputKind.FINAL_ONLY),
                 priority=priority[i] if priority else 0,
+                lora_request=adapters[i],
             )
             for i, (prompt, p) in enumerate(zip(items, params, strict=True))
         ]

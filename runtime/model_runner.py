@@ -10,6 +10,8 @@ from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata,
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.kv_cache.manager import KVCacheManager
+from ladle.runtime.lora.batch import LoRABatch
+from ladle.runtime.lora.manager import LoRAManager
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
 from ladle.runtime.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -46,6 +48,8 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         # Set by the engine on CPUs: small decode-only steps in one C call.
         self.fused: CpuDecodeStep | None = None
+        # Set by the engine with --enable-lora.
+        self.lora: LoRAManager | None = None
 
     def _prepare(
         self, batch: list[ScheduledSequence]
@@ -98,16 +102,17 @@ class ModelRunner:
         self.attention.copy_blocks(self.caches, out.block_copies)
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
+        batch, lora = self._adapters(batch)
         input_ids, positions, meta = self._prepare(batch)
         # A fused CPU step computes every row's logits with the rest (each row of a
         # decode-only step is its sequence's last token).
         all_logits: torch.Tensor | None = None
-        if self.graphs is not None and self.graphs.can_run(meta):
+        if self.graphs is not None and lora is None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.fused is not None and self.fused.can_run(meta):
-            hidden, all_logits = self.fused.run(input_ids, positions, meta)
+            hidden, all_logits = self.fused.run(input_ids, positions, meta, lora)
         else:
-            hidden = self.model.forward(input_ids, positions, self.caches, meta)
+            hidden = self.model.forward(input_ids, positions, self.caches, meta, lora)
         result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
         sample_rows = [i for i, item in enumerate(batch) if item.completes_prompt]
         if not sample_rows:
@@ -121,6 +126,24 @@ class ModelRunner:
         samples = self.sampler(logits, seqs)
         result.sampled = {seq.seq_id: s for seq, s in zip(seqs, samples, strict=True)}
         return result
+
+    def _adapters(
+        self, batch: list[ScheduledSequence]
+    ) -> tuple[list[ScheduledSequence], LoRABatch | None]:
+        """Load the step's adapters into slots, and order rows of one adapter together
+        (decodes still first) so that each adapter is one run of rows per kind."""
+        if self.lora is None:
+            return batch, None
+        slots = self.lora.activate([item.seq.lora for item in batch if item.seq.lora])
+
+        def slot(item: ScheduledSequence) -> int:
+            lora = item.seq.lora
+            return -1 if lora is None else slots[lora.lora_int_id]
+
+        batch = sorted(batch, key=lambda item: (item.num_new_tokens != 1, slot(item)))
+        rows = [item.num_new_tokens for item in batch]
+        triton = self.attention.name == "triton"
+        return batch, LoRABatch.build([slot(i) for i in batch], rows, self.device, triton)
 
     def _prompt_logprobs(
         self, batch: list[ScheduledSequence], hidden: torch.Tensor, meta: AttentionMetadata

@@ -55,8 +55,11 @@ class Scheduler:
         policy: str = "fcfs",
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
+        max_loras: int | None = None,
     ) -> None:
         self.kv = kv
+        # Distinct adapters that may run at once (the device slots); None without LoRA.
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -86,6 +89,7 @@ class Scheduler:
             request.params,
             request.arrival_time,
             request.priority,
+            lora=request.lora_request,
         )
         group = SequenceGroup(
             request.request_id,
@@ -283,10 +287,15 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # A step that had to preempt running work admits nothing new.
+        # A step that had to preempt running work admits nothing new. A request whose adapter
+        # finds no free slot lets those behind it go first (vLLM v1's rule).
         blocked = bool(out.preempted)
-        while self.waiting and budget > 0 and not blocked:
-            seq = self.waiting[0]
+        head = 0
+        while head < len(self.waiting) and budget > 0 and not blocked:
+            seq = self.waiting[head]
+            if not self._adapter_fits(seq):
+                head += 1
+                continue
             group = self.groups[seq.request_id]
             seats = group.width if not group.forked else 1
             if self._seats_in_use() + seats > self.max_num_seqs:
@@ -303,7 +312,7 @@ class Scheduler:
                     break
                 budget += self._evict(evict, out, scheduled)
                 continue
-            self.waiting.pop(0)
+            self.waiting.pop(head)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             item = ScheduledSequence(seq, num_new)
@@ -314,6 +323,12 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         self._stamp(out)
         return out
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        if self.max_loras is None or seq.lora is None:
+            return True
+        active = {s.lora.lora_int_id for s in (*self.running, *self.parked) if s.lora}
+        return seq.lora.lora_int_id in active or len(active) < self.max_loras
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """Whom the waiting head may evict to get blocks: parked beams of later requests
@@ -451,6 +466,7 @@ class Scheduler:
                 parent.priority,
                 index=index,
                 seed=None if params.seed is None else params.seed + index,
+                lora=parent.lora,
             )
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens - 1
@@ -512,6 +528,7 @@ class Scheduler:
                 parent.params,
                 parent.arrival_time,
                 parent.priority,
+                lora=parent.lora,
             )
             child.token_ids = list(parent.token_ids)
             child.output_token_ids = list(parent.output_token_ids)

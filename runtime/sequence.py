@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # This sequence's random stream: the request's seed, plus the sample's index for n > 1.
     seed: int | None = None
+    # The adapter that runs on top of the base model, if any.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

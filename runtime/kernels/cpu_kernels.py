@@ -59,7 +59,7 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int,
         [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     ),
-    "ladle_decode_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I32, _I32]),
+    "ladle_decode_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I32, _I32, _P]),
     "ladle_store_kv_i8": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32]),
     "ladle_paged_decode_attention_i8": (
         ctypes.c_int,

@@ -3,8 +3,9 @@
  * At batch 1 a 135M-parameter model's step is a few milliseconds of weight reads; driving it op
  * by op from Python costs about a dozen torch ops and ctypes calls per layer, each waking the
  * thread team and joining it again. Here the team is woken once per step: one OpenMP parallel
- * region runs the step as a list of ops (seven a layer), each cut into chunks (a few output
- * panels of a GEMV, one (sequence, KV head) of attention, one row of a norm).
+ * region runs the step as a list of ops (seven a layer, eleven with LoRA adapters), each cut
+ * into chunks (a few output panels of a GEMV, one (sequence, KV head) of attention, one row of
+ * a norm or of a LoRA shrink).
  *
  * Threads claim chunks with an atomic counter and then wait for the op's chunks to be *done*,
  * not for the other threads to *arrive*: a thread that the OS has descheduled (a shared
@@ -71,6 +72,11 @@ typedef struct {
     const void *w;                /* fp32 [n, k] row-major, or the panel codes */
     const float *scale, *offset;  /* quantized formats only */
     const float *bias;            /* NULL, or [n] (padded to whole panels when quantized) */
+    /* LoRA slots (NULL without LoRA): a [slots, lora_width, k], b [slots, n, lora_rank].
+     * Output o of slice i (o < lora_end0: 0; o < lora_end1: 1; else 2) reads the shrunk
+     * columns [i * lora_rank, (i + 1) * lora_rank). */
+    const float *lora_a, *lora_b;
+    int32_t lora_rank, lora_width, lora_end0, lora_end1;
 } ladle_linear;
 
 typedef struct {
@@ -103,7 +109,16 @@ typedef struct {
     float *residual, *x, *qkv, *attn, *out, *gate_up, *act, *logits;
     int64_t ld_qkv, ld_out, ld_gate_up, ld_logits, max_batch;
     op_counter *counters;
+    float *lora_shrunk; /* [max_batch, ld_lora]: one projection's x @ A.T at a time */
+    int64_t ld_lora;
 } ladle_decode_buffers;
+
+/* A step's adapters: each row's slot (-1: the base model), and where shrinks go. */
+typedef struct {
+    const int32_t *slots;
+    float *shrunk;
+    int64_t ld;
+} lora_step;
 
 /* The next unclaimed chunk of the op, or -1 when all are claimed. */
 static inline int claim(op_counter *c, int chunks) {
@@ -242,19 +257,61 @@ static void dense_gemv(const float *x, int64_t ldx, const ladle_linear *lin, flo
     }
 }
 
-/* Outputs of panels [p0, p1) (16 outputs each; the last may be partial for a dense weight). */
-static void linear_panels(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
-                          int64_t ldy, int32_t R, int64_t p0, int64_t p1) {
-    if (lin->kind == DENSE) {
-        const int64_t n1 = p1 * PANEL < lin->n ? p1 * PANEL : lin->n;
-        if (p0 * PANEL < n1) dense_gemv(x, ldx, lin, y, ldy, R, (int32_t)(p0 * PANEL), (int32_t)n1);
-        return;
+static float dot(const float *a, const float *b, int32_t K) {
+    vf acc = (vf){0};
+    int32_t k = 0;
+    for (; k + VW <= K; k += VW) acc += vload(a + k) * vload(b + k);
+    float sum = 0.0f;
+    for (int l = 0; l < VW; l++) sum += acc[l];
+    for (; k < K; k++) sum += a[k] * b[k];
+    return sum;
+}
+
+/* y[:, n0:n1] += shrunk @ B[slot].T for each row with an adapter (punica's expand). */
+static void lora_expand(const ladle_linear *lin, const lora_step *lora, float *y, int64_t ldy,
+                        int32_t R, int64_t n0, int64_t n1) {
+    const int32_t rank = lin->lora_rank;
+    for (int32_t r = 0; r < R; r++) {
+        const int32_t slot = lora->slots[r];
+        if (slot < 0) continue;
+        const float *b = lin->lora_b + (int64_t)slot * lin->n * rank;
+        const float *s = lora->shrunk + r * lora->ld;
+        for (int64_t n = n0; n < n1; n++) {
+            const int slice = (n >= lin->lora_end0) + (n >= lin->lora_end1);
+            y[r * ldy + n] += dot(s + slice * rank, b + n * rank, rank);
+        }
     }
-    const int32_t groups =
-        lin->kind == INT8 ? 0 : (lin->k + lin->group_size - 1) / lin->group_size;
-    const ladle_qweight q = {lin->w,       lin->scale, lin->offset, groups, lin->group_size,
-                             lin->kind == INT4 ? 4 : 8};
-    ladle_gemv_q_panels(x, ldx, &q, lin->bias, y, ldy, R, (int32_t)p0, (int32_t)p1, lin->k);
+}
+
+/* Outputs of panels [p0, p1) (16 outputs each; the last may be partial for a dense weight),
+ * with each row's adapter added when ``lora`` is given. */
+static void linear_panels(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
+                          int64_t ldy, int32_t R, int64_t p0, int64_t p1, const lora_step *lora) {
+    const int64_t n1 = p1 * PANEL < lin->n ? p1 * PANEL : lin->n;
+    if (lin->kind == DENSE) {
+        if (p0 * PANEL < n1) dense_gemv(x, ldx, lin, y, ldy, R, (int32_t)(p0 * PANEL), (int32_t)n1);
+    } else {
+        const int32_t groups =
+            lin->kind == INT8 ? 0 : (lin->k + lin->group_size - 1) / lin->group_size;
+        const ladle_qweight q = {lin->w,       lin->scale, lin->offset, groups, lin->group_size,
+                                 lin->kind == INT4 ? 4 : 8};
+        ladle_gemv_q_panels(x, ldx, &q, lin->bias, y, ldy, R, (int32_t)p0, (int32_t)p1, lin->k);
+    }
+    if (lora != NULL && lin->lora_a != NULL) lora_expand(lin, lora, y, ldy, R, p0 * PANEL, n1);
+}
+
+/* shrunk[r] = x[r] @ A[slot].T for each row with an adapter: one row per chunk. An op of its
+ * own, since every output panel of the projection reads all of a row's shrunk columns. */
+static void lora_shrink_op(op_counter *c, const float *x, int64_t ldx, const ladle_linear *lin,
+                           const lora_step *lora, int32_t batch) {
+    for (int r; (r = claim(c, batch)) >= 0; finish(c, batch)) {
+        const int32_t slot = lora->slots[r];
+        if (slot < 0 || lin->lora_a == NULL) continue;
+        const float *a = lin->lora_a + (int64_t)slot * lin->lora_width * lin->k;
+        for (int32_t j = 0; j < lin->lora_width; j++)
+            lora->shrunk[r * lora->ld + j] = dot(x + r * ldx, a + (int64_t)j * lin->k, lin->k);
+    }
+    wait_done(c, batch);
 }
 
 static inline int64_t panels(int32_t n) { return (n + PANEL - 1) / PANEL; }
@@ -269,14 +326,16 @@ static inline int64_t panels_per_chunk(int64_t num_panels, int nt) {
     return per > 0 ? per : 1;
 }
 
-/* A GEMV as claimed chunks of output panels; returns once all of them are done. */
+/* A GEMV as claimed chunks of output panels; returns once all of them are done. With
+ * ``lora``, the op before it (``c - 1``) shrinks x for the adapters first. */
 static void linear_op(op_counter *c, const float *x, int64_t ldx, const ladle_linear *lin,
-                      float *y, int64_t ldy, int32_t R, int nt) {
+                      float *y, int64_t ldy, int32_t R, int nt, const lora_step *lora) {
+    if (lora != NULL) lora_shrink_op(c - 1, x, ldx, lin, lora, R);
     const int64_t P = panels(lin->n), per = panels_per_chunk(P, nt);
     const int chunks = (int)((P + per - 1) / per);
     for (int chunk; (chunk = claim(c, chunks)) >= 0; finish(c, chunks)) {
         const int64_t p0 = chunk * per;
-        linear_panels(x, ldx, lin, y, ldy, R, p0, p0 + per < P ? p0 + per : P);
+        linear_panels(x, ldx, lin, y, ldy, R, p0, p0 + per < P ? p0 + per : P, lora);
     }
     wait_done(c, chunks);
 }
@@ -297,13 +356,14 @@ static void norm_op(op_counter *c, float *residual, const float *out, int64_t ld
 /* gate_up as chunks of gate panels with the matching up panels, then their SiLU-and-mul. */
 static void gate_up_op(op_counter *c, const float *x, const ladle_linear *lin,
                        const ladle_decode_buffers *b, int32_t batch, int32_t H, int32_t I,
-                       int nt) {
+                       int nt, const lora_step *lora) {
+    if (lora != NULL) lora_shrink_op(c - 1, x, H, lin, lora, batch);
     const int64_t P = I / PANEL, per = panels_per_chunk(P, nt);
     const int chunks = (int)((P + per - 1) / per);
     for (int chunk; (chunk = claim(c, chunks)) >= 0; finish(c, chunks)) {
         const int64_t p0 = chunk * per, p1 = p0 + per < P ? p0 + per : P;
-        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0, p1);
-        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0 + P, p1 + P);
+        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0, p1, lora);
+        linear_panels(x, H, lin, b->gate_up, b->ld_gate_up, batch, p0 + P, p1 + P, lora);
         for (int32_t r = 0; r < batch; r++) {
             const float *g = b->gate_up + r * b->ld_gate_up + p0 * PANEL;
             ladle_silu_and_mul_row(g, g + I, b->act + (int64_t)r * I + p0 * PANEL,
@@ -345,21 +405,24 @@ static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, floa
                                            group, m->num_kv_heads, D, m->block_size, m->scale);
 }
 
-/* Ops per layer; a step has 2 + OPS_PER_LAYER * num_layers (the first input norm, the LM
- * head). */
-#define OPS_PER_LAYER 7
+/* Ops per layer (a LoRA shrink before each of the four projections, used only by steps with
+ * adapters); a step has 2 + OPS_PER_LAYER * num_layers (the first input norm, the LM head). */
+#define OPS_PER_LAYER 11
 
-/* b->residual [batch, hidden] holds the embeddings on entry and the residual stream on return,
- * b->x the final-normed hidden states, b->logits the LM head's output. Positions and slots are int64, one per token; block
- * tables int32 rows table_stride apart. Nonzero: more rows than the buffers hold (2), or an
+/* b->residual [batch, hidden] holds the embeddings on entry and the residual stream on
+ * return, b->x the final-normed hidden states, b->logits the LM head's output. Positions and
+ * slots are int64, one per token; block tables int32 rows table_stride apart; lora_slots NULL,
+ * or each row's adapter slot (-1: none). Nonzero: more rows than the buffers hold (2), or an
  * attention buffer could not be allocated (1). */
 int ladle_decode_step(const ladle_decode_model *m, const ladle_decode_buffers *b,
                       const int64_t *positions, const int64_t *slots, const int32_t *block_tables,
                       int64_t table_stride, const int32_t *seq_lens, int32_t batch,
-                      int32_t num_threads) {
+                      int32_t num_threads, const int32_t *lora_slots) {
     const int32_t H = m->hidden, I = m->intermediate, q_size = m->num_heads * m->head_dim;
     if (batch > b->max_batch) return 2;
     memset(b->counters, 0, sizeof(op_counter) * (2 + (size_t)OPS_PER_LAYER * m->num_layers));
+    const lora_step step_lora = {lora_slots, b->lora_shrunk, b->ld_lora};
+    const lora_step *lora = lora_slots != NULL ? &step_lora : NULL;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -368,7 +431,8 @@ int ladle_decode_step(const ladle_decode_model *m, const ladle_decode_buffers *b
         norm_op(op++, b->residual, NULL, 0, m->layers[0].input_norm, b->x, batch, H, m->eps);
         for (int32_t l = 0; l < m->num_layers; l++) {
             const ladle_decode_layer *L = &m->layers[l];
-            linear_op(op++, b->x, H, &L->qkv, b->qkv, b->ld_qkv, batch, nt);
+            op++; /* each projection's op follows its LoRA shrink's, ``c - 1`` in linear_op */
+            linear_op(op++, b->x, H, &L->qkv, b->qkv, b->ld_qkv, batch, nt, lora);
             const int tasks = batch * m->num_kv_heads;
             for (int task; (task = claim(op, tasks)) >= 0; finish(op, tasks)) {
                 const int32_t s = task / m->num_kv_heads;
@@ -380,14 +444,17 @@ int ladle_decode_step(const ladle_decode_model *m, const ladle_decode_buffers *b
                 }
             }
             wait_done(op++, tasks);
-            linear_op(op++, b->attn, q_size, &L->o_proj, b->out, b->ld_out, batch, nt);
+            op++;
+            linear_op(op++, b->attn, q_size, &L->o_proj, b->out, b->ld_out, batch, nt, lora);
             norm_op(op++, b->residual, b->out, b->ld_out, L->post_norm, b->x, batch, H, m->eps);
-            gate_up_op(op++, b->x, &L->gate_up, b, batch, H, I, nt);
-            linear_op(op++, b->act, I, &L->down, b->out, b->ld_out, batch, nt);
+            op++;
+            gate_up_op(op++, b->x, &L->gate_up, b, batch, H, I, nt, lora);
+            op++;
+            linear_op(op++, b->act, I, &L->down, b->out, b->ld_out, batch, nt, lora);
             const float *next = l + 1 < m->num_layers ? m->layers[l + 1].input_norm : m->final_norm;
             norm_op(op++, b->residual, b->out, b->ld_out, next, b->x, batch, H, m->eps);
         }
-        linear_op(op, b->x, H, &m->lm_head, b->logits, b->ld_logits, batch, nt);
+        linear_op(op, b->x, H, &m->lm_head, b->logits, b->ld_logits, batch, nt, NULL);
     }
     return failed;
 }

@@ -16,6 +16,8 @@ import torch
 
 from ladle.runtime.attention.backend import AttentionMetadata, LayerKVCache
 from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.lora.batch import LoRABatch
+from ladle.runtime.lora.slots import ProjectionLoRA
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.quantization.formats import PANEL, GroupWeight, Int8Weight
 from ladle.runtime.quantization.linear import DenseLinear, Linear, QuantizedLinear
@@ -26,7 +28,7 @@ from ladle.runtime.quantization.linear import DenseLinear, Linear, QuantizedLine
 MAX_BATCH = 8
 _DENSE, _INT8, _INT4, _INT8_GROUPS = 0, 1, 2, 3
 # decode_step.c's op list: ops per layer, and the ints of one op's counters.
-_OPS_PER_LAYER, _OP_COUNTER_INTS = 7, 16
+_OPS_PER_LAYER, _OP_COUNTER_INTS = 11, 16
 _P = ctypes.c_void_p
 
 
@@ -40,6 +42,12 @@ class _Linear(ctypes.Structure):
         ("scale", _P),
         ("offset", _P),
         ("bias", _P),
+        ("lora_a", _P),
+        ("lora_b", _P),
+        ("lora_rank", ctypes.c_int32),
+        ("lora_width", ctypes.c_int32),
+        ("lora_end0", ctypes.c_int32),
+        ("lora_end1", ctypes.c_int32),
     ]
 
 
@@ -95,6 +103,8 @@ class _Buffers(ctypes.Structure):
         ("ld_logits", ctypes.c_int64),
         ("max_batch", ctypes.c_int64),
         ("counters", _P),
+        ("lora_shrunk", _P),
+        ("ld_lora", ctypes.c_int64),
     ]
 
 
@@ -142,11 +152,12 @@ class CpuDecodeStep:
         self._keep: list[torch.Tensor] = []
         layers = (_Layer * cfg.num_layers)()
         for i, (weights, cache) in enumerate(zip(model.layers, caches, strict=True)):
+            lora = weights.lora.projections() if weights.lora else {}
             layers[i] = _Layer(
-                self._linear(weights.qkv),
-                self._linear(weights.o_proj),
-                self._linear(weights.gate_up),
-                self._linear(weights.down),
+                self._linear(weights.qkv, lora.get("qkv")),
+                self._linear(weights.o_proj, lora.get("o_proj")),
+                self._linear(weights.gate_up, lora.get("gate_up")),
+                self._linear(weights.down, lora.get("down")),
                 weights.input_norm.data_ptr(),
                 weights.post_norm.data_ptr(),
                 _ptr(weights.q_norm),
@@ -192,7 +203,11 @@ class CpuDecodeStep:
         self.logits = buffer(rows, logits_width)
         ops = 2 + _OPS_PER_LAYER * cfg.num_layers
         counters = buffer(ops * _OP_COUNTER_INTS, dtype=torch.int32)
-        self._keep += [*work, counters]
+        first = model.layers[0].lora
+        # qkv's three slices make the widest shrink.
+        lora_width = first.qkv.a.shape[1] if first else 1
+        shrunk = buffer(rows, lora_width)
+        self._keep += [*work, counters, shrunk]
         self._buffers = _Buffers(
             self.residual.data_ptr(),
             self.hidden.data_ptr(),
@@ -204,9 +219,20 @@ class CpuDecodeStep:
             logits_width,
             rows,
             counters.data_ptr(),
+            shrunk.data_ptr(),
+            shrunk.stride(0),
         )
 
-    def _linear(self, lin: Linear) -> _Linear:
+    def _linear(self, lin: Linear, lora: ProjectionLoRA | None = None) -> _Linear:
+        c = self._plain_linear(lin)
+        if lora is not None:
+            ends = (*lora.slice_ends, c.n, c.n)
+            c.lora_a, c.lora_b = lora.a.data_ptr(), lora.b.data_ptr()
+            c.lora_rank, c.lora_width = lora.rank, lora.a.shape[1]
+            c.lora_end0, c.lora_end1 = ends[0], ends[1]
+        return c
+
+    def _plain_linear(self, lin: Linear) -> _Linear:
         if isinstance(lin, DenseLinear):
             n, k = lin.weight.shape
             return _Linear(_DENSE, n, k, 0, lin.weight.data_ptr(), None, None, _ptr(lin.bias))
@@ -237,10 +263,16 @@ class CpuDecodeStep:
         return meta.num_decodes == meta.num_seqs <= self.max_batch
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The final-normed hidden states [batch, hidden] and the logits [batch, vocab]: views
-        of buffers that the next step overwrites."""
+        of buffers that the next step overwrites. ``lora``: each row's adapter."""
+        lora_slots = None if lora is None else lora.row_slots
+        assert lora_slots is None or lora_slots.dtype == torch.int32
         batch = meta.num_seqs
         self.residual[:batch] = self.model.embed(input_ids)
         tables = meta.block_tables
@@ -256,6 +288,7 @@ class CpuDecodeStep:
             meta.seq_lens.data_ptr(),
             batch,
             torch.get_num_threads(),
+            _ptr(lora_slots),
         )
         if failed:
             raise MemoryError("the CPU decode step could not allocate its attention buffers")

@@ -17,6 +17,14 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def root_hash(seq: Sequence) -> bytes:
+    """The chain's start: an adapter changes every layer's KV, so each adapter (each load of
+    one) has a prefix cache of its own."""
+    if seq.lora is None:
+        return _ROOT_HASH
+    return chain_hash(_ROOT_HASH, [seq.lora.lora_int_id])
+
+
 class KVCacheManager:
     """Maps each sequence to the physical blocks that hold its KV.
 
@@ -57,7 +65,7 @@ class KVCacheManager:
         full = num_tokens // self.block_size
         bs = self.block_size
         for i in range(len(seq.block_hashes), full):
-            parent = seq.block_hashes[i - 1] if i else _ROOT_HASH
+            parent = seq.block_hashes[i - 1] if i else root_hash(seq)
             seq.block_hashes.append(chain_hash(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

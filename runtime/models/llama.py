@@ -18,6 +18,8 @@ import torch
 
 from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
 from ladle.runtime.kernels.ops import ops_for_backend
+from ladle.runtime.lora.batch import LoRABatch
+from ladle.runtime.lora.slots import LayerLoRA, LoRASlots
 from ladle.runtime.models.config import ModelConfig
 from ladle.runtime.quantization.linear import DenseEmbedding, DenseLinear, Embedding, Linear
 
@@ -53,6 +55,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    # The resident adapters' weights for this layer, once LoRA is enabled.
+    lora: LayerLoRA | None = None
 
 
 class LlamaModel:
@@ -87,6 +91,10 @@ class LlamaModel:
         view.layers = [dataclasses.replace(layer) for layer in self.layers]
         view.embed, view.norm, view.lm_head = self.embed, self.norm, self.lm_head
         return view
+
+    def enable_lora(self, slots: LoRASlots) -> None:
+        for layer, lora in zip(self.layers, slots.layers, strict=True):
+            layer.lora = lora
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take HF-named tensors, in any order, and build the fused per-layer weights."""
@@ -148,8 +156,10 @@ class LlamaModel:
         positions: torch.Tensor,
         caches: list[LayerKVCache],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
+        """Hidden states after the final norm, one row per input token; ``lora`` adds each
+        row's adapter to every projection's output."""
         cfg = self.config
         ops = self.ops
         n = input_ids.shape[0]
@@ -162,7 +172,10 @@ class LlamaModel:
         first_norm = self.layers[0].input_norm if self.layers else self.norm
         x = ops.rms_norm(residual, first_norm, eps)
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            adapters = layer.lora
             qkv = layer.qkv(x)
+            if lora is not None and adapters is not None:
+                lora.add(adapters.qkv, x, qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
@@ -172,9 +185,18 @@ class LlamaModel:
             q, k = ops.rope(q, k, cos, sin)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
             attn = self.attention.forward(q, k, v, cache, meta, self.scale)
-            out = layer.o_proj(attn.view(n, cfg.q_size))
+            attn = attn.view(n, cfg.q_size)
+            out = layer.o_proj(attn)
+            if lora is not None and adapters is not None:
+                lora.add(adapters.o_proj, attn, out)
             x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
-            out = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            gate_up = layer.gate_up(x)
+            if lora is not None and adapters is not None:
+                lora.add(adapters.gate_up, x, gate_up)
+            act = ops.silu_and_mul(gate_up)
+            out = layer.down(act)
+            if lora is not None and adapters is not None:
+                lora.add(adapters.down, act, out)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, residual = ops.add_rms_norm(out, residual, norm, eps)
         return x

@@ -31,6 +31,7 @@ def _import_kernels() -> None:
         import ladle.runtime.kernels.attention_prefill
         import ladle.runtime.kernels.fused
         import ladle.runtime.kernels.kv_store
+        import ladle.runtime.kernels.lora_triton
         import ladle.runtime.kernels.quant_gemm  # noqa: F401
     finally:
         if saved is None:

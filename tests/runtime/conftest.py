@@ -46,9 +46,13 @@ class Reference:
 
 
 class TransformersReference:
-    def __init__(self, path: Path) -> None:
-        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32
+    """``source``: a model folder, or a model already built (a PEFT model, for adapters)."""
+
+    def __init__(self, source: Path | PreTrainedModel) -> None:
+        self.model: PreTrainedModel = (
+            AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+            if isinstance(source, Path)
+            else source
         )
         self.model.eval()
         # Generate exactly the requested length, like the engine's ignore_eos, without

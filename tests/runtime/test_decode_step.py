@@ -4,8 +4,9 @@ Each decode step of a mixed batch (contexts of different lengths, some crossing 
 boundary, block size 4) runs both ways on the same inputs: hidden states must agree to
 rounding, at every batch size from five rows down to one, for every architecture feature the
 fused step handles (tied embeddings, QKV bias, per-head q/k norm with head_dim != hidden /
-heads), both cache dtypes, int8 (per channel and in groups) and int4 weights, and 1, 2 and 3
-threads (more threads than this machine's cores: the barrier's sleeping path).
+heads), both cache dtypes, int8 (per channel and in groups) and int4 weights, LoRA adapters
+mixed with the base model in one batch, and 1, 2 and 3 threads (more threads than this
+machine's cores: the barrier's sleeping path).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 
 import pytest
 import torch
+from lora_adapters import random_adapter
 
-from ladle.runtime import LLM, SamplingParams
+from ladle.runtime import LLM, LoRARequest, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
 from ladle.runtime.bench.profile import latency_profile
 from ladle.runtime.kernels.decode_step import CpuDecodeStep
+from ladle.runtime.lora.batch import LoRABatch
 
 PROMPTS = [[5], [17, 300, 42], [9, 8, 7, 6], list(range(100, 109)), list(range(200, 217))]
 STEPS = 6
@@ -39,9 +42,11 @@ def _engine(path: Path, **flags: Any) -> LLM:
     )
 
 
-def _compare_decode_steps(llm: LLM, threads: list[int]) -> int:
+def _compare_decode_steps(
+    llm: LLM, threads: list[int], adapters: list[LoRARequest | None] | None = None
+) -> int:
     """Run the prompts to their decode phase, then compare every decode step both ways;
-    returns how many steps were compared."""
+    returns how many steps were compared. ``adapters``: one per prompt."""
     engine = llm.engine
     fused = engine.runner.fused
     assert isinstance(fused, CpuDecodeStep)
@@ -49,20 +54,24 @@ def _compare_decode_steps(llm: LLM, threads: list[int]) -> int:
         # Each prompt runs two steps longer than the one before: the batch shrinks from all
         # five rows (the GEMV's tiles of outputs) to one (its one output at a time).
         params = SamplingParams(max_tokens=STEPS + 2 * i, temperature=0.0, ignore_eos=True)
-        engine.add_request(f"r{i}", ids, params)
+        engine.add_request(f"r{i}", ids, params, lora_request=adapters[i] if adapters else None)
     forward = engine.model.forward
     compared = 0
 
     def both(
-        ids: torch.Tensor, positions: torch.Tensor, caches: Any, meta: AttentionMetadata
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Any,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         nonlocal compared
-        reference = forward(ids, positions, caches, meta)
+        reference = forward(ids, positions, caches, meta, lora)
         if fused.can_run(meta):
             saved = torch.get_num_threads()
             torch.set_num_threads(threads[compared % len(threads)])
             try:
-                hidden, logits = fused.run(ids, positions, meta)
+                hidden, logits = fused.run(ids, positions, meta, lora)
             finally:
                 torch.set_num_threads(saved)
             torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
@@ -89,6 +98,26 @@ def test_fused_step_equals_per_op_forward(
 ) -> None:
     llm = _engine(tiny_model_factory(arch), kv_cache_dtype=kv_cache_dtype)
     assert _compare_decode_steps(llm, threads=[1, 2, 3]) >= STEPS
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_fused_step_with_adapters(
+    quantization: str | None, tiny_model_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Two adapters of different ranks and targets, and base-model rows, in every step, over
+    a quantized base too (an adapter applies to the quantized projection's output)."""
+    path = tiny_model_factory("qwen3")
+    folders = [
+        random_adapter(path, tmp_path / "all", seed=1),
+        random_adapter(path, tmp_path / "qv", seed=2, rank=4, targets=("q_proj", "v_proj")),
+    ]
+    first, second = (LoRARequest(f.name, i + 1, str(f)) for i, f in enumerate(folders))
+    flags: dict[str, Any] = {"enable_lora": True, "max_loras": 2}
+    if quantization:
+        flags |= {"quantization": quantization, "quantization_method": "rtn"}
+    llm = _engine(path, **flags)
+    adapters = [first, None, second, first, None]
+    assert _compare_decode_steps(llm, threads=[1, 2, 3], adapters=adapters) >= STEPS
 
 
 @pytest.mark.parametrize(("quantization", "group"), [("int8", None), ("int8", 32), ("int4", 32)])
