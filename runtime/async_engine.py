@@ -18,6 +18,7 @@ from typing import TypeVar
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.engine import LLMEngine, PromptInput, Request
 from ladle.runtime.limits import RequestLimits
+from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 
@@ -126,11 +127,17 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         deadline: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream outputs for one request; leaving the loop early aborts it in the engine. A
         request that fails inside the engine raises :class:`RequestFailedError`."""
         request: Request = self.engine.process_inputs(
-            request_id, prompt, params, priority=priority, deadline=deadline
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            deadline=deadline,
+            lora_request=lora_request,
         )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 

@@ -67,9 +67,10 @@ class EngineStats:
     num_preemptions: int
     num_blocks: int
     num_free_blocks: int
-    # Adapters of running and of waiting requests, by name (vLLM's lora_requests_info).
+    # Adapters by name: of running requests, of waiting ones, and those in device slots.
     running_loras: list[str]
     waiting_loras: list[str]
+    loaded_loras: list[str]
 
 
 @dataclass
@@ -389,6 +390,7 @@ class LLMEngine:
             num_free_blocks=self.kv.num_free_blocks,
             running_loras=_adapter_names((*self.scheduler.running, *self.scheduler.parked)),
             waiting_loras=_adapter_names(self.scheduler.waiting),
+            loaded_loras=[] if self.lora is None else self.lora.loaded(),
         )
 
     # -- stepping ---------------------------------------------------------------------------

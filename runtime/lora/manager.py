@@ -31,6 +31,7 @@ class LoRAManager:
         self._known: dict[int, LoRARequest] = {}
         self._cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._resident: OrderedDict[int, int] = OrderedDict()
+        self._resident_names: dict[int, str] = {}
         self.num_loads = 0
 
     @property
@@ -61,8 +62,9 @@ class LoRAManager:
     def served(self) -> list[LoRARequest]:
         return list(self._known.values())
 
-    def resident(self) -> list[int]:
-        return list(self._resident)
+    def loaded(self) -> list[str]:
+        """Served adapters that sit in a slot, ready for a step without a load."""
+        return sorted(name for i, name in self._resident_names.items() if i in self._known)
 
     def activate(self, requests: list[LoRARequest]) -> dict[int, int]:
         """Slots for a step's adapters (at most ``max_loras`` distinct), loading those that are
@@ -76,6 +78,7 @@ class LoRAManager:
         for lora_id, request in wanted.items():
             if lora_id not in self._resident:
                 self._resident[lora_id] = self._free_slot(wanted)
+                self._resident_names[lora_id] = request.lora_name
                 self.slots.write(self._resident[lora_id], self._adapter(request))
                 self.num_loads += 1
         return {lora_id: self._resident[lora_id] for lora_id in wanted}
@@ -86,6 +89,7 @@ class LoRAManager:
         if free:
             return free[0]
         victim = next(i for i in self._resident if i not in keep)
+        del self._resident_names[victim]
         return self._resident.pop(victim)
 
     def _adapter(self, request: LoRARequest) -> LoRAAdapter:

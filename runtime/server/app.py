@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ladle import __version__
@@ -26,17 +26,19 @@ from ladle.runtime.server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     HealthResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ProfileResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from ladle.runtime.server.serving_chat import OpenAIServingChat
 from ladle.runtime.server.serving_completion import OpenAIServingCompletion
-from ladle.runtime.server.serving_engine import check_model, decode
+from ladle.runtime.server.serving_engine import decode
 
 log = logging.getLogger("ladle.server")
 T = TypeVar("T")
@@ -78,20 +80,44 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
+        """The base model, then each adapter with the base model as its ``parent``."""
         engine = loaded().engine
-        card = ModelCard(
-            id=engine.served_model_name,
-            root=str(engine.model_path),
-            max_model_len=engine.max_model_len,
+        base = engine.served_model_name
+        cards = [
+            ModelCard(id=base, root=str(engine.model_path), max_model_len=engine.max_model_len)
+        ]
+        for name in state.adapters.names:
+            adapter = state.adapters.get(name)
+            assert adapter is not None
+            cards.append(
+                ModelCard(
+                    id=name,
+                    root=adapter.lora_path,
+                    parent=base,
+                    max_model_len=engine.max_model_len,
+                )
+            )
+        return ModelList(data=cards)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """vLLM's endpoint: serve an adapter under a new model name, no restart."""
+        await state.adapters.load(loaded(), request.lora_name, request.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        await state.adapters.unload(loaded(), request.lora_name)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{request.lora_name}' removed successfully."
         )
-        return ModelList(data=[card])
 
     @app.post("/tokenize")
     async def tokenize(
         request: TokenizeCompletionRequest | TokenizeChatRequest,
     ) -> TokenizeResponse:
         llm = loaded()
-        check_model(llm, request.model)
+        state.adapters.resolve(llm, request.model)
         tokenizer = llm.engine.tokenizer
         if isinstance(request, TokenizeChatRequest):
             _, ids = render_chat(
@@ -112,7 +138,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         llm = loaded()
-        check_model(llm, request.model)
+        state.adapters.resolve(llm, request.model)
         vocab = llm.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.tokens):
             raise RequestError(f"tokens: ids must be in [0, {vocab})", "tokens")

@@ -20,6 +20,7 @@ from ladle.audit import AuditLog
 from ladle.runtime.config import ConfigError
 from ladle.runtime.filters.loader import load_input, load_output
 from ladle.runtime.profiler import EngineProfiler
+from ladle.runtime.server.adapters import ServedAdapters
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
@@ -62,6 +63,7 @@ class ServerState:
             )
             self.registry.register(self.tracing.dropped_metric("ladle:trace_spans_dropped"))
         self._load_engine = load_engine
+        self.adapters = ServedAdapters()
         self.llm: AsyncLLM | None = None
         self.metrics: ServerMetrics | None = None
         self.ready = False
@@ -83,10 +85,12 @@ class ServerState:
 
         try:
             llm = await _in_daemon_thread(self._load_engine)
+            await self._load_adapters(llm)
             await self._warm_up(llm)
             metrics = ServerMetrics(self.registry, llm.engine)
-        except ConfigError as exc:
-            # A setting the engine cannot use: the message says which; no traceback.
+        except (ConfigError, APIError) as exc:
+            # A setting the engine cannot use, or an adapter it cannot serve: the message says
+            # which; no traceback.
             log.error("the engine failed to start", extra={"error": str(exc)})
             self.exit_code = 2
             self.request_exit()
@@ -111,6 +115,14 @@ class ServerState:
                 "threads": torch.get_num_threads(),
             },
         )
+
+    async def _load_adapters(self, llm: AsyncLLM) -> None:
+        """--lora-modules, each read and checked before the server turns ready."""
+        modules = self.settings.lora_modules
+        if modules and llm.engine.lora is None:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        for name, path in modules:
+            await self.adapters.load(llm, name, path)
 
     @staticmethod
     async def _warm_up(llm: AsyncLLM) -> None:

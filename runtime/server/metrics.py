@@ -18,7 +18,15 @@ from prometheus_client.registry import Collector
 
 from ladle.runtime.engine import IterationStats, LLMEngine
 from ladle.runtime.outputs import RequestOutput
-from ladle.runtime_metrics import CACHE_CONFIG_INFO, KV_USAGE, PROTOCOL_GAUGES, RUNNING, WAITING
+from ladle.runtime_metrics import (
+    CACHE_CONFIG_INFO,
+    KV_USAGE,
+    LORA_INFO,
+    PROTOCOL_GAUGES,
+    PROTOCOL_LORA_INFO,
+    RUNNING,
+    WAITING,
+)
 
 PREFIX = "ladle:"
 # Latency buckets include 0.5, 1 and 2 s exactly, so those SLOs are read without interpolation.
@@ -74,6 +82,8 @@ class RequestRecord:
     cached_tokens: int = 0
     finish_reasons: dict[int, str] = field(default_factory=dict)
     error: str | None = None
+    # The LoRA adapter that served it, if any.
+    lora_name: str | None = None
 
     def on_output(self, output: RequestOutput, now: float) -> float | None:
         """Account for one streamed output; returns the inter-token gap it closes, if any."""
@@ -137,6 +147,8 @@ class _EngineCollector(Collector):
                 gauge.add_metric(values, value)
                 yield gauge
         yield self._cache_config(stats.num_blocks)
+        if self.engine.lora is not None:
+            yield from self._lora_info(stats.loaded_loras, stats.waiting_loras)
         for name, doc, value in (
             ("prefix_cache_queries", "Prompt tokens looked up.", stats.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found cached.", stats.prefix_cache_hits),
@@ -145,6 +157,23 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+
+    def _lora_info(self, loaded: list[str], waiting: list[str]) -> Iterator[Metric]:
+        """``running_lora_adapters`` lists the adapters in device slots, as GAIE's protocol
+        defines it: what a picker's LoRA affinity needs is where an adapter is ready, and
+        vLLM's list (adapters with requests in flight) forgets a loaded one between requests."""
+        labels = {
+            "running_lora_adapters": ",".join(loaded),
+            "waiting_lora_adapters": ",".join(waiting),
+            "max_lora": str(self.engine.args.max_loras),
+        }
+        now = time.time()
+        for name in (LORA_INFO, PROTOCOL_LORA_INFO):
+            info = GaugeMetricFamily(
+                name, "Adapters of running and waiting requests, at this time.", labels=list(labels)
+            )
+            info.add_metric(list(labels.values()), now)
+            yield info
 
     def _cache_config(self, num_blocks: int) -> Metric:
         """vLLM's ``cache_config_info``: the KV cache's layout as labels on a constant 1."""
@@ -185,6 +214,7 @@ class ServerMetrics:
             "request_success", "Finished requests, by finish reason.", "finished_reason"
         )
         self._rejected = counter("request_rejected", "Requests refused, by reason.", "reason")
+        self._lora = counter("lora_requests", "Finished requests, by LoRA adapter.", "lora_name")
         self.iteration_tokens = histogram(
             "iteration_tokens_total",
             "Tokens run through the model per engine step (prefill chunks plus decodes).",
@@ -236,6 +266,8 @@ class ServerMetrics:
 
     def finished(self, record: RequestRecord) -> None:
         self._success.labels(self.model_name, record.finish_reason).inc()
+        if record.lora_name is not None:
+            self._lora.labels(self.model_name, record.lora_name).inc()
         self.request_prompt_tokens.observe(record.prompt_tokens)
         self.request_generation_tokens.observe(record.completion_tokens)
         timings = record.timings()

@@ -210,7 +210,22 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "ladle"
     root: str
+    # The base model of an adapter (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    # vLLM accepts the id too; names are what this server serves by.
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

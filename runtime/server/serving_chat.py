@@ -37,7 +37,6 @@ from ladle.runtime.server.serving_engine import (
     OpenAIServing,
     Prompt,
     audit_of,
-    check_model,
     stream_error,
 )
 from ladle.runtime.server.streaming import (
@@ -53,7 +52,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         arrival = time.monotonic()
         llm = self.state.engine()
-        check_model(llm, request.model)
+        target = self.state.adapters.resolve(llm, request.model)
         overrides: dict[str, Any] = {}
         top = request.top_logprobs or 0
         if request.logprobs:
@@ -91,15 +90,23 @@ class OpenAIServingChat(OpenAIServing):
             raise RequestError("prompt_logprobs: not supported when streaming chat", "stream")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt = Prompt(
-            text, self._prepare(llm, response_id, ids, params, request.priority).token_ids
+            text, self._prepare(llm, response_id, ids, params, request.priority, target).token_ids
         )
         messages = [m.for_template() for m in request.messages]
-        self._check_input(raw, llm, "/v1/chat/completions", [text], messages, params)
+        self._check_input(raw, target, "/v1/chat/completions", [text], messages, params)
         self.state.admit(llm, seqs_per_prompt(params))
         streams = self._streams(
-            llm, raw, "/v1/chat/completions", response_id, [prompt], params, request, arrival
+            llm,
+            raw,
+            "/v1/chat/completions",
+            response_id,
+            [prompt],
+            params,
+            request,
+            arrival,
+            target,
         )
-        model = llm.engine.served_model_name
+        model = target.name
         want_logprobs = request.logprobs and isinstance(params, SamplingParams)
 
         def new_choice(key: Key) -> ChoiceState:

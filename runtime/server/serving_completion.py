@@ -31,7 +31,6 @@ from ladle.runtime.server.serving_engine import (
     OpenAIServing,
     Prompt,
     audit_of,
-    check_model,
     decode,
     stream_error,
 )
@@ -50,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
         llm = self.state.engine()
-        check_model(llm, request.model)
+        target = self.state.adapters.resolve(llm, request.model)
         if request.suffix:
             raise RequestError("suffix: not supported by this server", "suffix")
         texts_or_ids = _completion_prompts(request.prompt, llm.engine.limits.max_prompts)
@@ -72,19 +71,19 @@ class OpenAIServingCompletion(OpenAIServing):
             params = build_sampling_params(request, overrides)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = [
-            self._prepare(llm, f"{response_id}-{i}", p, params, request.priority)
+            self._prepare(llm, f"{response_id}-{i}", p, params, request.priority, target)
             for i, p in enumerate(texts_or_ids)
         ]
         texts = [
             p.text if p.text is not None else decode(llm.engine.tokenizer, p.token_ids)
             for p in prompts
         ]
-        self._check_input(raw, llm, "/v1/completions", texts, None, params)
+        self._check_input(raw, target, "/v1/completions", texts, None, params)
         self.state.admit(llm, len(prompts) * seqs_per_prompt(params))
         streams = self._streams(
-            llm, raw, "/v1/completions", response_id, prompts, params, request, arrival
+            llm, raw, "/v1/completions", response_id, prompts, params, request, arrival, target
         )
-        model = llm.engine.served_model_name
+        model = target.name
         tokenizer = llm.engine.tokenizer
         want_logprobs = request.logprobs is not None and isinstance(params, SamplingParams)
 

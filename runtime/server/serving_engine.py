@@ -26,8 +26,10 @@ from ladle.runtime.async_engine import AsyncLLM, EngineDeadError, RequestFailedE
 from ladle.runtime.errors import RequestError
 from ladle.runtime.filters import FilterRequest, Rejected
 from ladle.runtime.filters.stream import FilteredText
+from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.outputs import PromptLogprobs, RequestOutput
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
+from ladle.runtime.server.adapters import Target
 from ladle.runtime.server.audit import AuditEntry
 from ladle.runtime.server.errors import APIError, error_body
 from ladle.runtime.server.lifecycle import ServerState
@@ -72,10 +74,13 @@ class OpenAIServing:
         prompt: str | list[int],
         params: SamplingParams | BeamSearchParams,
         priority: int,
+        target: Target,
     ) -> Prompt:
         """Tokenize and validate now, so that a bad prompt is a 400 before any stream starts."""
         engine = llm.engine
-        checked = engine.process_inputs(request_id, prompt, params, priority=priority)
+        checked = engine.process_inputs(
+            request_id, prompt, params, priority=priority, lora_request=target.lora
+        )
         ids = checked.prompt_token_ids
         if params.max_tokens is not None and len(ids) + params.max_tokens > engine.max_model_len:
             raise RequestError(
@@ -102,6 +107,7 @@ class OpenAIServing:
         deadline: float | None,
         audit: AuditEntry | None,
         span: Span | None,
+        lora: LoRARequest | None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """One engine request; however it ends, its record is finished, counted, logged and
         traced."""
@@ -109,7 +115,9 @@ class OpenAIServing:
         self.state.engine_request_started(record.engine_request_id, record.num_seqs)
         inputs = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
         try:
-            stream = llm.generate(inputs, params, record.engine_request_id, priority, deadline)
+            stream = llm.generate(
+                inputs, params, record.engine_request_id, priority, deadline, lora
+            )
             async with contextlib.aclosing(stream) as outputs:
                 async for output in outputs:
                     gap = record.on_output(output, time.monotonic())
@@ -198,6 +206,7 @@ class OpenAIServing:
         params: SamplingParams | BeamSearchParams,
         request: _GenerationRequest,
         arrival: float,
+        target: Target,
     ) -> list[AsyncGenerator[RequestOutput, None]]:
         request_id: str = raw.state.request_id
         span: Span | None = getattr(raw.state, "span", None)
@@ -208,8 +217,7 @@ class OpenAIServing:
         width = seqs_per_prompt(params)
         audit = audit_of(raw)
         if audit is not None:
-            model = llm.engine.served_model_name
-            audit.begin(model, public, request.stream, [p.text for p in prompts])
+            audit.begin(target.name, public, request.stream, [p.text for p in prompts])
         streams = []
         for i, prompt in enumerate(prompts):
             record = RequestRecord(
@@ -222,9 +230,20 @@ class OpenAIServing:
                 prompt=prompt.text if self.state.settings.log_prompts else None,
                 arrival=arrival,
                 num_seqs=width,
+                lora_name=None if target.lora is None else target.lora.lora_name,
             )
             streams.append(
-                self._run(llm, record, prompt, params, request.priority, deadline, audit, span)
+                self._run(
+                    llm,
+                    record,
+                    prompt,
+                    params,
+                    request.priority,
+                    deadline,
+                    audit,
+                    span,
+                    target.lora,
+                )
             )
         return streams
 
@@ -327,7 +346,7 @@ class OpenAIServing:
     def _check_input(
         self,
         raw: Request,
-        llm: AsyncLLM,
+        target: Target,
         endpoint: str,
         prompts: list[str],
         messages: list[dict[str, Any]] | None,
@@ -338,7 +357,7 @@ class OpenAIServing:
             return
         request = FilterRequest(
             endpoint=endpoint,
-            model=llm.engine.served_model_name,
+            model=target.name,
             prompts=prompts,
             messages=messages,
             params=public_params(params),
@@ -358,17 +377,6 @@ class OpenAIServing:
     def _decoder(self, llm: AsyncLLM) -> Callable[[int], str]:
         tokenizer = llm.engine.tokenizer
         return lambda token_id: decode(tokenizer, [token_id])
-
-
-def check_model(llm: AsyncLLM, name: str | None) -> None:
-    served = llm.engine.served_model_name
-    if name is not None and name != served:
-        raise APIError(
-            400,
-            f"the model {name!r} does not exist; this server serves {served!r}",
-            code="model_not_found",
-            param="model",
-        )
 
 
 def audit_of(raw: Request) -> AuditEntry | None:

@@ -8,11 +8,12 @@ file. Only the standard library is imported here: ``ladle --help`` must not pay 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ladle.audit import add_audit_args
-from ladle.flag_types import existing_file, integer, memory, seconds, size_text
+from ladle.flag_types import Invalid, existing_file, integer, memory, seconds, size_text
 from ladle.runtime.config import ConfigError, parse_memory_size
 from ladle.runtime.server.profiles import ENV_PROFILES
 from ladle.settings import Default, add_env_profile, add_log_level, add_tracing
@@ -41,6 +42,8 @@ class ServerSettings:
     profile_max_seconds: float = 60.0
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
+    # (name, folder) of each LoRA adapter served from the start.
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -54,6 +57,10 @@ class ServerSettings:
         if self.request_timeout is not None and not 0 < self.request_timeout < float("inf"):
             raise ConfigError(f"request-timeout must be > 0; got {self.request_timeout}")
         self.max_request_size = parse_memory_size(self.max_request_size)
+        names = [name for name, _ in self.lora_modules]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigError(f"lora-modules: each name once; given twice: {', '.join(twice)}")
         if self.profile_dir is not None and not (self.api_keys or self.api_key_file):
             raise ConfigError(
                 "profile-dir needs --api-key or --api-key-file: the profiler endpoints must "
@@ -82,6 +89,7 @@ class ServerSettings:
             profile_max_seconds=args.profile_max_seconds,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             trace_sample_ratio=args.trace_sample_ratio,
+            lora_modules=list(args.lora_modules or []),
         )
 
 
@@ -189,3 +197,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "its trace",
     )
     add_tracing(group)
+    group.add_argument(
+        "--lora-modules",
+        type=lora_module,
+        nargs="+",
+        action="extend",
+        default=Default([], "none"),
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve from the start, each under its own model "
+        "name; needs --enable-lora",
+    )
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """vLLM's two spellings: ``name=path``, or ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise Invalid('expected NAME=PATH or {"name": ..., "path": ...}') from None
+        if not isinstance(value, dict):
+            raise Invalid('expected NAME=PATH or {"name": ..., "path": ...}')
+        name, path = value.get("name"), value.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name.strip() or not path:
+        raise Invalid('expected NAME=PATH or {"name": ..., "path": ...}')
+    return name.strip(), path

@@ -24,6 +24,11 @@ PROTOCOL_GAUGES = {
     KV_USAGE: "vllm:kv_cache_usage_perc",
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# With LoRA on: the adapters in device slots, those of waiting requests, and max_lora, as
+# labels on the time of the scrape (vLLM's gauge, which pickers read to prefer pods that hold
+# a request's adapter), under our prefix and under vLLM's name.
+LORA_INFO = "ladle:lora_requests_info"
+PROTOCOL_LORA_INFO = "vllm:lora_requests_info"
 # Histograms (read as their _bucket, _sum and _count samples).
 ITL = "ladle:inter_token_latency_seconds"
 TTFT = "ladle:time_to_first_token_seconds"

@@ -86,9 +86,10 @@ def test_chat_errors_are_400(server: Server) -> None:
     assert_error(post(server, "/v1/chat/completions", only_top), 400, "top_logprobs")
 
 
-def test_unknown_model_is_400(server: Server) -> None:
+def test_unknown_model_is_404(server: Server) -> None:
+    """OpenAI's and vLLM's answer, and the gateway's."""
     error = assert_error(
-        post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 400, "model"
+        post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"}), 404, "model"
     )
     assert error["code"] == "model_not_found"
 

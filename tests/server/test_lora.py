@@ -1,0 +1,197 @@
+"""LoRA adapters through a real ``ladle serve`` and the ``openai`` client: vLLM's flags and
+endpoints, ``model: <adapter>``, ``/v1/models`` with parents, adapters added and removed
+while the server runs, clear errors for adapters it cannot serve, and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from lora_adapters import random_adapter
+
+from ladle.runtime import LLM, LoRARequest, SamplingParams
+
+from .conftest import BASE_FLAGS, Server, start_server
+
+PROMPT = [1, 50, 60, 70, 80, 90, 100]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("server-adapters")
+    return {
+        "alpha": random_adapter(tiny_model_path, root / "alpha", seed=1),
+        "beta": random_adapter(
+            tiny_model_path, root / "beta", seed=2, rank=4, targets=("q_proj", "v_proj")
+        ),
+        "gamma": random_adapter(tiny_model_path, root / "gamma", seed=3),
+        "wide": random_adapter(tiny_model_path, root / "wide", seed=4, rank=32),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_server(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    srv = start_server(
+        tmp_path_factory.mktemp("lora-serve"),
+        "--model", str(tiny_model_path),
+        "--served-model-name", "tiny",
+        "--enable-lora", "--max-loras", "2",
+        "--lora-modules", f"alpha={adapters['alpha']}",
+        f'{{"name": "beta", "path": "{adapters["beta"]}"}}',
+    )  # fmt: skip
+    yield srv
+    assert srv.stop() == 0, "\n".join(srv.log_lines()[-30:])
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_path: Path, adapters: dict[str, Path]) -> dict[str, str]:
+    """Each model's greedy text from the offline engine, which tests/runtime/test_lora.py holds
+    to PEFT's."""
+    llm = LLM(str(tiny_model_path), enable_lora=True, max_loras=4, kv_cache_memory="64MiB")
+    names = ["tiny", "alpha", "beta", "gamma"]
+    requests = [None] + [LoRARequest(n, i + 1, str(adapters[n])) for i, n in enumerate(names[1:])]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * 4, params, False, lora_request=requests)
+    return {name: out.outputs[0].text for name, out in zip(names, outs, strict=True)}
+
+
+def complete(client: openai.OpenAI, model: str) -> str:
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.model == model
+    return out.choices[0].text
+
+
+def test_each_adapter_answers_under_its_name(lora_server: Server, expected: dict[str, str]) -> None:
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {"tiny", "alpha", "beta"}
+    assert models["alpha"].model_extra["parent"] == "tiny"
+    assert models["tiny"].model_extra["parent"] is None
+    for name in ("tiny", "alpha", "beta"):
+        assert complete(client, name) == expected[name], name
+    assert len({expected[n] for n in ("tiny", "alpha", "beta")}) == 3
+    chat = client.chat.completions.create(
+        model="beta", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert chat.model == "beta"
+    assert chat.choices[0].message.content
+
+
+async def test_concurrent_requests_for_several_adapters_batch_together(
+    lora_server: Server, expected: dict[str, str]
+) -> None:
+    """Base and both adapters at once, several each: every answer is its model's own."""
+    client = openai.AsyncOpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+    names = ["tiny", "alpha", "beta"] * 4
+
+    async def one(model: str) -> str:
+        out = await client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        return out.choices[0].text
+
+    texts = await asyncio.gather(*(one(n) for n in names))
+    assert texts == [expected[n] for n in names]
+    page = httpx.get(f"{lora_server.url}/metrics").text
+    assert 'ladle:lora_requests_total{lora_name="alpha",model_name="tiny"}' in page
+    for name in ("ladle:lora_requests_info", "vllm:lora_requests_info"):
+        info = [line for line in page.splitlines() if line.startswith(name + "{")]
+        assert len(info) == 1
+        assert 'max_lora="2"' in info[0]
+        # GAIE's meaning: the adapters in the two slots, with no request in flight now.
+        assert 'running_lora_adapters="alpha,beta"' in info[0]
+
+
+def test_adapters_are_added_and_removed_without_a_restart(
+    lora_server: Server, adapters: dict[str, Path], expected: dict[str, str]
+) -> None:
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+    pid = lora_server.proc.pid
+    loaded = httpx.post(
+        f"{lora_server.url}/v1/load_lora_adapter",
+        json={"lora_name": "gamma", "lora_path": str(adapters["gamma"])},
+    )
+    assert loaded.status_code == 200, loaded.text
+    assert complete(client, "gamma") == expected["gamma"]
+    gone = httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+    assert gone.status_code == 200, gone.text
+    with pytest.raises(openai.NotFoundError) as err:
+        complete(client, "gamma")
+    assert err.value.code == "model_not_found"
+    assert "gamma" not in {m.id for m in client.models.list().data}
+    again = httpx.post(f"{lora_server.url}/v1/unload_lora_adapter", json={"lora_name": "gamma"})
+    assert again.status_code == 404
+    assert lora_server.proc.pid == pid
+    assert lora_server.proc.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("name", "path", "message"),
+    [
+        ("big", "wide", "rank 32 exceeds --max-lora-rank 16"),
+        ("nowhere", None, "no such folder"),
+        ("tiny", "gamma", "is the base model's name"),
+        ("alpha", "gamma", "already loaded"),
+    ],
+)
+def test_an_adapter_it_cannot_serve_is_a_clear_400(
+    lora_server: Server,
+    adapters: dict[str, Path],
+    expected: dict[str, str],
+    name: str,
+    path: str | None,
+    message: str,
+    tmp_path: Path,
+) -> None:
+    folder = str(adapters[path]) if path else str(tmp_path / "missing")
+    answer = httpx.post(
+        f"{lora_server.url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": folder}
+    )
+    assert answer.status_code == 400
+    assert message in answer.json()["error"]["message"]
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+    assert complete(client, "tiny") == expected["tiny"]
+    assert complete(client, "alpha") == expected["alpha"]
+
+
+def test_an_unknown_model_is_a_404(lora_server: Server) -> None:
+    client = openai.OpenAI(base_url=f"{lora_server.url}/v1", api_key="none")
+    with pytest.raises(openai.NotFoundError) as err:
+        complete(client, "delta")
+    assert err.value.code == "model_not_found"
+    assert "'alpha'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-modules", "x=/nowhere"], "--lora-modules needs --enable-lora"),
+        (["--enable-lora", "--lora-modules", "x=/nowhere"], "LoRA adapter 'x' at /nowhere"),
+        (["--enable-lora", "--lora-modules", "x"], "expected NAME=PATH"),
+    ],
+)
+def test_a_bad_adapter_flag_stops_startup_with_one_line(
+    tiny_model_path: Path, flags: list[str], message: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ladle.cli", "serve", "--model", str(tiny_model_path),
+         "--port", "0", *BASE_FLAGS, *flags],
+        check=False, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
