@@ -21,6 +21,9 @@ Sections, in order of value, each skipped once the time budget is spent:
 3b. quantized GEMMs: W8A16 and W4A16 against their reference at serving shapes (rows 1, 16,
    256; Llama-8B's 4096 -> 14336 projection, groups of 128), then timed against bf16 cuBLAS at
    1 and 64 rows, as weight bytes read per second;
+3c. batched LoRA: the Triton shrink/expand against the torch segments on Llama-8B's fused qkv
+   (GQA slices) with four rank-16 adapters and base rows mixed, then its time beside the
+   projection's own bf16 GEMM at 1, 64 and 512 rows;
 4. engine: host syncs per decode step at batch 1 vs 64 (per-request syncs would grow),
    CUDA-graph vs eager greedy parity and single-stream decode latency;
 5. offline throughput, each run in its own process: nano-vllm's benchmark workload (256
@@ -698,6 +701,47 @@ def time_fused(report: Report, dev: torch.device, smoke: bool) -> None:
         )
 
 
+# -- 3c. batched LoRA -------------------------------------------------------------------------
+
+
+def lora_kernels(report: Report, dev: torch.device, smoke: bool) -> None:
+    """Every row its own adapter slot (or none): the BGMV kernels against the segments."""
+    import torch.nn.functional as F
+
+    from ladle.runtime.kernels.lora import add_lora_segments
+    from ladle.runtime.kernels.lora_triton import add_lora_rows
+    from ladle.runtime.lora.batch import LoRABatch
+    from ladle.runtime.lora.slots import ProjectionLoRA
+
+    bf16, slots, rank = torch.bfloat16, 4, 16
+    k, sizes = (64, (64, 16, 16)) if smoke else (4096, (4096, 1024, 1024))
+    ends = [sum(sizes[: i + 1]) for i in range(3)]
+    n = ends[-1]
+    proj = ProjectionLoRA(
+        a=(torch.randn(slots, 3 * rank, k, device=dev) * 0.02).to(bf16),
+        b=(torch.randn(slots, n, rank, device=dev) * 0.02).to(bf16),
+        bounds=tuple((e - size, e) for size, e in zip(sizes, ends, strict=True)),
+        rank=rank,
+        targets=[frozenset({0, 1, 2})] * slots,
+    )
+    weight = (torch.randn(n, k, device=dev) * 0.02).to(bf16)
+    for rows in (1, 7) if smoke else (1, 64, 512):
+        per_seq = [(i % (slots + 1)) - 1 for i in range(rows)]  # -1: a base-model row
+        batch = LoRABatch.build(per_seq, [1] * rows, dev, triton=True)
+        assert batch is not None
+        x = torch.randn(rows, k, device=dev).to(bf16)
+        y = torch.randn(rows, n, device=dev).to(bf16)
+        out, ref = y.clone(), y.clone()
+        add_lora_rows(x, out, proj, batch.row_slots)
+        add_lora_segments(x, ref, proj, batch.segments)
+        err = rel_err(out - y, ref - y)
+        report.add(Row("lora", f"BGMV vs segments {rows}x{k}->{n}", err, "rel err", err < 2e-2))
+        base_ms = bench_ms(lambda x=x: F.linear(x, weight), quick=True)
+        ms = bench_ms(lambda x=x, o=out, b=batch: add_lora_rows(x, o, proj, b.row_slots), True)
+        note = f"{ms:.3f} ms beside the GEMM's {base_ms:.3f} ms"
+        report.add(Row("lora", f"LoRA share of qkv at {rows} rows", ms / base_ms, "x", None, note))
+
+
 # -- 3b. quantized GEMMs -----------------------------------------------------------------------
 
 
@@ -1168,6 +1212,7 @@ def main() -> None:
     section(report, "correct", 30, lambda: correctness(report, dev, args.smoke))
     section(report, "timing", 60, lambda: timings(report, dev, args.smoke))
     section(report, "quant", 30, lambda: quantized_gemms(report, dev, args.smoke))
+    section(report, "lora", 20, lambda: lora_kernels(report, dev, args.smoke))
     holder: dict[str, Path] = {}
     section(
         report,
