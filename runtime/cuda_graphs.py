@@ -5,6 +5,8 @@ not the GPU, sets the pace. A graph replays the whole step with one launch. A ba
 up to the nearest captured size: padded rows get slot -1 (the KV store skips them) and
 sequence length 0 (the decode kernel writes zeros for them), and their outputs are dropped.
 Block-table entries past a row's length are never read, so stale ones need no clearing.
+With LoRA on, each row's adapter slot is one more static input (padded rows, and rows of the
+base model, get -1), so that steps mixing adapters replay the same graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import torch
 
 from ladle.runtime.attention.backend import AttentionMetadata, LayerKVCache
+from ladle.runtime.lora.batch import LoRABatch
 from ladle.runtime.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,10 @@ class DecodeGraphRunner:
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((rows, max_blocks), dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        lora = bool(model.layers) and model.layers[0].lora is not None
+        self.lora_slots = (
+            torch.full((rows,), -1, dtype=torch.int32, device=device) if lora else None
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -76,8 +83,11 @@ class DecodeGraphRunner:
         )
 
     def _forward(self, size: int) -> torch.Tensor:
+        lora = None
+        if self.lora_slots is not None:
+            lora = LoRABatch([], self.lora_slots[:size], triton=True)
         return self.model.forward(
-            self.input_ids[:size], self.positions[:size], self.caches, self._meta(size)
+            self.input_ids[:size], self.positions[:size], self.caches, self._meta(size), lora
         )
 
     @torch.inference_mode()
@@ -109,11 +119,19 @@ class DecodeGraphRunner:
         )
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Hidden states of a decode-only batch (see :meth:`can_run`), one row per sequence."""
         batch = meta.num_seqs
         size = next(s for s in self.sizes if s >= batch)
+        if self.lora_slots is not None:
+            self.lora_slots.fill_(-1)
+            if lora is not None:
+                self.lora_slots[:batch].copy_(lora.row_slots)
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(meta.slot_mapping)

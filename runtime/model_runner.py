@@ -107,8 +107,8 @@ class ModelRunner:
         # A fused CPU step computes every row's logits with the rest (each row of a
         # decode-only step is its sequence's last token).
         all_logits: torch.Tensor | None = None
-        if self.graphs is not None and lora is None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta, lora)
         elif self.fused is not None and self.fused.can_run(meta):
             hidden, all_logits = self.fused.run(input_ids, positions, meta, lora)
         else:

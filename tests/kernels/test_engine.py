@@ -18,6 +18,7 @@ from ladle.runtime import LLM, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
 from ladle.runtime.cuda_graphs import DecodeGraphRunner, batch_size_ladder
 from ladle.runtime.kernels.ops import TritonOps
+from ladle.runtime.lora.batch import LoRABatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PROMPTS: list[list[int]] = [
@@ -102,11 +103,15 @@ class PaddingSpy(DecodeGraphRunner):
         self.padded: list[tuple[int, int]] = []
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         batch = meta.num_seqs
         self.padded.append((batch, next(s for s in self.sizes if s >= batch)))
-        return super().run(input_ids, positions, meta)
+        return super().run(input_ids, positions, meta, lora)
 
 
 def test_batch_size_ladder() -> None:

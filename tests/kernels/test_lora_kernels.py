@@ -21,6 +21,7 @@ from ladle.runtime.lora.slots import PROJECTIONS, LoRASlots
 from ladle.runtime.models.config import model_config_from_hf
 
 from .conftest import DEVICE
+from .test_engine import PaddingSpy
 
 # GQA with head_dim 32: q, k and v slices of unequal widths (128, 64, 64).
 CONFIG = model_config_from_hf(
@@ -121,13 +122,17 @@ def test_a_batch_without_adapters_is_none() -> None:
 def test_triton_engine_with_adapters_equals_torch_engine(
     tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
+    """Per op, and through the CUDA-graph runner's padded static inputs (run eagerly here),
+    where each row's adapter slot is one more static input."""
     path = tiny_model("llama")
     folders = [peft_adapter(path, tmp_path / f"a{i}", seed=i, rank=4 * (i + 1)) for i in range(2)]
     prompts = [[5, 17, 300, 42, 9], list(range(100, 123)), [7, 8]]
     adapters = [LoRARequest("a0", 1, str(folders[0])), None, LoRARequest("a1", 2, str(folders[1]))]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
-    def generate(backend: str) -> list[list[int]]:
+    spies: list[PaddingSpy] = []
+
+    def generate(backend: str, graphs: bool = False) -> list[list[int]]:
         llm = LLM(
             str(path),
             attention_backend=backend,
@@ -140,8 +145,23 @@ def test_triton_engine_with_adapters_equals_torch_engine(
             enable_lora=True,
             max_loras=2,
         )
+        if graphs:
+            engine = llm.engine
+            spy = PaddingSpy(
+                engine.model,
+                engine.runner.caches,
+                max_batch=8,
+                max_model_len=engine.max_model_len,
+                block_size=4,
+                device=DEVICE,
+                use_graphs=False,
+            )
+            engine.runner.graphs = spy
+            spies.append(spy)
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     expected = generate("torch")
     assert generate("triton") == expected
+    assert generate("triton", graphs=True) == expected
+    assert (3, 4) in spies[0].padded, "the mixed decode batch never took the graph runner's path"
