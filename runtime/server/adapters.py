@@ -4,6 +4,12 @@ server runs.
 
 An adapter is read and checked off the event loop and off the engine's thread, then handed
 to the engine between two steps, so that neither the API nor the batch waits on its files.
+
+``--lora-modules-file`` names a file (a mounted ConfigMap, which the operator writes from
+``spec.adapters``) that the server reads again whenever it changes: adapters added to it are
+loaded, removed ones unloaded, and one whose folder changed is loaded again, with no restart.
+One that cannot be served is reported (a log line, ``ladle:lora_adapters{state="failed"}``)
+while the rest, and the base model, keep serving.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import yaml
 
 from ladle.runtime.lora.adapter import LoRAError
 from ladle.runtime.lora.request import LoRARequest
@@ -33,9 +42,37 @@ class Target:
     lora: LoRARequest | None = None
 
 
+class ModulesFileError(ValueError):
+    """A --lora-modules-file that does not hold a list of {name, path}."""
+
+
+def read_modules_file(path: Path) -> dict[str, str]:
+    """name -> folder, from a YAML (or JSON) list of ``{name: ..., path: ...}``."""
+    try:
+        entries = yaml.safe_load(path.read_text()) or []
+    except (OSError, yaml.YAMLError) as exc:
+        raise ModulesFileError(f"{path}: cannot read it: {exc}") from None
+    modules: dict[str, str] = {}
+    if not isinstance(entries, list):
+        raise ModulesFileError(f"{path}: expected a list of {{name, path}}")
+    for i, entry in enumerate(entries):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        folder = entry.get("path") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not isinstance(folder, str) or not name or not folder:
+            raise ModulesFileError(f"{path}: entry {i} needs a name and a path")
+        if name in modules:
+            raise ModulesFileError(f"{path}: the adapter {name!r} is listed twice")
+        modules[name] = folder
+    return modules
+
+
 class ServedAdapters:
     def __init__(self) -> None:
         self._by_name: dict[str, LoRARequest] = {}
+        # Adapters the modules file asked for: the ones a later version of it may remove.
+        self._from_file: dict[str, str] = {}
+        # Adapters of the modules file that could not be served, with why.
+        self.failed: dict[str, str] = {}
         self._ids = itertools.count(1)
         # Loads and unloads one at a time, so that two loads of one name cannot both pass.
         self._lock = asyncio.Lock()
@@ -100,6 +137,51 @@ class ServedAdapters:
             extra={"lora_name": name, "lora_path": path, "rank": adapter.rank},
         )
         return request
+
+    async def sync(self, llm: AsyncLLM, wanted: dict[str, str]) -> None:
+        """Serve exactly the modules file's adapters (besides those loaded through the API):
+        unload the ones it dropped or moved, then load the ones it added or moved."""
+        for name, folder in list(self._from_file.items()):
+            if wanted.get(name) != folder:
+                del self._from_file[name]
+                if name in self._by_name:
+                    await self.unload(llm, name)
+        for name in list(self.failed):
+            if name not in wanted:
+                del self.failed[name]
+        for name, folder in wanted.items():
+            if name in self._from_file:
+                continue
+            try:
+                await self.load(llm, name, folder)
+            except APIError as exc:
+                self.failed[name] = exc.message
+                log.error(
+                    "a LoRA adapter of the modules file cannot be served",
+                    extra={"lora_name": name, "lora_path": folder, "error": exc.message},
+                )
+                continue
+            self.failed.pop(name, None)
+            self._from_file[name] = folder
+
+    async def watch(self, llm: AsyncLLM, path: Path, seen: str, interval: float) -> None:
+        """Sync with the file whenever its content changes from ``seen`` (a ConfigMap's
+        update swaps a symlink, so the content, not the mtime, is what tells)."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                text = path.read_text()
+            except OSError as exc:
+                text = f"unreadable: {exc}"
+            if text != seen:
+                seen = text
+                try:
+                    wanted = read_modules_file(path)
+                except ModulesFileError as exc:
+                    log.error("the LoRA modules file is not valid; adapters stay as they are",
+                              extra={"error": str(exc)})  # fmt: skip
+                else:
+                    await self.sync(llm, wanted)
 
     async def unload(self, llm: AsyncLLM, name: str) -> None:
         """Requests already admitted finish with the adapter; new ones get a 404."""

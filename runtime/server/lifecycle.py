@@ -20,7 +20,7 @@ from ladle.audit import AuditLog
 from ladle.runtime.config import ConfigError
 from ladle.runtime.filters.loader import load_input, load_output
 from ladle.runtime.profiler import EngineProfiler
-from ladle.runtime.server.adapters import ServedAdapters
+from ladle.runtime.server.adapters import ModulesFileError, ServedAdapters, read_modules_file
 from ladle.runtime.server.auth import ApiKeys
 from ladle.runtime.server.errors import APIError
 from ladle.runtime.server.settings import ServerSettings
@@ -35,6 +35,9 @@ log = logging.getLogger("ladle.server")
 
 # Paths that probes and scrapers call; they neither count as in-flight work nor need a key.
 OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
+# How often --lora-modules-file is read for changes (seconds); a ConfigMap's own update takes
+# the kubelet up to a minute.
+MODULES_FILE_POLL = 2.0
 # Aborted requests end after the engine's current step; this bounds that wait.
 ABORT_GRACE_SECONDS = 10.0
 
@@ -87,7 +90,7 @@ class ServerState:
             llm = await _in_daemon_thread(self._load_engine)
             await self._load_adapters(llm)
             await self._warm_up(llm)
-            metrics = ServerMetrics(self.registry, llm.engine)
+            metrics = ServerMetrics(self.registry, llm.engine, self.adapters)
         except (ConfigError, APIError) as exc:
             # A setting the engine cannot use, or an adapter it cannot serve: the message says
             # which; no traceback.
@@ -117,12 +120,24 @@ class ServerState:
         )
 
     async def _load_adapters(self, llm: AsyncLLM) -> None:
-        """--lora-modules, each read and checked before the server turns ready."""
-        modules = self.settings.lora_modules
-        if modules and llm.engine.lora is None:
-            raise ConfigError("--lora-modules needs --enable-lora")
+        """--lora-modules, each read and checked before the server turns ready (one it
+        cannot serve stops it); then --lora-modules-file's, whose failures are reported while
+        the rest serve, and which is watched from then on."""
+        modules, file = self.settings.lora_modules, self.settings.lora_modules_file
+        for flag, given in (("--lora-modules", modules), ("--lora-modules-file", file)):
+            if given and llm.engine.lora is None:
+                raise ConfigError(f"{flag} needs --enable-lora")
         for name, path in modules:
             await self.adapters.load(llm, name, path)
+        if file is None:
+            return
+        seen = file.read_text()
+        try:
+            wanted = read_modules_file(file)
+        except ModulesFileError as exc:
+            raise ConfigError(str(exc)) from None
+        await self.adapters.sync(llm, wanted)
+        self.keep(asyncio.create_task(self.adapters.watch(llm, file, seen, MODULES_FILE_POLL)))
 
     @staticmethod
     async def _warm_up(llm: AsyncLLM) -> None:

@@ -18,9 +18,11 @@ from prometheus_client.registry import Collector
 
 from ladle.runtime.engine import IterationStats, LLMEngine
 from ladle.runtime.outputs import RequestOutput
+from ladle.runtime.server.adapters import ServedAdapters
 from ladle.runtime_metrics import (
     CACHE_CONFIG_INFO,
     KV_USAGE,
+    LORA_ADAPTERS,
     LORA_INFO,
     PROTOCOL_GAUGES,
     PROTOCOL_LORA_INFO,
@@ -192,10 +194,35 @@ class _EngineCollector(Collector):
         return info
 
 
+class _AdaptersCollector(Collector):
+    """Every adapter the server serves (``loaded``) or was asked to and cannot
+    (``failed``): per pod, what the operator's status reads."""
+
+    def __init__(self, adapters: ServedAdapters, model_name: str) -> None:
+        self.adapters = adapters
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            LORA_ADAPTERS,
+            "LoRA adapters this server serves (loaded) or cannot serve (failed).",
+            labels=["model_name", "lora_name", "state"],
+        )
+        for name in self.adapters.names:
+            gauge.add_metric([self.model_name, name, "loaded"], 1.0)
+        for name in sorted(self.adapters.failed):
+            gauge.add_metric([self.model_name, name, "failed"], 1.0)
+        yield gauge
+
+
 class ServerMetrics:
-    def __init__(self, registry: CollectorRegistry, engine: LLMEngine) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, engine: LLMEngine, adapters: ServedAdapters
+    ) -> None:
         self.model_name = engine.served_model_name
         registry.register(_EngineCollector(engine, self.model_name))
+        if engine.lora is not None:
+            registry.register(_AdaptersCollector(adapters, self.model_name))
         token_buckets = one_two_five_buckets(engine.max_model_len)
         m = [self.model_name]
 

@@ -44,6 +44,7 @@ class ServerSettings:
     trace_sample_ratio: float = 1.0
     # (name, folder) of each LoRA adapter served from the start.
     lora_modules: list[tuple[str, str]] = field(default_factory=list)
+    lora_modules_file: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
@@ -90,6 +91,9 @@ class ServerSettings:
             otlp_traces_endpoint=args.otlp_traces_endpoint,
             trace_sample_ratio=args.trace_sample_ratio,
             lora_modules=list(args.lora_modules or []),
+            lora_modules_file=None
+            if args.lora_modules_file is None
+            else Path(args.lora_modules_file),
         )
 
 
@@ -206,6 +210,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) to serve from the start, each under its own model "
         "name; needs --enable-lora",
+    )
+    group.add_argument(
+        "--lora-modules-file",
+        type=existing_file,
+        default=Default(None, "none"),
+        metavar="FILE",
+        help="YAML list of {name, path}: adapters to serve, read again whenever it changes "
+        "(a mounted ConfigMap); needs --enable-lora",
     )
 
 

@@ -28,6 +28,8 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # labels on the time of the scrape (vLLM's gauge, which pickers read to prefer pods that hold
 # a request's adapter), under our prefix and under vLLM's name.
 LORA_INFO = "ladle:lora_requests_info"
+# With LoRA on: 1 per adapter and state (loaded, or failed to load from the modules file).
+LORA_ADAPTERS = "ladle:lora_adapters"
 PROTOCOL_LORA_INFO = "vllm:lora_requests_info"
 # Histograms (read as their _bucket, _sum and _count samples).
 ITL = "ladle:inter_token_latency_seconds"

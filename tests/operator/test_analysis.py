@@ -33,6 +33,7 @@ class RuntimePage:
     finished requests with chosen timings, rendered as its /metrics page."""
 
     def __init__(self) -> None:
+        from ladle.runtime.server.adapters import ServedAdapters
         from ladle.runtime.server.metrics import ServerMetrics
 
         stats = SimpleNamespace(
@@ -45,10 +46,11 @@ class RuntimePage:
             args=EngineArgs(max_num_batched_tokens=512),
             iteration_observers=[],
             stats=lambda: stats,
+            lora=None,
         )
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # as the server's registry has
-        self.metrics = ServerMetrics(self.registry, engine)  # type: ignore[arg-type]
+        self.metrics = ServerMetrics(self.registry, engine, ServedAdapters())  # type: ignore[arg-type]
 
     def request(
         self, ttft: float, tokens: int = 5, tpot: float = 0.02, error: bool = False

@@ -57,6 +57,9 @@ def _compare_decode_steps(
         engine.add_request(f"r{i}", ids, params, lora_request=adapters[i] if adapters else None)
     forward = engine.model.forward
     compared = 0
+    # The engine takes an exception inside a step for a failing request and goes on: each
+    # mismatch is kept here, so that it fails the test rather than one request.
+    mismatches: list[str] = []
 
     def both(
         ids: torch.Tensor,
@@ -74,9 +77,13 @@ def _compare_decode_steps(
                 hidden, logits = fused.run(ids, positions, meta, lora)
             finally:
                 torch.set_num_threads(saved)
-            torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
-            expected = engine.model.compute_logits(reference)
-            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
+            try:
+                torch.testing.assert_close(hidden, reference, rtol=1e-4, atol=1e-4)
+                expected = engine.model.compute_logits(reference)
+                torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
+            except AssertionError as exc:
+                mismatches.append(str(exc))
+                raise
             compared += 1
         return reference
 
@@ -84,10 +91,12 @@ def _compare_decode_steps(
     engine.model.forward = both  # type: ignore[method-assign]
     try:
         while engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():
+                assert out.error is None, out.error
     finally:
         engine.model.forward = forward  # type: ignore[method-assign]
         engine.runner.fused = fused
+    assert not mismatches, mismatches[0]
     return compared
 
 

@@ -5,8 +5,11 @@ while the server runs, clear errors for adapters it cannot serve, and the metric
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,3 +198,71 @@ def test_a_bad_adapter_flag_stops_startup_with_one_line(
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def write_modules(path: Path, modules: dict[str, Path]) -> None:
+    """Replace the file at once, as the kubelet swaps a ConfigMap's files."""
+    staged = path.with_suffix(".new")
+    staged.write_text(json.dumps([{"name": n, "path": str(p)} for n, p in modules.items()]))
+    os.replace(staged, path)
+
+
+def wait_models(server: Server, expected: set[str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        page = httpx.get(f"{server.url}/v1/models").json()
+        models = {m["id"] for m in page["data"]}
+        if models == expected:
+            return
+        assert time.monotonic() < deadline, f"served {models}, expected {expected}"
+        time.sleep(0.2)
+
+
+def adapter_states(server: Server) -> dict[str, str]:
+    return {
+        labels[0][1]: labels[1][1]
+        for (name, labels), value in server.metrics().items()
+        if name == "ladle:lora_adapters" and value == 1
+    }
+
+
+def test_the_modules_file_is_followed_without_a_restart(
+    tiny_model_path: Path,
+    adapters: dict[str, Path],
+    expected: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """What the operator's ConfigMap does to a pod: adapters added, removed, moved to another
+    folder, one that cannot be served reported while the rest serve, and a broken file
+    leaving the adapters as they were."""
+    modules = tmp_path / "adapters.yaml"
+    write_modules(modules, {"alpha": adapters["alpha"]})
+    srv = start_server(
+        tmp_path, "--model", str(tiny_model_path), "--served-model-name", "tiny",
+        "--enable-lora", "--max-loras", "2", "--lora-modules-file", str(modules),
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        wait_models(srv, {"tiny", "alpha"})  # loaded before the server turned ready
+        assert complete(client, "alpha") == expected["alpha"]
+        write_modules(modules, {"gamma": adapters["gamma"], "wide": adapters["wide"]})
+        wait_models(srv, {"tiny", "gamma"})
+        assert complete(client, "gamma") == expected["gamma"]
+        with pytest.raises(openai.NotFoundError):
+            complete(client, "alpha")
+        assert adapter_states(srv) == {"gamma": "loaded", "wide": "failed"}
+        assert any("exceeds --max-lora-rank" in line for line in srv.log_lines())
+        # The same name, another folder: loaded again from there.
+        write_modules(modules, {"gamma": adapters["beta"]})
+        deadline = time.monotonic() + 30
+        while complete(client, "gamma") != expected["beta"]:
+            assert time.monotonic() < deadline, "gamma was not loaded again from beta's folder"
+            time.sleep(0.2)
+        assert adapter_states(srv) == {"gamma": "loaded"}
+        modules.write_text("name: not a list")
+        time.sleep(3)  # more than one poll
+        assert complete(client, "gamma") == expected["beta"]
+        assert any("modules file is not valid" in line for line in srv.log_lines())
+        assert srv.proc.poll() is None
+    finally:
+        assert srv.stop() == 0
