@@ -37,6 +37,8 @@ from ladle.operator.config import OperatorConfig
 from ladle.operator.revisions import with_template
 from ladle.operator.rollout_state import RolloutState, split
 from ladle.operator.runtime_pod import (
+    ADAPTERS_FILE,
+    ADAPTERS_MOUNT,
     API_KEY_FILE,
     API_KEY_MOUNT,
     CONFIG_FILE,
@@ -44,6 +46,7 @@ from ladle.operator.runtime_pod import (
     HTTP_PORT,
     MODEL_MOUNT,
     PROFILE_MOUNT,
+    adapter_path,
     pod_template,
 )
 from ladle.quantity import quantity_to_int
@@ -81,6 +84,10 @@ def variant_replicas(isvc: InferenceService, state: RolloutState, granted: int) 
 def variant_name(isvc_name: str, variant: str) -> str:
     """Deployment/PDB name of a variant; CRD validation keeps it within 63 characters."""
     return f"{isvc_name}-{variant}"
+
+
+def adapters_config_map_name(isvc_name: str, variant: str) -> str:
+    return f"{variant_name(isvc_name, variant)}-adapters"
 
 
 def config_map_name(isvc_name: str, variant: str) -> str:
@@ -159,6 +166,14 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
         ]
     if quant.kv_cache != "auto":
         optional.append(("kv-cache-dtype", quant.kv_cache))
+    if spec.adapters is not None:
+        config["enable-lora"] = True
+        config["lora-modules-file"] = f"{ADAPTERS_MOUNT}/{ADAPTERS_FILE}"
+        optional += [
+            ("max-loras", engine.max_loras),
+            ("max-lora-rank", engine.max_lora_rank),
+            ("max-cpu-loras", engine.max_cpu_loras),
+        ]
     config.update((key, value) for key, value in optional if value is not None)
     if spec.api_key_secret is not None:
         config["api-key-file"] = f"{API_KEY_MOUNT}/{API_KEY_FILE}"
@@ -248,23 +263,14 @@ class Children:
     deployment: JSON
     pdb: JSON | None
     config_map: JSON | None
-    pdb_name: str
-    config_map_name: str
+    # The adapters' list the pods follow; None without spec.adapters.
+    adapters: JSON | None = None
 
     def all(self) -> list[JSON]:
-        """Every child to exist, the ConfigMap first: pods mount it."""
+        """Every child to exist, the ConfigMaps first: pods mount them."""
         optional = [self.pdb] if self.pdb is not None else []
-        head = [self.config_map] if self.config_map is not None else []
+        head = [cm for cm in (self.config_map, self.adapters) if cm is not None]
         return [*head, self.deployment, *optional]
-
-    def absent(self) -> list[tuple[str, str]]:
-        """(kind, name) of the optional children that must not exist."""
-        missing = []
-        if self.config_map is None:
-            missing.append(("ConfigMap", self.config_map_name))
-        if self.pdb is None:
-            missing.append(("PodDisruptionBudget", self.pdb_name))
-        return missing
 
 
 def rollout_strategy(surge: bool, idle: bool = False) -> JSON:
@@ -297,6 +303,7 @@ class Blueprint:
     template: JSON
     template_hash: str
     config_map: JSON | None
+    adapters: JSON | None = None
 
 
 def blueprint(
@@ -310,6 +317,14 @@ def blueprint(
     engine_flags = render_flags(engine)
     cm_name = config_map_name(name, variant)
     config_map: JSON | None = None
+    # What the pods' runtime follows (--lora-modules-file); its content is not in the
+    # template, so that an adapter's change reaches the running pods.
+    adapters_name = adapters_config_map_name(name, variant)
+    adapters: JSON | None = None
+    if spec.adapters is not None:
+        listed = [{"name": a.name, "path": adapter_path(isvc, a)} for a in spec.adapters]
+        rendered_adapters = json.dumps(listed, indent=1) + "\n"
+        adapters = _config_map(isvc, adapters_name, labels, {ADAPTERS_FILE: rendered_adapters})
     template_annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(HTTP_PORT),
@@ -317,17 +332,7 @@ def blueprint(
     }
     if len(" ".join(engine_flags)) > config.config_map_threshold_bytes:
         rendered = yaml.safe_dump(engine, sort_keys=False, default_flow_style=False)
-        config_map = {
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {
-                "name": cm_name,
-                "namespace": isvc.meta.namespace,
-                "labels": labels,
-                "ownerReferences": [owner_reference(isvc)],
-            },
-            "data": {CONFIG_FILE: rendered},
-        }
+        config_map = _config_map(isvc, cm_name, labels, {CONFIG_FILE: rendered})
         # ConfigMap edits do not restart pods by themselves; a changed hash rolls them.
         template_annotations[CONFIG_HASH_ANNOTATION] = _digest(rendered)
         engine_flags = ["--config", f"{CONFIG_MOUNT}/{CONFIG_FILE}"]
@@ -340,8 +345,23 @@ def blueprint(
         args=engine_flags,
         config_map=None if config_map is None else cm_name,
         profiles="profile-dir" in engine,
+        adapters_config_map=None if adapters is None else adapters_name,
     )
-    return Blueprint(isvc, variant, template, object_digest(template), config_map)
+    return Blueprint(isvc, variant, template, object_digest(template), config_map, adapters)
+
+
+def _config_map(isvc: InferenceService, name: str, labels: JSON, data: JSON) -> JSON:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": name,
+            "namespace": isvc.meta.namespace,
+            "labels": labels,
+            "ownerReferences": [owner_reference(isvc)],
+        },
+        "data": data,
+    }
 
 
 def children_of(
@@ -393,8 +413,7 @@ def children_of(
         deployment=deployment,
         pdb=pdb if replicas >= 2 else None,
         config_map=bp.config_map,
-        pdb_name=variant_name(name, variant),
-        config_map_name=config_map_name(name, variant),
+        adapters=bp.adapters,
     )
 
 

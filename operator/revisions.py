@@ -26,6 +26,9 @@ from ladle.api import JSON, InferenceService, parse_quantization, parse_spec
 
 # spec fields (top level) that a revision consists of; model.source is the other part.
 TEMPLATE_FIELDS = ("quantization", "runtime", "engine")
+# Engine fields added after revision names were first published: left out of the digest while
+# unset, so that an operator upgrade does not rename (and roll out) every running revision.
+ADDED_LATER = frozenset({"max_loras", "max_lora_rank", "max_cpu_loras"})
 
 
 def template_of(raw_spec: JSON, default_image: str) -> JSON:
@@ -60,7 +63,9 @@ def revision_of(template: JSON) -> str:
         "quantization": asdict(spec.quantization),
         "image": spec.runtime_image,
         "startup": spec.startup_timeout_seconds,
-        "engine": asdict(spec.engine),
+        "engine": {
+            k: v for k, v in asdict(spec.engine).items() if v is not None or k not in ADDED_LATER
+        },
     }
     text = json.dumps(parsed, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:10]

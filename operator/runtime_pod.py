@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ladle.api import JSON, GPUPoolSpec, InferenceService
+from ladle.api import JSON, AdapterSpec, GPUPoolSpec, InferenceService
 from ladle.operator.config import OperatorConfig
 from ladle.quantity import parse_quantity
 
@@ -18,6 +18,11 @@ HTTP_PORT = 8000
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/ladle/config"
 CONFIG_FILE = "config.yaml"
+# spec.adapters: the ConfigMap the runtime follows (--lora-modules-file), and where each
+# adapter claim is mounted (a subfolder per claim).
+ADAPTERS_MOUNT = "/etc/ladle/adapters"
+ADAPTERS_FILE = "adapters.yaml"
+ADAPTER_CLAIMS_MOUNT = "/adapters"
 API_KEY_MOUNT = "/etc/ladle/auth"
 API_KEY_FILE = "api-key"
 CACHE_DIR = "/var/cache/ladle"
@@ -63,6 +68,25 @@ RUNTIME_PROBES: dict[str | None, RuntimeProbes] = {
     "staging": PRODUCTION_PROBES,
     "prod": PRODUCTION_PROBES,
 }
+
+
+def adapter_claims(isvc: InferenceService) -> list[str]:
+    """The claims that spec.adapters' PVC sources name besides the model's (mounted
+    already), each once, in order."""
+    spec = isvc.spec
+    claims = {a.source.claim_name for a in spec.adapters or () if a.source.claim_name}
+    return sorted(claims - {spec.source.claim_name})
+
+
+def adapter_path(isvc: InferenceService, adapter: AdapterSpec) -> str:
+    """Where the runtime finds an adapter's folder."""
+    source, model = adapter.source, isvc.spec.source
+    assert source.path is not None
+    if source.kind == "image":
+        return source.path
+    if source.claim_name == model.claim_name:
+        return f"{MODEL_MOUNT}/{source.path}"
+    return f"{ADAPTER_CLAIMS_MOUNT}/{source.claim_name}/{source.path}"
 
 
 def _resources(isvc: InferenceService, gpu_resource: str) -> JSON:
@@ -116,9 +140,13 @@ def pod_template(
     args: list[str],
     config_map: str | None,
     profiles: bool,
+    adapters_config_map: str | None = None,
 ) -> JSON:
     """The pod template of one variant. ``config_map`` names the ConfigMap holding the engine's
-    settings when ``args`` point at it; ``profiles`` mounts the bounded profile directory."""
+    settings when ``args`` point at it; ``profiles`` mounts the bounded profile directory;
+    ``adapters_config_map``, the adapters' list that the runtime follows. Only the claims the
+    adapters live on are in the template, not the adapters: an adapter added on a mounted
+    claim reaches the pods without a restart."""
     spec = isvc.spec
     gpu_resource = pool.resource_name if pool is not None else config.default_gpu_resource
     volumes: list[JSON] = [
@@ -140,6 +168,18 @@ def pod_template(
             }
         )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    if adapters_config_map is not None:
+        volumes.append({"name": "adapters", "configMap": {"name": adapters_config_map}})
+        mounts.append({"name": "adapters", "mountPath": ADAPTERS_MOUNT, "readOnly": True})
+    for i, claim in enumerate(adapter_claims(isvc)):
+        mount = f"{ADAPTER_CLAIMS_MOUNT}/{claim}"
+        volumes.append(
+            {
+                "name": f"adapters-{i}",
+                "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
+            }
+        )
+        mounts.append({"name": f"adapters-{i}", "mountPath": mount, "readOnly": True})
     if spec.api_key_secret is not None:
         volumes.append(
             {

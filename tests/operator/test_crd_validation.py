@@ -36,7 +36,44 @@ def with_spec(base: dict[str, Any], **spec: Any) -> dict[str, Any]:
     return obj
 
 
+def adapter(name: str, **source: Any) -> dict[str, Any]:
+    return {"name": name, "source": source or {"pvc": {"claimName": "loras", "path": name}}}
+
+
 ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "adapter-named-as-the-model",
+        with_spec(VALID_ISVC, adapters=[adapter("smollm2")]),
+        "adapters[].name must differ from model.name",
+    ),
+    (
+        "adapter-twice",
+        with_spec(VALID_ISVC, adapters=[adapter("sql"), adapter("sql")]),
+        'spec.adapters[1]: Duplicate value: {"name":"sql"}',
+    ),
+    (
+        "adapter-with-two-sources",
+        with_spec(
+            VALID_ISVC,
+            adapters=[adapter("sql", image={"path": "/a"}, pvc={"claimName": "c", "path": "a"})],
+        ),
+        "adapters[].source must set exactly one of pvc or image",
+    ),
+    (
+        "adapter-path-escaping-its-claim",
+        with_spec(VALID_ISVC, adapters=[adapter("sql", pvc={"claimName": "c", "path": "../x"})]),
+        "adapters[].source.pvc.path must be relative to the volume root",
+    ),
+    (
+        "adapter-builtin",
+        with_spec(VALID_ISVC, adapters=[adapter("sql", builtin={})]),
+        'unknown field "spec.adapters[0].source.builtin"',
+    ),
+    (
+        "lora-slots-without-adapters",
+        with_spec(VALID_ISVC, engine={"maxLoras": 4}),
+        "only pods with adapters have: set adapters",
+    ),
     (
         "autoscaling-without-max",
         with_spec(VALID_ISVC, autoscaling={"targetConcurrency": 8}),
@@ -411,6 +448,18 @@ def test_quantized_variants_are_accepted_as_written(kube: Kube, k8s_namespace: s
         kube.apply(yaml.safe_dump(obj), k8s_namespace)
         stored = kube.isvc(k8s_namespace, name)["spec"]["quantization"]
         assert stored == {"weights": "none", "kvCache": "auto", **quantization}
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ladle_chart")
+def test_adapters_are_accepted_as_written(kube: Kube, k8s_namespace: str) -> None:
+    adapters = [adapter("sql"), adapter("chat-fr", image={"path": "/adapters/fr"})]
+    obj = with_spec(VALID_ISVC, adapters=adapters, engine={"maxLoras": 2, "maxLoraRank": 32})
+    obj["metadata"]["name"] = "with-adapters"
+    kube.apply(yaml.safe_dump(obj), k8s_namespace)
+    spec = kube.isvc(k8s_namespace, "with-adapters")["spec"]
+    assert spec["adapters"] == adapters
+    assert (spec["engine"]["maxLoras"], spec["engine"]["maxLoraRank"]) == (2, 32)
 
 
 @pytest.mark.usefixtures("ladle_chart")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 import pytest
@@ -47,7 +48,7 @@ def test_children_are_named_labelled_and_owned_deterministically(make_isvc: Buil
         ("PodDisruptionBudget", "chat-stable"),
         ("Service", "chat"),
     ]
-    assert children.absent() == [("ConfigMap", "chat-stable-config")]
+    assert children.config_map is None
     for child in objects:
         meta = child["metadata"]
         assert meta["namespace"] == "team-a"
@@ -353,7 +354,6 @@ def test_no_disruption_budget_below_two_replicas(make_isvc: Builder) -> None:
     # maxUnavailable 1 of 1 would allow every eviction anyway; 0 would block drains forever.
     children = desired_children(parse_isvc(make_isvc()), None, 1, CONFIG)
     assert children.pdb is None
-    assert ("PodDisruptionBudget", "chat-stable") in children.absent()
 
 
 def test_the_rollout_strategy_follows_the_pools_headroom(make_isvc: Builder) -> None:
@@ -497,3 +497,89 @@ def test_profiling_that_cannot_be_is_off_and_says_why(
     ctr = container(desired_children(isvc, None, 1, CONFIG))
     assert "--profile-dir" not in ctr["args"]
     assert "profiles" not in [m["name"] for m in ctr["volumeMounts"]]
+
+
+def with_adapters(make_isvc: Builder, adapters: list[dict[str, Any]], **engine: Any) -> Any:
+    model = {"name": "m", "source": {"pvc": {"claimName": "w", "path": "base"}}}
+    return parse_isvc(make_isvc(spec={"model": model, "adapters": adapters, "engine": engine}))
+
+
+def test_adapters_run_the_pods_with_lora_following_a_config_map(make_isvc: Builder) -> None:
+    adapters = [
+        {"name": "sql", "source": {"pvc": {"claimName": "w", "path": "loras/sql"}}},
+        {"name": "fr", "source": {"pvc": {"claimName": "extra", "path": "fr"}}},
+        {"name": "baked", "source": {"image": {"path": "/opt/adapters/baked"}}},
+    ]
+    isvc = with_adapters(make_isvc, adapters, maxLoras=2, maxLoraRank=32)
+    children = desired_children(isvc, None, 1, CONFIG)
+    args = container(children)["args"]
+    assert "--enable-lora" in args
+    assert args[args.index("--lora-modules-file") + 1] == "/etc/ladle/adapters/adapters.yaml"
+    assert args[args.index("--max-loras") + 1] == "2"
+    assert args[args.index("--max-lora-rank") + 1] == "32"
+    # `ladle serve` takes the LoRA flags as the engine's (the file is the pod's, not here).
+    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "32"]
+    assert all(flag in args for flag in lora)
+    parser = build_parser()
+    engine = EngineArgs.from_cli_args(
+        settings.resolve(settings.parse(parser, ["serve", *lora]), {}, parser)
+    )
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 2, 32)
+    assert children.adapters is not None
+    listed = json.loads(children.adapters["data"]["adapters.yaml"])
+    assert listed == [
+        {"name": "sql", "path": "/models/loras/sql"},  # on the model's claim, mounted already
+        {"name": "fr", "path": "/adapters/extra/fr"},
+        {"name": "baked", "path": "/opt/adapters/baked"},
+    ]
+    assert children.adapters["metadata"]["name"] == "chat-stable-adapters"
+    assert children.all()[0] is children.adapters
+    pod = children.deployment["spec"]["template"]["spec"]
+    mounts = container(children)["volumeMounts"]
+    # Another claim than the model's is a volume of its own.
+    assert {"name": "adapters-0", "mountPath": "/adapters/extra", "readOnly": True} in mounts
+    assert {
+        "name": "adapters-0",
+        "persistentVolumeClaim": {"claimName": "extra", "readOnly": True},
+    } in pod["volumes"]
+    assert {"name": "adapters", "configMap": {"name": "chat-stable-adapters"}} in pod["volumes"]
+
+
+def test_an_adapter_on_a_mounted_claim_changes_the_list_not_the_pods(make_isvc: Builder) -> None:
+    one = [{"name": "sql", "source": {"pvc": {"claimName": "w", "path": "sql"}}}]
+    two = [*one, {"name": "fr", "source": {"pvc": {"claimName": "w", "path": "fr"}}}]
+    other_claim = [*one, {"name": "fr", "source": {"pvc": {"claimName": "new", "path": "fr"}}}]
+    before, after, rolled = (
+        desired_children(with_adapters(make_isvc, a), None, 1, CONFIG)
+        for a in (one, two, other_claim)
+    )
+    assert template_hash(before.deployment) == template_hash(after.deployment)
+    assert before.adapters != after.adapters
+    assert template_hash(rolled.deployment) != template_hash(before.deployment)
+    # Even an empty list turns LoRA on, so that the first adapter needs no restart.
+    empty = desired_children(with_adapters(make_isvc, []), None, 1, CONFIG)
+    assert template_hash(empty.deployment) == template_hash(before.deployment)
+    assert "--enable-lora" in container(empty)["args"]
+    assert empty.adapters is not None
+
+
+def test_without_adapters_lora_is_off_and_its_config_map_absent(make_isvc: Builder) -> None:
+    children = desired_children(parse_isvc(make_isvc()), None, 1, CONFIG)
+    assert "--enable-lora" not in container(children)["args"]
+    assert children.adapters is None
+    assert all(child["kind"] != "ConfigMap" for child in children.all())
+
+
+def test_adapters_are_no_revision_but_lora_slots_are() -> None:
+    """Adapters apply to every variant at once (no canary of the model); the LoRA slots are
+    engine flags, and a new revision."""
+    from ladle.operator.revisions import revision_of, template_of
+
+    def revision(spec: dict[str, Any]) -> str:
+        return revision_of(template_of({"model": {"name": "m"}, **spec}, "img:1"))
+
+    plain = revision({})
+    assert revision({"adapters": [{"name": "a", "source": {"image": {"path": "/a"}}}]}) == plain
+    assert revision({"engine": {"maxLoras": 4}}) != plain
+    # The names published before the LoRA fields existed are pinned by the Argo CD fixtures
+    # (tests/operator/test_gitops_health.py): those still match.

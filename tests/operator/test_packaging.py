@@ -269,6 +269,9 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
         "seed": 1,
         "maxWaitingRequests": 100,
         "drainTimeoutSeconds": 20,
+        "maxLoras": 2,
+        "maxLoraRank": 32,
+        "maxCpuLoras": 4,
     }
     assert set(engine) | {"gpuMemoryUtilization"} == set(engine_fields)
     obj = {
@@ -284,6 +287,7 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
             "resources": {"gpus": 0},
             "engine": engine,
             "apiKeySecret": {"name": "s", "key": "k"},
+            "adapters": [{"name": "a", "source": {"pvc": {"claimName": "c", "path": "a"}}}],
         },
     }
     isvc = parse_isvc(obj)

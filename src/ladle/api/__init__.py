@@ -9,6 +9,7 @@ and compares), so that objects stored before a default existed still reconcile.
 
 from ladle.api.isvc import (
     DEFAULT_MAX_NUM_SEQS,
+    AdapterSpec,
     AutoscalingSpec,
     ConfigMapKeyRef,
     EngineSettings,
@@ -117,6 +118,7 @@ __all__ = [
     "ROLLOUT_ACTION_ANNOTATION",
     "STABLE",
     "VERSION",
+    "AdapterSpec",
     "AutoscalingSpec",
     "BreakerConfig",
     "ConfigMapKeyRef",

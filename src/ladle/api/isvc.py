@@ -24,6 +24,15 @@ class ModelSource:
 
 
 @dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter served on top of the model under its own OpenAI ``model`` name; its
+    source is a PVC or the runtime image, as the model's may be."""
+
+    name: str
+    source: ModelSource
+
+
+@dataclass(frozen=True)
 class Quantization:
     """What a variant serves: weight format (quantized at load) and KV-cache dtype.
 
@@ -67,6 +76,9 @@ class EngineSettings:
     seed: int | None = None
     max_waiting_requests: int | None = None
     drain_timeout_seconds: int = 30
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +217,8 @@ class InferenceServiceSpec:
     traffic: TrafficSpec = field(default_factory=TrafficSpec)
     inference_pool: InferencePoolSpec = InferencePoolSpec()
     tracing: TracingSpec = TracingSpec()
+    # None: LoRA off. A list, even empty: the pods run --enable-lora and follow it.
+    adapters: tuple[AdapterSpec, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -260,7 +274,16 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
         seed=opt_int(raw.get("seed")),
         max_waiting_requests=opt_int(raw.get("maxWaitingRequests")),
         drain_timeout_seconds=int(raw.get("drainTimeoutSeconds", 30)),
+        max_loras=opt_int(raw.get("maxLoras")),
+        max_lora_rank=opt_int(raw.get("maxLoraRank")),
+        max_cpu_loras=opt_int(raw.get("maxCpuLoras")),
     )
+
+
+def parse_adapters(raw: Any) -> tuple[AdapterSpec, ...] | None:
+    if raw is None:
+        return None
+    return tuple(AdapterSpec(str(a["name"]), parse_source(a.get("source"))) for a in raw)
 
 
 def parse_autoscaling(raw: Mapping[str, Any] | None) -> AutoscalingSpec | None:
@@ -403,6 +426,7 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         traffic=parse_traffic(spec),
         inference_pool=parse_inference_pool(spec.get("inferencePool")),
         tracing=parse_tracing(spec.get("tracing")),
+        adapters=parse_adapters(spec.get("adapters")),
     )
 
 
