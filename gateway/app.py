@@ -289,12 +289,14 @@ class GatewayApp:
     def _models(self) -> dict[str, Any]:
         data = [
             {
-                "id": svc.model,
+                "id": name,
                 "object": "model",
                 "created": int(parse_rfc3339(svc.created) or 0),
                 "owned_by": f"{svc.namespace}/{svc.name}",
+                # vLLM's field: an adapter's base model (None for a model itself).
+                "parent": None if name == svc.model else svc.model,
             }
-            for svc in self.cluster.models()
+            for name, svc in self.cluster.models()
         ]
         return {"object": "list", "data": data}
 

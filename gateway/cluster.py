@@ -224,8 +224,9 @@ class Cluster:
         )
         self.hooks.on_transition(state, transition)
 
-    def models(self) -> list[Service]:
-        return sorted(self.table.by_model.values(), key=lambda s: s.model)
+    def models(self) -> list[tuple[str, Service]]:
+        """Every routed model name, with the service that serves it."""
+        return sorted(self.table.by_model.items())
 
     # -- the breaker and its fallback ------------------------------------------------------
 

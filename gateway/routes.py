@@ -1,7 +1,9 @@
 """InferenceServices and Pods → the route table: which service serves a model, with what policy,
 on which pods. Pure: the watch cache hands in plain API objects and gets a new table back.
 
-A model name belongs to one service. When several claim it, the oldest (by creation time, then
+A model name belongs to one service: a service claims its model's name and each of its LoRA
+adapters' (``spec.adapters``), whose requests its pods serve. When several claim one name, the
+oldest (by creation time, then
 namespace/name) keeps it, as Gateway API resolves conflicting routes; the others are not
 routed, and the gateway marks every claimant's status with a ModelNameConflict condition, so
 nothing is picked silently. It is the gateway's to report: a conflict exists only among the
@@ -57,10 +59,17 @@ class Service:
     # gateway sends each request's band there, and may bind a higher band beyond a full pod's
     # slots where one of its own lower-band requests runs, for the engine to displace.
     priority_scheduling: bool = False
+    # The names of its LoRA adapters, each also a model name it serves.
+    adapters: tuple[str, ...] = ()
 
     @property
     def key(self) -> ServiceKey:
         return (self.namespace, self.name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every model name it claims: its model's, then its adapters'."""
+        return (self.model, *self.adapters)
 
     def revision(self, variant: str) -> str | None:
         return dict(self.revisions).get(variant)
@@ -101,14 +110,13 @@ class RouteTable:
     pods: Mapping[ServiceKey, Mapping[str, tuple[Pod, ...]]] = field(default_factory=dict)
 
     def conflict_of(self, key: ServiceKey) -> Conflict | None:
-        """The conflict this service is part of, if any."""
+        """The first conflict over one of this service's names, if any."""
         service = self.services.get(key)
-        conflict = self.conflicts.get(service.model) if service is not None else None
-        return (
-            conflict
-            if conflict is not None and (conflict.owner == key or key in conflict.others)
-            else None
-        )
+        for name in service.names if service is not None else ():
+            conflict = self.conflicts.get(name)
+            if conflict is not None and (conflict.owner == key or key in conflict.others):
+                return conflict
+        return None
 
     def ready_pods(self, key: ServiceKey) -> dict[str, list[Pod]]:
         return {
@@ -149,6 +157,7 @@ def parse_service(obj: Mapping[str, Any]) -> Service:
             else spec.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         ),
         priority_scheduling=spec.engine.scheduling_policy == "priority",
+        adapters=tuple(a.name for a in spec.adapters or ()),
     )
 
 
@@ -208,10 +217,11 @@ def parse_pod(obj: Mapping[str, Any]) -> Pod | None:
 
 
 def model_claims(services: Iterable[Service]) -> tuple[dict[str, Service], dict[str, Conflict]]:
-    """Each model's owner, and the models claimed more than once."""
+    """Each model name's owner, and the names claimed more than once."""
     claimants: dict[str, list[Service]] = {}
     for svc in services:
-        claimants.setdefault(svc.model, []).append(svc)
+        for name in svc.names:
+            claimants.setdefault(name, []).append(svc)
     owners: dict[str, Service] = {}
     conflicts: dict[str, Conflict] = {}
     for model, group in claimants.items():

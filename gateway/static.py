@@ -9,6 +9,7 @@ processes anywhere (and what the benchmark runs). Each entry reads like an Infer
         routing: {prefixChars: 200}       # optional: spec.routing, circuitBreaker, timeouts,
         responseCache: {enabled: true}    #   responseCache, engine
         engine: {schedulingPolicy: priority}  # what the endpoints run: fcfs unless said
+        adapters: [sql, fr]               # optional: LoRA adapters the endpoints serve
       - name: backup
         model: smollm2-int8
         variants:                         # instead of endpoints: a canary split
@@ -32,7 +33,7 @@ from ladle.flag_types import yaml_problem
 from ladle.gateway.routes import Pod, Service, parse_service
 
 _SPEC_KEYS = ("fallback", "routing", "circuitBreaker", "timeouts", "responseCache", "engine")
-_ENTRY_KEYS = ("name", "model", "namespace", "endpoints", "variants", *_SPEC_KEYS)
+_ENTRY_KEYS = ("name", "model", "namespace", "endpoints", "variants", "adapters", *_SPEC_KEYS)
 
 
 class StaticConfigError(ValueError):
@@ -56,6 +57,15 @@ def _variants(entry: dict[str, Any]) -> dict[str, tuple[int, list[Any]]]:
     if isinstance(endpoints, str):
         raise TypeError("a string where a list belongs")
     return {STABLE: (100, list(endpoints))}
+
+
+def _adapters(names: Any, where: str) -> dict[str, Any]:
+    """spec.adapters for the names an entry lists (their folders are the endpoints' own)."""
+    if names is None:
+        return {}
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise StaticConfigError(f"{where}.adapters: expected a list of adapter names")
+    return {"adapters": [{"name": n, "source": {"image": {"path": "/"}}} for n in names]}
 
 
 def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
@@ -109,6 +119,7 @@ def load_static(path: Path) -> tuple[list[Service], list[Pod]]:
                 **{k: entry[k] for k in _SPEC_KEYS if k in entry},
                 # ``ladle serve``'s own default, unlike an InferenceService's pods.
                 "engine": {"schedulingPolicy": "fcfs", **(entry.get("engine") or {})},
+                **_adapters(entry.get("adapters"), where),
             },
             "status": {
                 "rollout": {

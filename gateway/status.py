@@ -65,7 +65,8 @@ def conflict_condition(key: ServiceKey, conflict: Conflict, since: float) -> JSO
         reason = "RoutedElsewhere"
         message = (
             f"model {conflict.model!r} is also claimed by {owner}, the oldest claim, and the "
-            "gateway routes it there: rename this service's spec.model.name"
+            "gateway routes it there: rename it in this service's spec (model.name, or the "
+            "adapter's name in adapters)"
         )
     return {
         "type": CONFLICT_CONDITION,

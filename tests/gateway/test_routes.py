@@ -186,3 +186,22 @@ def test_the_cluster_never_picks_an_unready_or_ejected_pod(
         assert pod.id not in unready
         weight = dict(svc.weights)[pod.variant]
         assert weight > 0
+
+
+def test_a_service_claims_its_adapters_names_too() -> None:
+    """Requests for an adapter go to the service whose pods serve it; an adapter named as
+    another service's model (or adapter) is a conflict like any other, the oldest claim
+    keeping the name."""
+    adapters = [{"name": n, "source": {"image": {"path": f"/a/{n}"}}} for n in ("sql", "fr")]
+    a = parse_service(isvc("a", "llama", adapters=adapters, created="2026-01-01T00:00:00Z"))
+    b = parse_service(isvc("b", "sql", created="2026-01-02T00:00:00Z"))
+    c = parse_service(isvc("c", "qwen"))
+    assert a.names == ("llama", "sql", "fr")
+    table = build_table([a, b, c], [])
+    assert {m: s.name for m, s in table.by_model.items()} == {
+        "llama": "a", "sql": "a", "fr": "a", "qwen": "c",
+    }  # fmt: skip
+    assert table.conflict_of(("ns", "b")) is table.conflicts["sql"]
+    assert table.conflict_of(("ns", "a")) is table.conflicts["sql"]
+    assert table.conflict_of(("ns", "c")) is None
+    assert "adapters" in conflict_condition(("ns", "b"), table.conflicts["sql"], 0.0)["message"]

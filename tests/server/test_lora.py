@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 from lora_adapters import random_adapter
 
 from ladle.runtime import LLM, LoRARequest, SamplingParams
 
-from .conftest import BASE_FLAGS, Server, start_server
+from .conftest import BASE_FLAGS, Server, start_gateway, start_server
 
 PROMPT = [1, 50, 60, 70, 80, 90, 100]
 
@@ -266,3 +267,31 @@ def test_the_modules_file_is_followed_without_a_restart(
         assert srv.proc.poll() is None
     finally:
         assert srv.stop() == 0
+
+
+def test_the_gateway_routes_an_adapter_to_the_service_that_serves_it(
+    lora_server: Server, expected: dict[str, str], tmp_path: Path
+) -> None:
+    routes = yaml.safe_dump(
+        {
+            "services": [
+                {
+                    "name": "tiny",
+                    "model": "tiny",
+                    "endpoints": [lora_server.url],
+                    "adapters": ["alpha", "beta"],
+                }
+            ]
+        }
+    )
+    gateway = start_gateway(tmp_path, routes)
+    try:
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none")
+        cards = {m.id: m.model_extra["parent"] for m in client.models.list().data}
+        assert cards == {"tiny": None, "alpha": "tiny", "beta": "tiny"}
+        for name in ("alpha", "beta", "tiny"):
+            assert complete(client, name) == expected[name]
+        with pytest.raises(openai.NotFoundError):
+            complete(client, "gamma")
+    finally:
+        gateway.stop()
