@@ -43,6 +43,29 @@ def _import_kernels() -> None:
     # A module imported earlier without the variable would hold compiled kernels.
     for module in (attention, quant_gemm):
         assert module.INTERPRETED == INTERPRET, "kernel modules were imported in the wrong mode"
+    if INTERPRET:
+        _interpreter_works()
+
+
+def _interpreter_works() -> None:
+    """One tiny interpreted kernel, so that a broken interpreter fails here, by name, rather
+    than as every kernel test's InterpreterError. It breaks when a module collected before this
+    folder imports a library that defines Triton kernels (PEFT, transformers' models) while
+    ``TRITON_INTERPRET`` is unset: such test helpers must import them inside their functions."""
+    from ladle.runtime.kernels.fused import silu_and_mul
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        silu_and_mul(torch.ones(1, 8))
+    except Exception as exc:
+        raise pytest.UsageError(
+            "the Triton interpreter cannot run kernels in this process: a module collected "
+            f"before tests/kernels imported Triton kernels without TRITON_INTERPRET ({exc!r})"
+        ) from None
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
 
 
 _import_kernels()

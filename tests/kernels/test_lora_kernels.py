@@ -85,7 +85,9 @@ def test_both_ways_add_each_rows_adapter(dtype: torch.dtype) -> None:
     slots = LoRASlots(CONFIG, max_loras=3, max_rank=MAX_RANK, dtype=dtype, device=DEVICE)
     # Slot order differs from adapter order: the kernels must follow the slot, not the name.
     placed = {2: ADAPTERS[0], 0: ADAPTERS[1], 1: ADAPTERS[2]}
-    slots.write(2, ADAPTERS[1])  # overwritten below: a slot's old weights must not linger
+    # Overwritten below by adapters of lower rank and fewer targets: nothing may linger.
+    slots.write(0, ADAPTERS[0])
+    slots.write(1, ADAPTERS[0])
     for slot, adapter in placed.items():
         slots.write(slot, adapter)
     # Rows as the model runner orders them: runs of one slot, base rows between.

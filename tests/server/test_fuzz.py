@@ -176,7 +176,9 @@ def check(server: InProcess, path: str, body: Any) -> None:
     if response.status_code >= 400:
         error = json.loads(raw)["error"]
         assert set(error) == {"message", "type", "param", "code"}, error
-        assert error["type"] == "invalid_request_error", error
+        # OpenAI's type for a 404 (an unknown model) is not_found_error.
+        wanted = "not_found_error" if response.status_code == 404 else "invalid_request_error"
+        assert error["type"] == wanted, error
         return
     if response.headers["content-type"].startswith("text/event-stream"):
         lines = raw.decode().splitlines()
