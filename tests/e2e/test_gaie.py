@@ -9,6 +9,7 @@ request there; which proves what any GAIE gateway (Istio, kgateway, Envoy Gatewa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -38,10 +39,14 @@ MODEL = "picked-model"
 DESTINATION = "x-gateway-destination-endpoint"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """Distinct free ports: each socket stays bound until all are chosen (ports asked for
+    one at a time may repeat, and the picker then fails to bind its second server)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 class Picker:
@@ -52,14 +57,14 @@ class Picker:
         binary = gaie.TOOLSET.bin_dir() / "epp"
         if not binary.is_file():
             pytest.fail("the endpoint picker is not built: run `make cluster-build`")
-        self.port = _free_port()
+        self.port, health, metrics = _free_ports(3)
         self.log = log
         env = {**os.environ, "KUBECONFIG": str(system.cluster.kubeconfig)}
         self.proc = subprocess.Popen(
             [
                 str(binary), "--pool-name", pool, "--pool-namespace", system.namespace,
-                "--grpc-port", str(self.port), "--grpc-health-port", str(_free_port()),
-                "--metrics-port", str(_free_port()), "--secure-serving=false",
+                "--grpc-port", str(self.port), "--grpc-health-port", str(health),
+                "--metrics-port", str(metrics), "--secure-serving=false",
                 "--enable-pprof=false",
             ],
             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,

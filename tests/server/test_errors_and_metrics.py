@@ -230,7 +230,14 @@ def test_request_log_lines(server: Server) -> None:
     post(
         server,
         "/v1/completions",
-        {"prompt": "secret prompt text", "max_tokens": 2, "top_k": 3, "temperature": 0.5},
+        # ignore_eos: a sampled EOS would end it early, and change its finish reason.
+        {
+            "prompt": "secret prompt text",
+            "max_tokens": 2,
+            "top_k": 3,
+            "temperature": 0.5,
+            "ignore_eos": True,
+        },
         headers={"X-Request-Id": "log-check-1"},
     )
     records = [json.loads(line) for line in server.log_lines() if line.startswith("{")]
@@ -243,7 +250,12 @@ def test_request_log_lines(server: Server) -> None:
     assert record["finish_reason"] == "length"
     assert record["ttft_s"] > 0
     assert record["total_s"] >= record["ttft_s"]
-    assert record["sampling_params"] == {"max_tokens": 2, "temperature": 0.5, "top_k": 3}
+    assert record["sampling_params"] == {
+        "max_tokens": 2,
+        "temperature": 0.5,
+        "top_k": 3,
+        "ignore_eos": True,
+    }
     assert "prompt" not in record
     assert all("secret prompt text" not in line for line in server.log_lines())
 
