@@ -291,9 +291,10 @@ class Scheduler:
         # finds no free slot lets those behind it go first (vLLM v1's rule).
         blocked = bool(out.preempted)
         head = 0
+        adapters = self._running_adapters()
         while head < len(self.waiting) and budget > 0 and not blocked:
             seq = self.waiting[head]
-            if not self._adapter_fits(seq):
+            if not self._adapter_fits(seq, adapters):
                 head += 1
                 continue
             group = self.groups[seq.request_id]
@@ -313,6 +314,8 @@ class Scheduler:
                 budget += self._evict(evict, out, scheduled)
                 continue
             self.waiting.pop(head)
+            if seq.lora is not None:
+                adapters.add(seq.lora.lora_int_id)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             item = ScheduledSequence(seq, num_new)
@@ -324,10 +327,17 @@ class Scheduler:
         self._stamp(out)
         return out
 
-    def _adapter_fits(self, seq: Sequence) -> bool:
+    def _running_adapters(self) -> set[int]:
+        """The adapters running sequences hold, gathered once per schedule: admissions add to
+        it, and an eviction in the same schedule leaves its adapter counted until the next one
+        (a request waits a step longer, and a step never exceeds ``max_loras``)."""
+        if self.max_loras is None:
+            return set()
+        return {s.lora.lora_int_id for s in (*self.running, *self.parked) if s.lora}
+
+    def _adapter_fits(self, seq: Sequence, active: set[int]) -> bool:
         if self.max_loras is None or seq.lora is None:
             return True
-        active = {s.lora.lora_int_id for s in (*self.running, *self.parked) if s.lora}
         return seq.lora.lora_int_id in active or len(active) < self.max_loras
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
