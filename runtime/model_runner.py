@@ -132,9 +132,10 @@ class ModelRunner:
     ) -> tuple[list[ScheduledSequence], LoRABatch | None]:
         """Load the step's adapters into slots, and order rows of one adapter together
         (decodes still first) so that each adapter is one run of rows per kind."""
-        if self.lora is None:
+        adapters = [item.seq.lora for item in batch if item.seq.lora]
+        if self.lora is None or not adapters:
             return batch, None
-        slots = self.lora.activate([item.seq.lora for item in batch if item.seq.lora])
+        slots = self.lora.activate(adapters)
 
         def slot(item: ScheduledSequence) -> int:
             lora = item.seq.lora
