@@ -78,17 +78,7 @@ def test_triton_engine_equals_torch_engine(
     assert _generate(quantized) == _generate(_engine(path, "torch", **flags))
 
     llm = _engine(path, "triton")
-    engine = llm.engine
-    graphs = PaddingSpy(
-        engine.model,
-        engine.runner.caches,
-        max_batch=8,
-        max_model_len=engine.max_model_len,
-        block_size=4,
-        device=DEVICE,
-        use_graphs=False,
-    )
-    engine.runner.graphs = graphs
+    graphs = PaddingSpy.install(llm)
     assert _generate(llm) == expected
     # Decode steps of 3 sequences ran padded to 4; single ones ran unpadded.
     assert (3, 4) in graphs.padded
@@ -97,6 +87,23 @@ def test_triton_engine_equals_torch_engine(
 
 class PaddingSpy(DecodeGraphRunner):
     """Records (batch, padded size) of every step that took the graph path."""
+
+    @classmethod
+    def install(cls, llm: LLM) -> PaddingSpy:
+        """The graph runner's padded path, run eagerly, as ``llm``'s decode steps (block size
+        4 and batches up to 8, as this folder's engines have)."""
+        engine = llm.engine
+        spy = cls(
+            engine.model,
+            engine.runner.caches,
+            max_batch=8,
+            max_model_len=engine.max_model_len,
+            block_size=4,
+            device=DEVICE,
+            use_graphs=False,
+        )
+        engine.runner.graphs = spy
+        return spy
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -148,18 +148,7 @@ def test_triton_engine_with_adapters_equals_torch_engine(
             max_loras=2,
         )
         if graphs:
-            engine = llm.engine
-            spy = PaddingSpy(
-                engine.model,
-                engine.runner.caches,
-                max_batch=8,
-                max_model_len=engine.max_model_len,
-                block_size=4,
-                device=DEVICE,
-                use_graphs=False,
-            )
-            engine.runner.graphs = spy
-            spies.append(spy)
+            spies.append(PaddingSpy.install(llm))
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
         return [list(o.outputs[0].token_ids) for o in outs]
 
