@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -213,10 +214,16 @@ def wait_events(
     """Wait until a pod's Events show ``what``: the kubelet posts them asynchronously, after
     the status that the test has just seen."""
 
-    def shown() -> bool:
-        return ok(events(api, namespace, name))
+    seen: list[tuple[str, str]] = []
 
-    wait_until(shown, what, 30)
+    def shown() -> bool:
+        seen[:] = events(api, namespace, name)
+        return ok(seen)
+
+    try:
+        wait_until(shown, what, 60)
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}; the pod's Events were {seen}") from err
 
 
 # -- the nodes --------------------------------------------------------------------------------
@@ -604,8 +611,12 @@ def test_status_and_events_are_the_kubelets(
         lambda seen: (
             any(r == "Pulled" and "already present on machine" in m for r, m in seen)
             and any(r == "Started" for r, _ in seen)
-            # The exec readiness probe failed until the script wrote /tmp/ready.
-            and any(r == "Unhealthy" and "Readiness probe failed" in m for r, m in seen)
+            # The exec readiness probe failed until the script wrote /tmp/ready (or, on a loaded
+            # machine, errored: the kubelet says "errored" when the exec itself did not run).
+            and any(
+                r == "Unhealthy" and re.match("Readiness probe (failed|errored)", m)
+                for r, m in seen
+            )
         ),
         "Pulled (already present), Started and Unhealthy (readiness) Events",
     )
