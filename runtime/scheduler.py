@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Schedules a request may be passed over for want of an adapter slot before requests for
+# other adapters wait behind it (tens of milliseconds each on a GPU).
+LORA_MAX_PASSES = 32
+
 
 class Scheduler:
     def __init__(
@@ -288,13 +292,22 @@ class Scheduler:
                 i += 1
 
         # A step that had to preempt running work admits nothing new. A request whose adapter
-        # finds no free slot lets those behind it go first (vLLM v1's rule).
+        # finds no free slot lets those behind it go first (vLLM v1's rule), but only for
+        # LORA_MAX_PASSES schedules: then requests for other adapters wait behind it (the
+        # base model's still pass), the adapters running drain, and a slot frees for it. So
+        # busy adapters cannot keep a rarely used one out for good.
         blocked = bool(out.preempted)
         head = 0
         adapters = self._running_adapters()
+        starving = False
         while head < len(self.waiting) and budget > 0 and not blocked:
             seq = self.waiting[head]
+            if starving and seq.lora is not None:
+                head += 1
+                continue
             if not self._adapter_fits(seq, adapters):
+                seq.lora_passes += 1
+                starving = seq.lora_passes > LORA_MAX_PASSES
                 head += 1
                 continue
             group = self.groups[seq.request_id]

@@ -58,8 +58,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # This sequence's random stream: the request's seed, plus the sample's index for n > 1.
     seed: int | None = None
-    # The adapter that runs on top of the base model, if any.
+    # The adapter that runs on top of the base model, if any, and the schedules that passed
+    # it over for want of a free adapter slot.
     lora: LoRARequest | None = None
+    lora_passes: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -11,7 +11,7 @@ from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import SamplingParams
 from ladle.runtime.scheduler import Scheduler
 from ladle.runtime.scheduler_output import SchedulerOutput
-from ladle.runtime.sequence import Sequence
+from ladle.runtime.sequence import Sequence, SequenceStatus
 
 _ids = itertools.count()
 
@@ -138,3 +138,37 @@ def test_finish_frees_blocks_immediately() -> None:
     sched.finish_requests([s.request_id], "abort")
     assert kv.num_free_blocks == 8
     assert sched.num_unfinished == 0
+
+
+def test_busy_adapters_cannot_keep_a_rarely_used_one_out_for_good() -> None:
+    """One slot, adapter A always busy (a new request for it every step): B's request is
+    passed over at first (vLLM's rule), then requests for A wait behind it, A drains, and B
+    runs; the base model's requests pass throughout."""
+    from ladle.runtime.lora.request import LoRARequest
+    from ladle.runtime.scheduler import LORA_MAX_PASSES
+
+    kv = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, max_loras=1)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+
+    def request(lora: LoRARequest | None, arrival: float) -> Sequence:
+        rid = f"r{next(_ids)}"
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        sched.add_request(Request(rid, None, [1, 2, 3], params, arrival, lora_request=lora))
+        return sched.groups[rid].seqs[0]
+
+    request(a, 0.0)
+    rare = request(b, 0.5)
+    base_admitted = []
+    for step in range(1, 4 * LORA_MAX_PASSES):
+        request(a, float(step))
+        base = request(None, float(step))
+        run_step(sched)
+        base_admitted.append(base.status is not SequenceStatus.WAITING)
+        if rare.status is not SequenceStatus.WAITING:
+            break
+    assert rare.status is not SequenceStatus.WAITING, "the rare adapter never got its slot"
+    assert rare.lora_passes > LORA_MAX_PASSES
+    # It took the passes and then the time A's running requests needed to finish.
+    assert step <= LORA_MAX_PASSES + 5
+    assert all(base_admitted)
