@@ -13,7 +13,7 @@ from ladle.gateway.errors import GatewayError
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.relay import relay_events, usage_tokens
-from ladle.gateway.routes import Pod
+from ladle.gateway.routes import Pod, Service
 from ladle.gateway.upstream import Pool, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -120,11 +120,7 @@ class Router:
             cost=_cost(req.inbound),
             tried=set(),
             sticky=req.inbound.session_key(req.header(b"x-session-id")),
-            prefix=(
-                req.inbound.prefix(service.routing.prefix_chars)
-                if service.routing.prefix_affinity
-                else None
-            ),
+            prefix=affinity_key(req.inbound, service),
             state=state,
             req=req,
             body=body,
@@ -330,3 +326,16 @@ def _cost(inbound: Inbound) -> float:
     bytes of body a token) and the output it may ask for; corrected by the answer's usage when
     the gateway reads it."""
     return len(inbound.body) / 4 + _output(inbound)
+
+
+def affinity_key(inbound: Inbound, service: Service) -> bytes | None:
+    """Which point of the pods' hash ring a request would rather land on. Every request for
+    one adapter hashes to the same point, so an adapter stays resident on few pods (a swap
+    costs a load) and its prefixes are cached there; the picker's bound on load spills a
+    popular one over to the next pods of the ring. The base model's requests go by their
+    prompt's prefix, where prefix affinity is on."""
+    if inbound.model in service.adapters:
+        return b"adapter\0" + inbound.model.encode()
+    if service.routing.prefix_affinity:
+        return inbound.prefix(service.routing.prefix_chars)
+    return None

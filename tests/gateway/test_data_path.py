@@ -322,6 +322,48 @@ async def test_shared_prefixes_stay_on_one_pod(fake_pods: Any, run_gateway: Any)
     assert counts == [0, 0, 30]  # sequential requests never exceed the bound
 
 
+async def test_an_adapters_requests_stay_on_its_pods_and_a_popular_one_spills_over(
+    fake_pods: Any, run_gateway: Any
+) -> None:
+    """Whatever the prompt, one adapter's requests land on one pod while its load allows (so
+    the adapter stays resident there), different adapters spread, and a burst of one adapter
+    spills to more pods instead of queueing on one."""
+    pods = [await fake_pods() for _ in range(4)]
+    adapters = [f"lora-{i}" for i in range(8)]
+    gw = await run_gateway(
+        [
+            {
+                "name": "chat",
+                "model": "m",
+                "endpoints": [p.url for p in pods],
+                "adapters": adapters,
+                "routing": {"prefixAffinity": False},
+            }
+        ]
+    )
+
+    def homes() -> dict[str, set[int]]:
+        seen: dict[str, set[int]] = {}
+        for i, pod in enumerate(pods):
+            for request in pod.seen:
+                seen.setdefault(request.body["model"], set()).add(i)
+        return seen
+
+    async with httpx.AsyncClient(timeout=10) as client:
+        for i in range(40):
+            body = {"model": adapters[i % 8], "prompt": f"a different prompt each time {i}"}
+            assert (await post(client, gw.url, body)).status_code == 200
+        sequential = homes()
+        assert all(len(sequential[a]) == 1 for a in adapters), sequential
+        assert len(set().union(*sequential.values())) >= 3, "eight adapters on too few pods"
+        for pod in pods:
+            pod.seen.clear()
+            pod.delay = 0.3  # so that the burst's requests overlap
+        burst = [post(client, gw.url, {"model": "lora-0", "prompt": "x"}) for _ in range(12)]
+        assert all(r.status_code == 200 for r in await asyncio.gather(*burst))
+    assert len(homes()["lora-0"]) > 1, "a burst of one adapter stayed on one pod"
+
+
 async def test_scale_from_zero_holds_until_a_pod_is_ready(fake_pods: Any, run_gateway: Any) -> None:
     pod = await fake_pods()
     gw = await run_gateway(
