@@ -15,7 +15,9 @@ PROGRESSING = "Progressing"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
 DEGRADED = "Degraded"
-ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED)
+# Only while spec.adapters is set: whether every pod serves the adapters it lists.
+ADAPTERS_READY = "AdaptersReady"
+ISVC_CONDITIONS = (READY, PROGRESSING, RECONCILING, STALLED, DEGRADED, ADAPTERS_READY)
 # Written by the autoscaler under its own field manager, as an HPA reports them.
 SCALING_ACTIVE = "ScalingActive"
 SCALING_LIMITED = "ScalingLimited"
@@ -31,6 +33,7 @@ ISVC_STATUS_FIELDS = (
     "url",
     "variants",
     "rollout",
+    "adapters",
 )
 POOL_STATUS_FIELDS = (
     "observedGeneration",

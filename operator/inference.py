@@ -32,6 +32,7 @@ from ladle.api import (
     rfc3339,
 )
 from ladle.kube import ApiError, KubeClient, resource_path
+from ladle.operator.adapter_status import AdaptersObservation, observe, read_pods
 from ladle.operator.applier import ChildApplier, ChildConflict, Owner, SyncResult, child_key
 from ladle.operator.canary import CanaryAnalysis, Measured
 from ladle.operator.conditions import ISVC_CONDITIONS, ISVC_STATUS_FIELDS
@@ -308,6 +309,7 @@ class InferenceServiceReconciler:
         blockers += [apply_problem(k, err) for k, err in result.errors]
         await self.canary.follow(isvc, decision)
 
+        adapters = await self._adapters(isvc, plan)
         service = child_key(desired_service(isvc))
         replicas = variant_replicas(isvc, state, grant.replicas)
         observed = [await self._observe(isvc, p, replicas[p.name], grant, now) for p in plan]
@@ -323,6 +325,7 @@ class InferenceServiceReconciler:
             service_exists=self.store.get("Service", service[1:]) is not None,
             service_error=result.create_errors.get(service),
             rollout=state,
+            adapters=adapters,
         )
         self.metrics.observe_isvc(*key, status)
         await self.writer.write(owner.ref, status, previous)
@@ -334,10 +337,26 @@ class InferenceServiceReconciler:
             await self.canary.clear_action(isvc)
         # The rollout's next step, or the next look at pods that wait to start.
         wakes = [w for w in (decision.wake_in, *(w for _, w in observed)) if w is not None]
+        if adapters is not None:
+            wakes.append(adapters.recheck_in)
         if wakes:
             self.requeue(key, min(wakes))
         if result.errors:
             raise result.errors[0][1]  # the work queue retries with backoff
+
+    async def _adapters(
+        self, isvc: InferenceService, plan: list[Planned]
+    ) -> AdaptersObservation | None:
+        """What the ready pods of each variant that serves adapters say they serve."""
+        wanted = {
+            p.name: [a.name for a in p.blueprint.source.spec.adapters]
+            for p in plan
+            if p.blueprint.source.spec.adapters is not None
+        }
+        if not wanted:
+            return None
+        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
+        return observe(wanted, await read_pods([p for p in pods if p.variant in wanted]))
 
     def _announce(self, isvc: InferenceService, decision: Decision) -> None:
         """Events and metrics for what the decision did, once its status is written."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ladle.api import JSON, InferenceService
+from ladle.operator.adapter_status import AdaptersObservation
 from ladle.operator.conditions import (
     DEGRADED,
     PROGRESSING,
@@ -187,6 +188,7 @@ def derive_isvc_status(
     service_exists: bool = True,
     service_error: str | None = None,
     rollout: RolloutState | None = None,
+    adapters: AdaptersObservation | None = None,
 ) -> JSON:
     """Status of one InferenceService; ``previous`` (default: the stored status) keeps
     condition transition times.
@@ -236,6 +238,10 @@ def derive_isvc_status(
         # status.rollout.message starts with the reason, which the condition carries already.
         detail = rollout.message.removeprefix(f"{rollout.reason}: ")
         problems.insert(0, Problem(rollout.reason, detail))
+
+    if adapters is not None and adapters.condition.reason == "AdapterLoadFailed":
+        # The base model and the other adapters serve on: it degrades, it does not stall.
+        problems.append(Problem("AdapterLoadFailed", adapters.condition.message))
 
     granted = sum(v.granted_replicas for v in traffic)
     requested = sum(v.requested_replicas for v in traffic)
@@ -331,7 +337,14 @@ def derive_isvc_status(
         "url": url,
         "conditions": merge_conditions(
             (isvc.status if previous is None else previous).get("conditions") or (),
-            [ready, progressing, reconciling, stalled, degraded],
+            [
+                ready,
+                progressing,
+                reconciling,
+                stalled,
+                degraded,
+                *([adapters.condition] if adapters is not None else []),
+            ],
             generation,
             now,
         ),
@@ -355,4 +368,6 @@ def derive_isvc_status(
     }
     if rollout is not None:
         status["rollout"] = to_status(rollout)
+    if adapters is not None:
+        status["adapters"] = adapters.status()
     return status

@@ -8,8 +8,8 @@ to the engine between two steps, so that neither the API nor the batch waits on 
 ``--lora-modules-file`` names a file (a mounted ConfigMap, which the operator writes from
 ``spec.adapters``) that the server reads again whenever it changes: adapters added to it are
 loaded, removed ones unloaded, and one whose folder changed is loaded again, with no restart.
-One that cannot be served is reported (a log line, ``ladle:lora_adapters{state="failed"}``)
-while the rest, and the base model, keep serving.
+One that cannot be served is reported (a log line, ``ladle:lora_adapters{state="failed"}``,
+and with why in ``GET /v1/lora_adapters``) while the rest, and the base model, keep serving.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ class Target:
     lora: LoRARequest | None = None
 
 
+@dataclass(frozen=True)
+class Failure:
+    """An adapter of the modules file that cannot be served: its folder, and why."""
+
+    path: str
+    error: str
+
+
 class ModulesFileError(ValueError):
     """A --lora-modules-file that does not hold a list of {name, path}."""
 
@@ -72,7 +80,7 @@ class ServedAdapters:
         # Adapters the modules file asked for: the ones a later version of it may remove.
         self._from_file: dict[str, str] = {}
         # Adapters of the modules file that could not be served, with why.
-        self.failed: dict[str, str] = {}
+        self.failed: dict[str, Failure] = {}
         self._ids = itertools.count(1)
         # Loads and unloads one at a time, so that two loads of one name cannot both pass.
         self._lock = asyncio.Lock()
@@ -83,6 +91,17 @@ class ServedAdapters:
 
     def get(self, name: str) -> LoRARequest | None:
         return self._by_name.get(name)
+
+    def report(self) -> dict[str, list[dict[str, str]]]:
+        """``GET /v1/lora_adapters``: what this pod serves and what it cannot, with why (the
+        operator's status of each pod reads it)."""
+        return {
+            "loaded": [{"name": n, "path": self._by_name[n].lora_path} for n in self.names],
+            "failed": [
+                {"name": n, "path": f.path, "error": f.error}
+                for n, f in sorted(self.failed.items())
+            ],
+        }
 
     def resolve(self, llm: AsyncLLM, name: str | None) -> Target:
         """What a request's ``model`` names; an unknown name is a 404, as OpenAI and vLLM
@@ -155,7 +174,7 @@ class ServedAdapters:
             try:
                 await self.load(llm, name, folder)
             except APIError as exc:
-                self.failed[name] = exc.message
+                self.failed[name] = Failure(folder, exc.message)
                 log.error(
                     "a LoRA adapter of the modules file cannot be served",
                     extra={"lora_name": name, "lora_path": folder, "error": exc.message},

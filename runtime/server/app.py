@@ -112,6 +112,11 @@ def create_app(state: ServerState) -> FastAPI:
             f"Success: LoRA adapter '{request.lora_name}' removed successfully."
         )
 
+    @app.get("/v1/lora_adapters")
+    async def lora_adapters() -> dict[str, list[dict[str, str]]]:
+        loaded()
+        return state.adapters.report()
+
     @app.post("/tokenize")
     async def tokenize(
         request: TokenizeCompletionRequest | TokenizeChatRequest,

@@ -33,8 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ladle.server")
 
-# Paths that probes and scrapers call; they neither count as in-flight work nor need a key.
-OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
+# Paths that probes and scrapers (the operator among them) call; they neither count as
+# in-flight work nor need a key.
+OPEN_PATHS = frozenset(
+    {"/health", "/health/live", "/health/ready", "/metrics", "/version", "/v1/lora_adapters"}
+)
 # How often --lora-modules-file is read for changes (seconds); a ConfigMap's own update takes
 # the kubelet up to a minute.
 MODULES_FILE_POLL = 2.0

@@ -8,6 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ladle.api import InferenceService, parse_isvc, parse_pool, parse_rfc3339
+from ladle.operator.adapter_status import AdaptersObservation, PodAdapters
+from ladle.operator.adapter_status import observe as observe_adapters
 from ladle.operator.pod_problems import (
     STARTUP_GRACE_SECONDS,
     PodProblem,
@@ -39,6 +41,7 @@ def observe(
     service_error: str | None = None,
     blockers: tuple[Problem, ...] = (),
     rollout: RolloutState | None = None,
+    adapters: AdaptersObservation | None = None,
 ) -> dict[str, Any]:
     variant = VariantObservation(
         name="stable",
@@ -62,6 +65,7 @@ def observe(
         service_exists=service_exists,
         service_error=service_error,
         rollout=rollout,
+        adapters=adapters,
     )
 
 
@@ -751,3 +755,31 @@ def test_pool_without_nodes_is_not_ready(make_pool: Builder) -> None:
         "Ready": ("False", "NoMatchingNodes"),
         "Degraded": ("False", "AsExpected"),
     }
+
+
+def test_an_adapter_a_pod_cannot_serve_degrades_the_service_that_stays_ready(
+    make_isvc: Builder, make_deployment: Builder
+) -> None:
+    isvc = parse_isvc(make_isvc(spec={"replicas": 1}))
+    failed = PodAdapters("chat-stable-1", "stable", ("sql",), {"wide": "rank 64 exceeds 16"})
+    status = observe(
+        isvc, make_deployment(1), adapters=observe_adapters({"stable": ["sql", "wide"]}, [failed])
+    )
+    assert conditions(status) == {
+        "Ready": ("True", "Available"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Reconciling": ("False", "RolloutComplete"),
+        "Stalled": ("False", "AsExpected"),
+        "Degraded": ("True", "AdapterLoadFailed"),
+        "AdaptersReady": ("False", "AdapterLoadFailed"),
+    }
+    assert message(status, "Degraded") == "wide on chat-stable-1: rank 64 exceeds 16"
+    assert status["adapters"][0]["loaded"] == ["sql"]
+    loading = observe(
+        isvc,
+        make_deployment(1),
+        adapters=observe_adapters({"stable": ["sql"]}, [PodAdapters("p", "stable")]),
+    )
+    assert conditions(loading)["Degraded"] == ("False", "AsExpected")
+    assert conditions(loading)["AdaptersReady"] == ("False", "Loading")
+    assert "adapters" not in observe(isvc, make_deployment(1))

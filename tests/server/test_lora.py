@@ -253,6 +253,11 @@ def test_the_modules_file_is_followed_without_a_restart(
             complete(client, "alpha")
         assert adapter_states(srv) == {"gamma": "loaded", "wide": "failed"}
         assert any("exceeds --max-lora-rank" in line for line in srv.log_lines())
+        report = httpx.get(f"{srv.url}/v1/lora_adapters").json()
+        assert report["loaded"] == [{"name": "gamma", "path": str(adapters["gamma"])}]
+        (wide,) = report["failed"]
+        assert (wide["name"], wide["path"]) == ("wide", str(adapters["wide"]))
+        assert "exceeds --max-lora-rank" in wide["error"]
         # The same name, another folder: loaded again from there.
         write_modules(modules, {"gamma": adapters["beta"]})
         deadline = time.monotonic() + 30
