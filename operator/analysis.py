@@ -27,7 +27,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ladle.api import QualityGateSpec, SLOGateSpec
+from ladle.api import JSON, QualityGateSpec, SLOGateSpec
+from ladle.operator.revisions import base_changed, changed_adapters, weights_of
 from ladle.operator.rollout_state import QUALITY, GateOutcome, Result
 from ladle.runtime.eval.metrics import GATES, Gate
 from ladle.runtime_metrics import REJECTED, STARTED, SUCCESS, TPOT, TTFT, samples
@@ -248,6 +249,32 @@ def quality_thresholds(spec: QualityGateSpec, weights: str) -> Gate:
             default.max_ppl_delta if spec.max_ppl_increase is None else spec.max_ppl_increase
         ),
     )
+
+
+@dataclass(frozen=True)
+class QualityCheck:
+    """One model the quality gate compares on a stable pod and a canary pod, and its gate."""
+
+    model: str
+    gate: Gate
+    adapter: bool = False
+
+    def worded(self, message: str) -> str:
+        return f"adapter {self.model}: {message}" if self.adapter else message
+
+
+def quality_checks(
+    stable: JSON, canary: JSON, model: str, spec: QualityGateSpec
+) -> list[QualityCheck]:
+    """What a canary's quality gate compares: the base model when what it serves changed (held
+    to its weight format's gate), and each adapter at a new version (held to the adapter
+    gate). A canary that only changes adapters leaves the base model's answers as they were."""
+    checks = []
+    if base_changed(stable, canary):
+        checks.append(QualityCheck(model, quality_thresholds(spec, weights_of(canary))))
+    adapter_gate = quality_thresholds(spec, "adapter")
+    checks += [QualityCheck(a, adapter_gate, True) for a in changed_adapters(stable, canary)]
+    return checks or [QualityCheck(model, quality_thresholds(spec, weights_of(canary)))]
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,11 @@ from ladle.operator.analysis import (
     QualityNumbers,
     interval,
     parse_metrics,
+    quality_checks,
     quality_outcome,
-    quality_thresholds,
     slo_gates,
     sum_pods,
 )
-from ladle.operator.revisions import weights_of
 from ladle.operator.rollout_machine import Decision
 from ladle.operator.rollout_state import GateOutcome, QualityVerdict, RolloutState
 from ladle.operator.store import PodInfo, Store
@@ -283,25 +282,46 @@ class CanaryAnalysis:
             if ref.key not in data:
                 return inconclusive(f"ConfigMap {ref.name} has no key {ref.key}")
             prompts_name, prompts = ref.key, str(data[ref.key])
-        gate = quality_thresholds(spec.quality, weights_of(state.canary_template))
-        try:
-            numbers = await asyncio.to_thread(
-                self.evaluate,
-                f"{stable[0].base_url}/v1",
-                f"{canary[0].base_url}/v1",
-                isvc.spec.served_model_name,
-                prompts_name,
-                prompts,
-            )
-        except ImportError as err:
-            return inconclusive(f"the eval library is missing: {err}")
-        except (RuntimeError, ValueError, OSError) as err:  # EvalError, PromptFileError
-            return inconclusive(f"{stable[0].name} against {canary[0].name}: {err}")
-        outcome = quality_outcome(numbers, gate)
-        message = f"{outcome.message}, {stable[0].name} against {canary[0].name}"
-        return QualityVerdict(
-            revision, step, outcome.result, message, time.time(), numbers.as_status()
+        assert state.stable_template is not None
+        checks = quality_checks(
+            state.stable_template,
+            state.canary_template,
+            isvc.spec.served_model_name,
+            spec.quality,
         )
+        pair = f"{stable[0].name} against {canary[0].name}"
+        said: list[str] = []
+        verdict: QualityVerdict | None = None
+        for check in checks:
+            try:
+                numbers = await asyncio.to_thread(
+                    self.evaluate,
+                    f"{stable[0].base_url}/v1",
+                    f"{canary[0].base_url}/v1",
+                    check.model,
+                    prompts_name,
+                    prompts,
+                )
+            except ImportError as err:
+                return inconclusive(f"the eval library is missing: {err}")
+            except (RuntimeError, ValueError, OSError) as err:  # EvalError, PromptFileError
+                return inconclusive(f"{check.worded(pair)}: {err}")
+            outcome = quality_outcome(numbers, check.gate)
+            # A failure is worded alone; passes together (each model's numbers).
+            worded = check.worded(outcome.message)
+            said = [*said, worded] if outcome.result == "Pass" else [worded]
+            verdict = QualityVerdict(
+                revision,
+                step,
+                outcome.result,
+                f"{'; '.join(said)}, {pair}",
+                time.time(),
+                numbers.as_status(),
+            )
+            if outcome.result != "Pass":
+                break  # the first model that fails decides; the rest need not run
+        assert verdict is not None
+        return verdict
 
     # ---- the action annotation
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ladle.api import RolloutSpec
+from ladle.api import JSON, RolloutSpec
+from ladle.operator.revisions import adapter_sources, carry_adapters, in_place, revision_of
 from ladle.operator.rollout_endings import finish, rollback, start_promotion
 from ladle.operator.rollout_machine import Decision, Machine, Observation
 from ladle.operator.rollout_state import (
@@ -123,6 +124,13 @@ def _idle(m: Machine, spec: RolloutSpec | None) -> None:
             # The spec went back to what serves: nothing is degraded any more.
             m.set(phase="Idle", reason=None, failed_revision=None, message="")
         return
+    assert state.stable_template is not None
+    if in_place(state.stable_template, obs.template):
+        _adapters_in_place(m, state.stable_template)
+        m.set(stable_revision=obs.revision, stable_template=obs.template)
+        if state.phase in ("RolledBack", "Failed"):
+            m.set(phase="Idle", reason=None, failed_revision=None, message="")
+        return
     if spec is None:
         m.set(
             stable_revision=obs.revision,
@@ -138,8 +146,29 @@ def _idle(m: Machine, spec: RolloutSpec | None) -> None:
     _start(m, spec)
 
 
+def _adapters_in_place(m: Machine, old: JSON) -> None:
+    """An Event for adapters added or removed (every variant takes them, without a canary)."""
+    before, after = adapter_sources(old), adapter_sources(m.obs.template)
+    added, removed = sorted(after.keys() - before.keys()), sorted(before.keys() - after.keys())
+    parts = [f"added {', '.join(added)}"] if added else []
+    parts += [f"removed {', '.join(removed)}"] if removed else []
+    if parts:
+        m.emit("Normal", "AdaptersUpdated", f"Adapters {'; '.join(parts)}, on every variant")
+
+
+def _carry_to_stable(m: Machine) -> None:
+    """Stable takes the adapters the new spec adds or removes, so that both variants answer
+    to the same names while the canary tests what changed."""
+    stable = m.state.stable_template
+    assert stable is not None
+    carried = carry_adapters(stable, m.obs.template)
+    if carried != stable:
+        m.set(stable_template=carried, stable_revision=revision_of(carried))
+
+
 def _start(m: Machine, spec: RolloutSpec) -> None:
     obs = m.obs
+    _carry_to_stable(m)
     m.set(
         phase="Progressing",
         stage="Scaling",
@@ -181,6 +210,19 @@ def _spec_moved(m: Machine, spec: RolloutSpec | None) -> None:
         m.set(failed_revision=None)
         return
     old = m.state.canary_revision
+    canary = m.state.canary_template
+    if canary is not None and in_place(canary, obs.template):
+        _adapters_in_place(m, canary)
+        _carry_to_stable(m)
+        if m.state.stable_revision == obs.revision:
+            # The adapter under test went: what is left, stable serves already.
+            rollback(
+                m, "RolloutCancelled", "the spec no longer changes what stable serves", "Idle", None
+            )
+            m.set(failed_revision=None)
+        else:
+            m.set(canary_revision=obs.revision, canary_template=obs.template)
+        return
     if spec is None:
         return  # decide() applies it directly
     m.emit(

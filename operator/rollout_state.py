@@ -192,7 +192,9 @@ def to_status(state: RolloutState) -> JSON:
             "result": q.result,
             "message": q.message,
             "time": rfc3339(q.at, digits=3),
-            **{k: round(v, 6) for k, v in q.numbers.items()},
+            # JSON holds no infinity (a canary that answers noise can measure one): the
+            # message says it in words.
+            **{k: round(v, 6) for k, v in q.numbers.items() if math.isfinite(v)},
         }
     return out
 

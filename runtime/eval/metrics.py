@@ -22,6 +22,7 @@ Nothing here imports torch, so the online mode runs anywhere httpx does (the ope
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Hashable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ from ladle.words import plural
 
 # A probability mass below this counts as zero in the coarsened KL divergence.
 _EPS = 1e-12
+# The largest argument of exp that a float holds the result of.
+_LOG_MAX = math.log(sys.float_info.max)
 
 
 @dataclass(frozen=True)
@@ -87,11 +90,20 @@ class Gate:
         return failed
 
 
-# The gates the field uses for weight-only quantization against full precision.
+# The gates the field uses for weight-only quantization against full precision; and one for a
+# new version of a LoRA adapter against the old, which may well answer differently (that is
+# why it was trained) but should not read the evaluation's text worse.
 GATES = {
     "int8": Gate("int8", max_kld=0.005, min_top1=0.97),
     "int4": Gate("int4", min_top1=0.90, max_ppl_delta=0.05),
+    "adapter": Gate("adapter", max_ppl_delta=0.10),
 }
+
+
+def _exp(x: float) -> float:
+    """``math.exp``, infinite where it would overflow: a model that answers noise can read a
+    text at a mean negative log-likelihood of thousands of nats a token."""
+    return math.exp(x) if x < _LOG_MAX else math.inf
 
 
 def topk_kld(reference: Mapping[Hashable, float], candidate: Mapping[Hashable, float]) -> float:
@@ -149,8 +161,8 @@ class Accumulator:
         if n == 0 or self.prompts == 0:
             raise ValueError("nothing was scored: every prompt needs at least two tokens")
         ordered = sorted(self.klds)
-        ppl_ref = math.exp(self.nll_reference / n)
-        ppl_cand = math.exp(self.nll_candidate / n)
+        ppl_ref = _exp(self.nll_reference / n)
+        ppl_cand = _exp(self.nll_candidate / n)
         return EvalResult(
             mode=mode,
             kld_over=kld_over,
@@ -161,7 +173,8 @@ class Accumulator:
             top1_agreement=self.top1_same / n,
             ppl_reference=ppl_ref,
             ppl_candidate=ppl_cand,
-            ppl_delta=ppl_cand / ppl_ref - 1.0,
+            # From the difference of the logs: finite while the ratio is, however large both.
+            ppl_delta=_exp((self.nll_candidate - self.nll_reference) / n) - 1.0,
             greedy_agreement=self.greedy_same / self.prompts,
             greedy_tokens=greedy_tokens,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -15,11 +16,13 @@ from ladle.api import QualityGateSpec, SLOGateSpec
 from ladle.operator.analysis import (
     Histogram,
     PodTotals,
+    QualityCheck,
     QualityNumbers,
     error_rate_gate,
     interval,
     latency_gate,
     parse_metrics,
+    quality_checks,
     quality_outcome,
     quality_thresholds,
     slo_gates,
@@ -209,6 +212,36 @@ def test_quality_defaults_follow_the_quantization() -> None:
     assert quality_thresholds(QualityGateSpec(), "int4") == GATES["int4"]
     # Anything else (an int8 KV cache, engine settings, a new image) is held to int8's.
     assert quality_thresholds(QualityGateSpec(), "none") == GATES["int8"]
+
+
+def test_the_quality_gate_compares_the_base_model_and_each_adapter_at_a_new_version() -> None:
+    from ladle.operator.revisions import template_of
+
+    def template(**spec: Any) -> dict[str, Any]:
+        return template_of({"model": {"name": "m"}, **spec}, "img:1")
+
+    def lora(path: str) -> list[dict[str, Any]]:
+        return [
+            {"name": "sql", "source": {"image": {"path": path}}},
+            {"name": "fr", "source": {"image": {"path": "/fr"}}},
+        ]
+
+    spec = QualityGateSpec()
+    v1, v2 = template(adapters=lora("/sql/v1")), template(adapters=lora("/sql/v2"))
+    # Only an adapter's version: that adapter alone, held to the adapter gate (a new version
+    # may answer differently; it may not read the text much worse).
+    assert quality_checks(v1, v2, "m", spec) == [QualityCheck("sql", GATES["adapter"], True)]
+    assert GATES["adapter"] == Gate("adapter", max_ppl_delta=0.1)
+    # The weights too: the base model under int8's gate first, then the adapter.
+    int8 = template(adapters=lora("/sql/v2"), quantization={"weights": "int8"})
+    assert quality_checks(v1, int8, "m", spec) == [
+        QualityCheck("m", GATES["int8"]),
+        QualityCheck("sql", GATES["adapter"], True),
+    ]
+    # Thresholds the spec sets hold for adapters as well.
+    strict = quality_checks(v1, v2, "m", QualityGateSpec(max_ppl_increase=0.02))
+    assert strict[0].gate.max_ppl_delta == 0.02
+    assert QualityCheck("sql", GATES["adapter"], True).worded("x") == "adapter sql: x"
 
 
 def test_each_threshold_left_unset_keeps_the_quantizations_default() -> None:

@@ -568,18 +568,3 @@ def test_without_adapters_lora_is_off_and_its_config_map_absent(make_isvc: Build
     assert "--enable-lora" not in container(children)["args"]
     assert children.adapters is None
     assert all(child["kind"] != "ConfigMap" for child in children.all())
-
-
-def test_adapters_are_no_revision_but_lora_slots_are() -> None:
-    """Adapters apply to every variant at once (no canary of the model); the LoRA slots are
-    engine flags, and a new revision."""
-    from ladle.operator.revisions import revision_of, template_of
-
-    def revision(spec: dict[str, Any]) -> str:
-        return revision_of(template_of({"model": {"name": "m"}, **spec}, "img:1"))
-
-    plain = revision({})
-    assert revision({"adapters": [{"name": "a", "source": {"image": {"path": "/a"}}}]}) == plain
-    assert revision({"engine": {"maxLoras": 4}}) != plain
-    # The names published before the LoRA fields existed are pinned by the Argo CD fixtures
-    # (tests/operator/test_gitops_health.py): those still match.

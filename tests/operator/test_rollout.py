@@ -3,6 +3,7 @@ inconclusive, fail, promote, rollback, deadline, pause, abort, manual promotion,
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from ladle.api import QualityGateSpec, RolloutSpec
 from ladle.operator.analysis import QualityNumbers, quality_outcome
+from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import decide
 from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import (
@@ -627,3 +629,102 @@ def test_invariants_hold_for_any_sequence_of_observations(steps: list[dict[str, 
             assert state.reason is not None
         # What a leader reads back, it writes back unchanged (no status write loops).
         assert to_status(from_status(to_status(state))) == to_status(state)
+
+
+# -- adapters ------------------------------------------------------------------------------
+
+
+def _lora(*adapters: tuple[str, str], **spec: Any) -> dict[str, Any]:
+    listed = [
+        {"name": n, "source": {"pvc": {"claimName": "loras", "path": p}}} for n, p in adapters
+    ]
+    return template_of({"model": {"name": "m"}, "adapters": listed, **spec}, "img:1")
+
+
+def _lora_world(*adapters: tuple[str, str]) -> World:
+    t = _lora(*adapters)
+    world = World(revision=revision_of(t), template=t)
+    world.tick()
+    return world
+
+
+def _move(world: World, t: dict[str, Any]) -> Decision:
+    return world.change(revision_of(t), t)
+
+
+def _names(t: dict[str, Any] | None) -> dict[str, str]:
+    assert t is not None
+    return {a["name"]: a["source"]["pvc"]["path"] for a in t["adapters"]}
+
+
+def test_adding_or_removing_an_adapter_applies_at_once_without_a_canary() -> None:
+    world = _lora_world(("sql", "sql/v1"))
+    added = _lora(("sql", "sql/v1"), ("fr", "fr/v1"))
+    _move(world, added)
+    assert not world.state.active
+    assert (world.state.stable_revision, world.state.stable_template) == (
+        revision_of(added),
+        added,
+    )
+    assert world.decisions[-1].events[0].message == "Adapters added fr, on every variant"
+    _move(world, _lora(("fr", "fr/v1")))
+    assert not world.state.active
+    assert world.events[-1] == "AdaptersUpdated"
+    assert _names(world.state.stable_template) == {"fr": "fr/v1"}
+
+
+def test_a_new_adapter_version_is_a_canary_and_stable_takes_the_names_added_beside_it() -> None:
+    world = _lora_world(("sql", "sql/v1"), ("old", "old/v1"))
+    _move(world, _lora(("sql", "sql/v2"), ("fr", "fr/v1")))
+    assert world.state.stage == "Scaling"
+    assert _names(world.state.canary_template) == {"sql": "sql/v2", "fr": "fr/v1"}
+    # Both variants answer to the same names; only sql's version differs.
+    assert _names(world.state.stable_template) == {"sql": "sql/v1", "fr": "fr/v1"}
+    assert world.state.stable_revision == revision_of(world.state.stable_template)
+    world.settle()
+    # Mid-rollout, an adapter added is taken by both variants and the rollout goes on.
+    world.tick(quality=world.quality())
+    step = (world.state.step, world.state.weight)
+    _move(world, _lora(("sql", "sql/v2"), ("fr", "fr/v1"), ("de", "de/v1")))
+    assert (world.state.step, world.state.weight) == step
+    assert world.state.canary_revision == world.revision
+    assert _names(world.state.stable_template) == {"sql": "sql/v1", "fr": "fr/v1", "de": "de/v1"}
+    assert "RolloutRestarted" not in world.events
+    # Removing the adapter under test leaves nothing to test: the canary goes.
+    _move(world, _lora(("fr", "fr/v1"), ("de", "de/v1")))
+    assert world.state.stage == "Finalizing"
+    assert world.state.weight == 0
+    assert world.events[-1] == "RolloutCancelled"
+    world.later(5)
+    world.tick()
+    assert not world.state.active
+    assert world.state.phase == "Idle"
+    assert world.state.stable_revision == world.revision
+
+
+def test_a_rolled_back_adapter_version_is_held_and_reverting_it_clears_the_rollback() -> None:
+    world = _lora_world(("sql", "sql/v1"))
+    _move(world, _lora(("sql", "sql/v2")))
+    world.settle()
+    world.tick(quality=world.quality("Fail"))
+    world.later(5)
+    world.tick()
+    assert world.state.phase == "RolledBack"
+    assert _names(world.state.stable_template) == {"sql": "sql/v1"}
+    world.later(600)
+    world.tick()
+    assert not world.state.active, "a failed version is not tried again"
+    _move(world, _lora(("sql", "sql/v1"), ("fr", "fr/v1")))
+    assert not world.state.active
+    assert world.state.phase == "Idle"
+    assert world.state.failed_revision is None
+
+
+def test_an_infinite_quality_number_is_left_out_of_status_and_said_in_the_message() -> None:
+    verdict = QualityVerdict(
+        "r2", 0, "Fail", "adapter sql: perplexity +inf% > +10%", 1_000.0,
+        {"perplexityIncrease": float("inf"), "kld": 3.5},
+    )  # fmt: skip
+    written = to_status(RolloutState(quality=verdict))
+    assert json.loads(json.dumps(written, allow_nan=False))["quality"]["kld"] == 3.5
+    assert "perplexityIncrease" not in written["quality"]

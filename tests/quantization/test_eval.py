@@ -66,6 +66,23 @@ def test_accumulator_and_gates() -> None:
         Accumulator().result("offline", "vocabulary", 8)
 
 
+def test_a_candidate_that_answers_noise_fails_the_gate_instead_of_overflowing() -> None:
+    """Thousands of nats a token (a LoRA adapter scaled far too high reads text that way):
+    perplexity is infinite, the gate fails on it, and an adapter's gate says so."""
+    acc = Accumulator()
+    for _ in range(3):
+        acc.add_position(5.0, False, 2.0, 4000.0)
+    acc.add_prompt(False)
+    result = acc.result("online", "top-20", 8)
+    assert result.ppl_candidate == math.inf
+    assert result.ppl_delta == math.inf
+    assert GATES["adapter"].failures(result) == ["perplexity change +inf% > +10%"]
+    close = Accumulator()
+    close.add_position(0.0, True, 800.0, 800.5)  # both beyond exp's range; the ratio is not
+    close.add_prompt(True)
+    assert close.result("online", "top-20", 8).ppl_delta == pytest.approx(math.exp(0.5) - 1)
+
+
 def test_default_prompts_cover_languages_and_code() -> None:
     prompts = load_prompts()
     kinds = {p.kind for p in prompts}
