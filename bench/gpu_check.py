@@ -891,6 +891,7 @@ def worker(spec: dict[str, Any]) -> None:
         "syncs": count_syncs,
         "graphs": graph_parity,
         "bench_cli": bench_cli,
+        "spec": spec_decode,
     }[kind](spec)
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -926,6 +927,34 @@ def ladle_throughput(spec: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     generated = sum(len(r.outputs[0].token_ids) for r in results)
     return {"tok_s": generated / elapsed, "seconds": elapsed, "tokens": generated, "load_s": load_s}
+
+
+def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
+    """One stream, greedy, with and without n-gram drafts, on a prompt that repeats (a passage
+    of token ids, twice, then its start: a model that copies has its drafts accepted)."""
+    from ladle.runtime import SamplingParams
+
+    rng = random.Random(0)
+    passage = [rng.randrange(1, spec["vocab"]) for _ in range(64)]
+    prompt = {"prompt_token_ids": passage * 2 + passage[:8]}
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    config = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2}  # fmt: skip
+    out: dict[str, Any] = {}
+    tokens: dict[str, list[int]] = {}
+    for name, extra in (("plain", {}), ("ngram", {"speculative_config": config})):
+        llm = _llm(spec, **extra)
+        llm.generate([prompt], params, use_tqdm=False)  # warm: graphs, kernels
+        sync()
+        start = time.perf_counter()
+        result = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        sync()
+        out[f"{name}_tok_s"] = len(result.token_ids) / (time.perf_counter() - start)
+        tokens[name] = list(result.token_ids)
+        if name == "ngram":
+            out["acceptance"] = llm.engine.stats().spec_decode.acceptance_rate or 0.0
+    out["identical"] = tokens["plain"] == tokens["ngram"]
+    return out
 
 
 def transformers_throughput(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1100,6 +1129,16 @@ def engine_checks(report: Report, default: Path, smoke: bool, interpret: bool) -
         ms = parity["graph_ms_per_token"]
         note = f"eager takes {parity['eager_ms_per_token'] / ms:.2f}x"
         report.add(Row("engine", "one stream's decode, graphs", ms, "ms/tok", None, note))
+    spec = {**base, "kind": "spec", "label": "speculative decoding"}
+    speculative = run_worker(report, spec, 300)
+    if speculative is not None:
+        name = "greedy identical with n-gram drafts"
+        report.add(Row("engine", name, float(speculative["identical"]), "bool",
+                       speculative["identical"], ""))  # fmt: skip
+        ratio = speculative["ngram_tok_s"] / speculative["plain_tok_s"]
+        note = (f"{speculative['ngram_tok_s']:.0f} against {speculative['plain_tok_s']:.0f} tok/s, "
+                f"{speculative['acceptance']:.0%} of draft tokens accepted")  # fmt: skip
+        report.add(Row("engine", "one stream, n-gram drafts / plain", ratio, "x", None, note))
 
 
 def throughput(

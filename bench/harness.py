@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -168,3 +169,10 @@ class TraceSink(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+
+def summary(name: str, values: list[float], unit: str, scale: float = 1.0) -> str:
+    """One line of a benchmark's table: the median over rounds and the spread (min-max)."""
+    med = statistics.median(values) * scale
+    lo, hi = min(values) * scale, max(values) * scale
+    return f"{name:<30} median {med:8.2f} {unit}  (spread {lo:.2f}-{hi:.2f}, n={len(values)})"

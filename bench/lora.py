@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
+from harness import summary  # noqa: E402 - after the path that finds ladle
+
 THROUGHPUT_FLOOR = 0.8
 TPOT_CEILING = 1.15
 ADAPTERS = 4
@@ -109,12 +111,6 @@ def run_tpot(llm: Any, prompt: list[int], adapter: Any) -> float:
                 first = time.perf_counter()
     assert first is not None
     return (time.perf_counter() - first) / (tokens - 1)
-
-
-def summary(name: str, values: list[float], unit: str, scale: float = 1.0) -> str:
-    med = statistics.median(values) * scale
-    lo, hi = min(values) * scale, max(values) * scale
-    return f"{name:<28} median {med:8.2f} {unit}  (spread {lo:.2f}-{hi:.2f}, n={len(values)})"
 
 
 def main() -> int:

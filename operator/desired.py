@@ -156,6 +156,10 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
         ),
         ("seed", engine.seed),
         ("max-waiting-requests", engine.max_waiting_requests),
+        (
+            "speculative-config",
+            None if engine.speculative is None else json.dumps(engine.speculative.config()),
+        ),
     ]
     quant = spec.quantization
     if quant.weights != "none":

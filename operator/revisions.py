@@ -39,7 +39,7 @@ from ladle.api import (
 TEMPLATE_FIELDS = ("quantization", "runtime", "engine", "adapters")
 # Engine fields added after revision names were first published: left out of the digest while
 # unset, so that an operator upgrade does not rename (and roll out) every running revision.
-ADDED_LATER = frozenset({"max_loras", "max_lora_rank", "max_cpu_loras"})
+ADDED_LATER = frozenset({"max_loras", "max_lora_rank", "max_cpu_loras", "speculative"})
 
 
 def template_of(raw_spec: JSON, default_image: str) -> JSON:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from ladle.api.isvc import DEFAULT_MAX_NUM_SEQS
 from ladle.flag_types import Invalid, existing_path, integer, memory, number, size_text
+from ladle.runtime.spec_decode.config import SpeculativeConfig
 from ladle.settings import Default, SettingError
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -102,6 +103,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     # Adapters kept in CPU memory; None: max_loras (vLLM's default).
     max_cpu_loras: int | None = None
+    # vLLM's: JSON text or a mapping ({"method": "ngram", "num_speculative_tokens": 4, ...}).
+    speculative_config: str | dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,6 +143,7 @@ class EngineArgs:
             )
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.quantization_config()  # validates
+        self.speculative()  # validates
 
     def quantization_config(self) -> QuantizationConfig:
         weights = self.quantization or "none"
@@ -166,6 +170,11 @@ class EngineArgs:
                 f"quantization_group_size must be a positive multiple of 32; got {group}"
             )
         return QuantizationConfig(weights, method or "awq", group)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -319,6 +328,17 @@ class EngineArgs:
             help="adapters kept in CPU memory; the rest are read from disk when needed",
         )
 
+        spec = parser.add_argument_group("speculative decoding")
+        spec.add_argument(
+            "--speculative-config",
+            type=_speculative_config,
+            default=Default(None, "off"),
+            help='vLLM\'s, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts from earlier text of the '
+            "prompt and output, and each step verifies the draft; greedy output is unchanged "
+            "token for token, and sampled output keeps its distribution",
+        )
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
@@ -341,3 +361,12 @@ def _device(text: str) -> str:
     if name in ("auto", "cpu", "cuda") or (name.startswith("cuda:") and index.isdigit()):
         return name
     raise Invalid("expected auto, cpu, cuda or cuda:N")
+
+
+def _speculative_config(text: str) -> str:
+    """The flag's JSON, checked at once (one line naming the key, never a traceback)."""
+    try:
+        SpeculativeConfig.parse(text)
+    except SettingError as exc:
+        raise Invalid(str(exc).removeprefix("speculative config: ")) from None
+    return text

@@ -43,6 +43,7 @@ from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 from ladle.runtime.scheduler import Scheduler
 from ladle.runtime.scheduler_output import SchedulerOutput
 from ladle.runtime.sequence import Sequence
+from ladle.runtime.spec_decode.counts import SpecDecodeCounts
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class EngineStats:
     running_loras: list[str]
     waiting_loras: list[str]
     loaded_loras: list[str]
+    # Speculative decoding's totals (all zero without it).
+    spec_decode: SpecDecodeCounts
 
 
 @dataclass
@@ -159,6 +162,7 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
             args.max_loras if args.enable_lora else None,
+            args.speculative(),
         )
         self.runner = ModelRunner(self.model, self.attention, caches, self.kv, self.device)
         self.runner.lora = self.lora
@@ -391,6 +395,7 @@ class LLMEngine:
             running_loras=_adapter_names((*self.scheduler.running, *self.scheduler.parked)),
             waiting_loras=_adapter_names(self.scheduler.waiting),
             loaded_loras=[] if self.lora is None else self.lora.loaded(),
+            spec_decode=self.scheduler.spec,
         )
 
     # -- stepping ---------------------------------------------------------------------------

@@ -26,6 +26,8 @@ class ModelRunnerOutput:
 
     sampled: dict[int, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # Sequences that verified a draft: the draft tokens accepted and one more, by ``seq_id``.
+    verified: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -63,7 +65,8 @@ class ModelRunner:
         for i, item in enumerate(batch):
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start : start + n])
+            token_ids.extend(seq.token_ids[start : start + n - len(item.draft)])
+            token_ids.extend(item.draft)
             positions.extend(range(start, start + n))
             seq_index.extend([i] * n)
             query_start.append(query_start[-1] + n)
@@ -120,12 +123,56 @@ class ModelRunner:
         if all_logits is not None and len(sample_rows) == len(batch):
             logits = all_logits
         else:
-            last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in sample_rows])
-            logits = self.model.compute_logits(hidden[last.to(self.device)])
-        seqs: list[Sequence] = [batch[i].seq for i in sample_rows]
-        samples = self.sampler(logits, seqs)
-        result.sampled = {seq.seq_id: s for seq, s in zip(seqs, samples, strict=True)}
+            # A sequence verifying a draft needs every row of its chunk; the others their last.
+            ends = meta.query_start_loc_cpu
+            rows = [
+                r
+                for i in sample_rows
+                for r in range(ends[i + 1] - 1 - len(batch[i].draft), ends[i + 1])
+            ]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        plain = [j for j, i in enumerate(sample_rows) if not batch[i].draft]
+        if len(plain) == len(sample_rows):
+            seqs: list[Sequence] = [batch[i].seq for i in sample_rows]
+            samples = self.sampler(logits, seqs)
+            result.sampled = {seq.seq_id: s for seq, s in zip(seqs, samples, strict=True)}
+            return result
+        self._verify(batch, sample_rows, logits, result)
         return result
+
+    def _verify(
+        self,
+        batch: list[ScheduledSequence],
+        sample_rows: list[int],
+        logits: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Sample the plain rows, and verify the drafts (``logits`` holds a row per sequence
+        without a draft, and ``len(draft) + 1`` rows per sequence with one, in batch order)."""
+        plain_rows: list[int] = []
+        draft_rows: list[int] = []
+        plain_seqs: list[Sequence] = []
+        draft_items: list[ScheduledSequence] = []
+        row = 0
+        for i in sample_rows:
+            item = batch[i]
+            width = len(item.draft) + 1
+            if item.draft:
+                draft_rows.extend(range(row, row + width))
+                draft_items.append(item)
+            else:
+                plain_rows.append(row)
+                plain_seqs.append(item.seq)
+            row += width
+        if plain_seqs:
+            samples = self.sampler(logits[plain_rows], plain_seqs)
+            result.sampled = {seq.seq_id: s for seq, s in zip(plain_seqs, samples, strict=True)}
+        verified = self.sampler.verify(
+            logits[draft_rows], [item.seq for item in draft_items], [i.draft for i in draft_items]
+        )
+        result.verified = {
+            item.seq.seq_id: tokens for item, tokens in zip(draft_items, verified, strict=True)
+        }
 
     def _adapters(
         self, batch: list[ScheduledSequence]

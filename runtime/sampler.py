@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -90,6 +91,21 @@ def token_logprobs(
     return results
 
 
+class Sampled(Protocol):
+    """What the sampler reads of a sequence (a ``Sequence``, or one seen ahead of drafts)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+    @property
+    def output_token_ids(self) -> list[int]: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def seq_id(self) -> int: ...
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -98,7 +114,7 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Sampled) -> torch.Generator:
         gen = self._generators.get(seq.seq_id)
         if gen is None:
             assert seq.seed is not None
@@ -128,6 +144,82 @@ class Sampler:
                 results[i] = result
         return results
 
+    def verify(
+        self, logits: torch.Tensor, seqs: SequenceOf[Sequence], drafts: SequenceOf[list[int]]
+    ) -> list[list[TokenLogprobs]]:
+        """Speculative decoding's verification: per sequence, the draft tokens it accepts and
+        one token more (the correction at the first rejection, or a bonus after the last).
+
+        ``logits`` holds ``len(draft) + 1`` rows per sequence, in order: row j predicts the
+        token after the sequence extended by its first j draft tokens, and is processed as
+        that sequence (penalties, ``min_tokens``, bad words see those tokens as output). A
+        greedy row accepts the draft token that is its argmax, so greedy output is the same
+        token for token. A random row accepts a draft token d with probability p(d) and on
+        rejection draws from p with d removed: the rejection sampling of Leviathan et al. for
+        a drafter that proposes d with certainty, which leaves the distribution unchanged."""
+        views = [
+            _Ahead(seq, draft[:j]) for seq, draft in zip(seqs, drafts, strict=True)
+            for j in range(len(draft) + 1)
+        ]  # fmt: skip
+        raw = logits.float()
+        edits = any(_edits_logits(s.params) for s in seqs)
+        greedy, random_rows, probs = self._select(raw.clone() if edits else raw, views)
+        by_row = {row: i for i, row in enumerate(random_rows)}
+        chosen: list[tuple[int, int]] = []  # (row, token)
+        counts: list[int] = []
+        row = 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            taken = 0
+            for j in range(len(draft) + 1):
+                offered = draft[j] if j < len(draft) else None
+                token = self._verify_row(seq, row + j, offered, greedy, probs, by_row)
+                chosen.append((row + j, token))
+                taken += 1
+                if token != offered:
+                    break
+            counts.append(taken)
+            row += len(draft) + 1
+        rows = torch.tensor([r for r, _ in chosen], device=logits.device)
+        tokens = torch.tensor([t for _, t in chosen], device=logits.device)
+        num_top = [
+            seq.params.logprobs if seq.params.needs_logprob else None
+            for seq, n in zip(seqs, counts, strict=True)
+            for _ in range(n)
+        ]
+        if any(seq.params.needs_logprob for seq in seqs):
+            scored = token_logprobs(raw[rows], tokens, num_top)
+        else:
+            scored = [TokenLogprobs(t, None) for t in tokens.tolist()]
+        out, start = [], 0
+        for n in counts:
+            out.append(scored[start : start + n])
+            start += n
+        return out
+
+    def _verify_row(
+        self,
+        seq: Sequence,
+        row: int,
+        offered: int | None,
+        greedy: torch.Tensor,
+        probs: torch.Tensor,
+        by_row: dict[int, int],
+    ) -> int:
+        """The token of one row: ``offered`` when accepted, else a draw (or the argmax)."""
+        if row not in by_row:
+            return int(greedy[row])
+        p = probs[by_row[row]]
+        generator = self._generator(seq) if seq.seed is not None else None
+        if offered is not None:
+            accept = float(p[offered]) / float(p.sum())
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if u < accept:
+                return offered
+            p = p.clone()
+            p[offered] = 0.0
+        race = torch.empty_like(p).exponential_(generator=generator)
+        return int((p / race).argmax())
+
     def distribution(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
         """The distribution each row's token is drawn from (one-hot for greedy rows), for
         inspection; the step itself never builds the greedy rows' one-hots."""
@@ -139,7 +231,7 @@ class Sampler:
         return dist
 
     def _select(
-        self, logits: torch.Tensor, seqs: SequenceOf[Sequence]
+        self, logits: torch.Tensor, seqs: SequenceOf[Sampled]
     ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """Process ``logits`` in place: the greedy pick of every row, and the rows to sample
         at random with their (unnormalized) probabilities."""
@@ -159,7 +251,7 @@ class Sampler:
             probs = self._top_p(probs, [p.top_p for p in params])
         return greedy, rows, probs
 
-    def constrain(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    def constrain(self, logits: torch.Tensor, seqs: SequenceOf[Sampled]) -> torch.Tensor:
         """Apply allowed_token_ids, then bad_words and min_tokens (-inf), then logit_bias."""
         allowed = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
         if allowed:
@@ -185,7 +277,7 @@ class Sampler:
             logits.index_put_(index, torch.tensor(values, device=self.device), accumulate=True)
         return logits
 
-    def penalize(self, logits: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    def penalize(self, logits: torch.Tensor, seqs: SequenceOf[Sampled]) -> torch.Tensor:
         """vLLM's ``apply_penalties``: repetition over prompt and output, frequency and presence
         (OpenAI's definitions) over the output. Only the logits of tokens seen are touched."""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
@@ -217,7 +309,7 @@ class Sampler:
         flat[seen] = values
         return logits
 
-    def _draw(self, probs: torch.Tensor, seqs: SequenceOf[Sequence]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, seqs: SequenceOf[Sampled]) -> torch.Tensor:
         """The exponential race (as vLLM draws): ``argmax(p / E)`` with ``E ~ Exp(1)`` picks
         token i with probability p_i, from the row's own generator when it is seeded.
         ``probs`` need not sum to one. An inverse-CDF draw moves to a neighbouring token when
@@ -280,6 +372,34 @@ class Sampler:
         return torch.zeros_like(probs).scatter_(-1, order, ordered)
 
 
+@dataclass
+class _Ahead:
+    """A sequence as it would stand after ``draft``: what the sampler reads of it."""
+
+    seq: Sequence
+    draft: list[int]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seq.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.draft if self.draft else self.seq.output_token_ids
+
+    @property
+    def seed(self) -> int | None:
+        return self.seq.seed
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+
 def _edits_logits(params: SamplingParams) -> bool:
     """Whether masks, bias or penalties may change this row's logits."""
     return bool(
@@ -291,7 +411,7 @@ def _edits_logits(params: SamplingParams) -> bool:
     )
 
 
-def _banned_tokens(seq: Sequence) -> list[int]:
+def _banned_tokens(seq: Sampled) -> list[int]:
     """Tokens this sequence may not sample next: stop tokens under ``min_tokens``, and the last
     token of each bad word whose other tokens end the output (vLLM's rule)."""
     params = seq.params

@@ -38,6 +38,9 @@ from ladle.runtime.scheduler_output import (
     SequenceUpdate,
 )
 from ladle.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
+from ladle.runtime.spec_decode.config import SpeculativeConfig
+from ladle.runtime.spec_decode.counts import SpecDecodeCounts
+from ladle.runtime.spec_decode.ngram import propose
 
 if TYPE_CHECKING:
     from ladle.runtime.input_processor import Request
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 # Schedules a request may be passed over for want of an adapter slot before requests for
 # other adapters wait behind it (tens of milliseconds each on a GPU).
 LORA_MAX_PASSES = 32
+# The most plain decode steps a sequence whose drafts keep failing goes without one.
+MAX_DRAFT_PAUSE = 32
 
 
 class Scheduler:
@@ -60,8 +65,11 @@ class Scheduler:
         max_model_len: int | None = None,
         eos_token_ids: Iterable[int] = (),
         max_loras: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = kv
+        self.speculative = speculative
+        self.spec = SpecDecodeCounts()
         # Distinct adapters that may run at once (the device slots); None without LoRA.
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
@@ -276,6 +284,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # A decode verifies draft tokens in the same step where there is room for them
+            # (their blocks included: without, it decodes one token as usual).
+            draft = self._draft(seq, num_new, budget)
+            if draft and self.kv.allocate_slots(seq, num_new + len(draft)):
+                num_new += len(draft)
+            else:
+                draft = []
             while not self.kv.allocate_slots(seq, num_new):
                 others_parked = [p for p in self.parked if p.request_id != seq.request_id]
                 victim = max([*self.running, *others_parked], key=self._rank)
@@ -285,7 +300,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                item = ScheduledSequence(seq, num_new)
+                item = ScheduledSequence(seq, num_new, draft)
                 out.scheduled.append(item)
                 scheduled[seq.seq_id] = item
                 budget -= num_new
@@ -339,6 +354,28 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         self._stamp(out)
         return out
+
+    def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding sequence of a one-sample request, at most as many as
+        the step's budget, the model's length and the request's ``max_tokens`` leave room for
+        (each accepted one is emitted)."""
+        spec = self.speculative
+        if spec is None or num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+            return []
+        group = self.groups[seq.request_id]
+        if group.width != 1 or group.beam is not None:
+            return []
+        if seq.draft_pause > 0:
+            seq.draft_pause -= 1
+            return []
+        room = min(spec.num_speculative_tokens, budget - 1)
+        if self.max_model_len is not None:
+            room = min(room, self.max_model_len - seq.num_tokens)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
+        if room <= 0:
+            return []
+        return propose(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
 
     def _running_adapters(self) -> set[int]:
         """The adapters running sequences hold, gathered once per schedule: admissions add to
@@ -426,11 +463,12 @@ class Scheduler:
         changed = False
         for item in items:
             seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            if seq.num_computed_tokens > seq.computed_high:
-                self.progress += seq.num_computed_tokens - seq.computed_high
-                seq.computed_high = seq.num_computed_tokens
-            self.kv.commit_computed(seq)
+            verified = result.verified.get(seq.seq_id) if item.draft else None
+            if verified is not None:
+                self._take_verified(group, item, verified, update)
+                update.sampled = changed = True
+                continue
+            self._computed(seq, item.num_new_tokens)
             prompt_logprobs = result.prompt_logprobs.get(seq.seq_id)
             if prompt_logprobs is not None:
                 update.prompt_logprobs = prompt_logprobs
@@ -451,6 +489,44 @@ class Scheduler:
             self.finish([s for s in group.live if s.finish_reason is not None])
         update.finished = self._drop_if_done(group)
         return update if changed or update.finished else None
+
+    def _computed(self, seq: Sequence, num_tokens: int) -> None:
+        """``num_tokens`` more have their KV in the cache: progress where they are new (not
+        recomputed after a preemption), and full blocks published for prefix reuse."""
+        seq.num_computed_tokens += num_tokens
+        if seq.num_computed_tokens > seq.computed_high:
+            self.progress += seq.num_computed_tokens - seq.computed_high
+            seq.computed_high = seq.num_computed_tokens
+        self.kv.commit_computed(seq)
+
+    def _take_verified(
+        self,
+        group: SequenceGroup,
+        item: ScheduledSequence,
+        tokens: list[TokenLogprobs],
+        update: RequestUpdate,
+    ) -> None:
+        """A verified draft's tokens, one by one as if sampled one step each (a stop ends them
+        there). The KV written for each token taken is valid, since each was computed after
+        the tokens before it; what follows (the rejected drafts' positions) is overwritten
+        by the next step."""
+        seq, draft = item.seq, item.draft
+        taken = 0
+        for sample in tokens:
+            self._append(group, seq, sample, update)
+            taken += 1
+            if seq.finish_reason is not None:
+                break
+        self._computed(seq, taken)
+        self.progress += taken
+        accepted = 0
+        while accepted < len(draft) and tokens[accepted].token_id == draft[accepted]:
+            accepted += 1
+        self.spec.count(len(draft), accepted)
+        # A verification step costs more than a decode: where drafts keep failing (text that
+        # does not repeat), draft again only after 1, 2, 4 ... 32 plain decodes.
+        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+        seq.draft_pause = 0 if accepted else min(2 ** (seq.draft_misses - 1), MAX_DRAFT_PAUSE)
 
     def _append(
         self, group: SequenceGroup, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate

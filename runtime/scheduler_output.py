@@ -14,12 +14,16 @@ from ladle.runtime.sequence import Sequence
 @dataclass
 class ScheduledSequence:
     seq: Sequence
+    # Tokens this step computes: the sequence's own, then ``draft`` (speculative decoding's
+    # proposed continuation, which the step verifies).
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def completes_prompt(self) -> bool:
         """True when this chunk reaches the last known token, so a new token gets sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        own = self.num_new_tokens - len(self.draft)
+        return self.seq.num_computed_tokens + own == self.seq.num_tokens
 
 
 @dataclass

@@ -62,6 +62,9 @@ class Sequence:
     # it over for want of a free adapter slot.
     lora: LoRARequest | None = None
     lora_passes: int = 0
+    # Speculative decoding: drafts rejected in a row, and decode steps to go without one.
+    draft_misses: int = 0
+    draft_pause: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from ladle.runtime.engine import IterationStats, LLMEngine
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.server.adapters import ServedAdapters
+from ladle.runtime.spec_decode.counts import SpecDecodeCounts
 from ladle.runtime_metrics import (
     CACHE_CONFIG_INFO,
     KV_USAGE,
@@ -159,6 +160,28 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)
             counter.add_metric(values, value)
             yield counter
+        if self.engine.args.speculative_config is not None:
+            yield from self._spec_decode(stats.spec_decode, values)
+
+    def _spec_decode(self, counts: SpecDecodeCounts, values: list[str]) -> Iterator[Metric]:
+        """vLLM's ``spec_decode`` counters: the acceptance rate is accepted over draft
+        tokens, and the mean tokens a verifying step yields 1 + accepted over drafts."""
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Steps that verified a draft.", counts.drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", counts.draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", counts.accepted_tokens),
+        ):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(values, value)
+            yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(counts.accepted_per_position):
+            per_position.add_metric([*values, str(position)], value)
+        yield per_position
 
     def _lora_info(self, loaded: list[str], waiting: list[str]) -> Iterator[Metric]:
         """``running_lora_adapters`` lists the adapters in device slots, as GAIE's protocol

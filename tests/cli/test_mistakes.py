@@ -75,6 +75,14 @@ MISTAKES: dict[str, Mistake] = {
         ("serve",), ("LADLE_SERVE_CONFIG=", "no such file"),
         env={"LADLE_SERVE_CONFIG": "{tmp}/missing.yaml"},
     ),
+    "speculative method unknown": Mistake(
+        ("serve", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'),
+        ("--speculative-config", "method must be one of ngram", "'eagle'"),
+    ),
+    "speculative tokens zero": Mistake(
+        ("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'),
+        ("--speculative-config", "num_speculative_tokens must be 1 to 16; got 0"),
+    ),
     "config file named empty": Mistake(("serve", "--config", ""), ("--config ''", "not be empty")),
     "config file from the environment, empty": Mistake(
         ("serve",), ("LADLE_SERVE_CONFIG=''", "not be empty"), env={"LADLE_SERVE_CONFIG": ""},

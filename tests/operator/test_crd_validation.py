@@ -70,6 +70,42 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         'unknown field "spec.adapters[0].source.builtin"',
     ),
     (
+        "speculative-unknown-method",
+        with_spec(
+            VALID_ISVC, engine={"speculative": {"method": "eagle", "numSpeculativeTokens": 4}}
+        ),
+        'spec.engine.speculative.method: Unsupported value: "eagle"',
+    ),
+    (
+        "speculative-no-tokens",
+        with_spec(
+            VALID_ISVC, engine={"speculative": {"method": "ngram", "numSpeculativeTokens": 0}}
+        ),
+        "spec.engine.speculative.numSpeculativeTokens: Invalid value: 0",
+    ),
+    (
+        "speculative-too-many-tokens",
+        with_spec(
+            VALID_ISVC, engine={"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}
+        ),
+        "should be less than or equal to 16",
+    ),
+    (
+        "speculative-lookup-inverted",
+        with_spec(
+            VALID_ISVC,
+            engine={
+                "speculative": {
+                    "method": "ngram",
+                    "numSpeculativeTokens": 4,
+                    "promptLookupMin": 5,
+                    "promptLookupMax": 2,
+                }
+            },
+        ),
+        "promptLookupMin must not exceed promptLookupMax",
+    ),
+    (
         "lora-slots-without-adapters",
         with_spec(VALID_ISVC, engine={"maxLoras": 4}),
         "only pods with adapters have: set adapters",
@@ -448,6 +484,16 @@ def test_quantized_variants_are_accepted_as_written(kube: Kube, k8s_namespace: s
         kube.apply(yaml.safe_dump(obj), k8s_namespace)
         stored = kube.isvc(k8s_namespace, name)["spec"]["quantization"]
         assert stored == {"weights": "none", "kvCache": "auto", **quantization}
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ladle_chart")
+def test_speculative_decoding_is_accepted_as_written(kube: Kube, k8s_namespace: str) -> None:
+    speculative = {"method": "ngram", "numSpeculativeTokens": 6, "promptLookupMax": 4}
+    obj = with_spec(VALID_ISVC, engine={"speculative": speculative})
+    obj["metadata"]["name"] = "speculative"
+    kube.apply(yaml.safe_dump(obj), k8s_namespace)
+    assert kube.isvc(k8s_namespace, "speculative")["spec"]["engine"]["speculative"] == speculative
 
 
 @pytest.mark.cluster

@@ -197,6 +197,24 @@ def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
     ]  # fmt: skip
 
 
+def test_speculative_decoding_is_vllms_flag_and_a_new_revision(make_isvc: Builder) -> None:
+    from ladle.operator.revisions import revision_of, template_of
+
+    speculative = {"method": "ngram", "numSpeculativeTokens": 6, "promptLookupMax": 4}
+    spec = {"model": {"name": "m"}, "engine": {"speculative": speculative}}
+    flags = render_flags(engine_config(parse_isvc(make_isvc(spec=spec))))
+    at = flags.index("--speculative-config")
+    assert json.loads(flags[at + 1]) == {
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_max": 4,
+    }
+    # An engine setting like any other: with spec.rollout, a canary.
+    assert revision_of(template_of(spec, "img")) != revision_of(
+        template_of({"model": {"name": "m"}}, "img")
+    )
+
+
 @pytest.mark.parametrize(
     ("quantization", "flags", "label"),
     [

@@ -272,6 +272,7 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
         "maxLoras": 2,
         "maxLoraRank": 32,
         "maxCpuLoras": 4,
+        "speculative": {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3},
     }
     assert set(engine) | {"gpuMemoryUtilization"} == set(engine_fields)
     obj = {

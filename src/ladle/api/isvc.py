@@ -60,6 +60,26 @@ DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """``engine.speculative``: ``--speculative-config``, in vLLM's keys when rendered."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def config(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     """Engine knobs; each maps onto one ``ladle serve`` flag (None: the runtime's default)."""
 
@@ -79,6 +99,7 @@ class EngineSettings:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     max_cpu_loras: int | None = None
+    speculative: SpeculativeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +298,18 @@ def parse_engine(raw: Mapping[str, Any] | None) -> EngineSettings:
         max_loras=opt_int(raw.get("maxLoras")),
         max_lora_rank=opt_int(raw.get("maxLoraRank")),
         max_cpu_loras=opt_int(raw.get("maxCpuLoras")),
+        speculative=parse_speculative(raw.get("speculative")),
+    )
+
+
+def parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
+    if raw is None:
+        return None
+    return SpeculativeSpec(
+        str(raw["method"]),
+        int(raw["numSpeculativeTokens"]),
+        opt_int(raw.get("promptLookupMin")),
+        opt_int(raw.get("promptLookupMax")),
     )
 
 

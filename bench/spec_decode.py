@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Speculative decoding (n-gram prompt lookup) against plain decoding, at batch 1, measured in
+one run on the default model.
+
+Two engines are built up front, the same but for ``--speculative-config``. Then, in
+interleaved rounds (the order alternates each round, so that the machine's drift lands on both
+alike), each engine serves the same requests one at a time, greedy, 128 new tokens:
+
+* **rewrite**: "rewrite this passage" over a paragraph of the standard library's own prose:
+  the answer repeats its prompt, where drafts should be accepted;
+* **A**: prompts of ``ladle bench throughput``'s workload A (random words), where drafts
+  mostly fail.
+
+Every round uses prompts no earlier round used, both engines the same ones (nothing is served
+from the prefix cache of an earlier run). Reported per workload: output tokens per second and
+TPOT (after the first token), medians and spreads over rounds, and the acceptance rate;
+against the targets of issue 38: at least 1.5x tokens/s on rewrite, at least 0.97x on A.
+llama.cpp has no place in this table: its peer is ``ladle bench latency --baseline llama.cpp``,
+without speculation.
+
+    .venv/bin/python bench/spec_decode.py              # about 5 minutes on 2 cores
+    .venv/bin/python bench/spec_decode.py --rounds 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+from harness import summary  # noqa: E402 - after the path that finds ladle
+
+REWRITE_FLOOR = 1.5
+A_FLOOR = 0.97
+OUTPUT_TOKENS = 128
+PER_ROUND = 2  # requests of each workload per round
+CONFIG = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
+          "prompt_lookup_min": 2}  # fmt: skip
+# Modules whose docstrings are paragraphs of plain English.
+SOURCES = (
+    "argparse", "bisect", "calendar", "colorsys", "contextlib", "csv", "difflib", "fnmatch",
+    "fractions", "functools", "getopt", "gettext", "heapq", "imaplib", "json", "locale",
+    "mailbox", "numbers", "optparse", "pickle", "pprint", "queue", "sched", "shlex", "string",
+    "tabnanny", "textwrap", "timeit", "tokenize", "zipfile",
+)  # fmt: skip
+
+
+def passages() -> list[str]:
+    out = []
+    for name in SOURCES:
+        doc = " ".join((importlib.import_module(name).__doc__ or "").split())
+        if len(doc) >= 300:
+            out.append(doc[:700])
+    return out
+
+
+def rewrite_prompt(passage: str, round_: int, i: int) -> str:
+    return (
+        f"Request {round_}.{i}. Rewrite the passage below word for word.\n\n"
+        f"Passage:\n{passage}\n\nRewritten passage:\n"
+    )
+
+
+def serve(llm: Any, prompt: str) -> tuple[float, float, int]:
+    """(output tokens per second, seconds per output token after the first, tokens)."""
+    from ladle.runtime import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    started = time.perf_counter()
+    engine.add_request("bench", prompt, params)
+    first: float | None = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = len(out.outputs[0].token_ids)
+            if first is None and tokens:
+                first = time.perf_counter()
+    ended = time.perf_counter()
+    assert first is not None
+    return tokens / (ended - started), (ended - first) / (tokens - 1), tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    from ladle.runtime import LLM
+    from ladle.runtime.bench.workloads import WORKLOADS
+
+    texts = passages()
+    needed = args.rounds * PER_ROUND + 1
+    if len(texts) < needed:
+        parser.error(f"--rounds {args.rounds} needs {needed} passages; there are {len(texts)}")
+    flags: dict[str, Any] = {"kv_cache_memory": "1GiB", "max_model_len": 1024}
+    engines = {"plain": LLM(None, **flags), "ngram": LLM(None, speculative_config=CONFIG, **flags)}
+    workload_a = WORKLOADS["A"]
+    # Warm both engines (first-step costs, the fused kernels' setup) outside every timing.
+    for llm in engines.values():
+        serve(llm, rewrite_prompt(texts[-1], 0, 0))
+        serve(llm, workload_a.prompts(seed=999)[0])
+
+    results: dict[str, list[float]] = {}
+    accepted = {"rewrite": [0, 0], "A": [0, 0]}  # accepted, proposed
+    for r in range(args.rounds):
+        prompts = {
+            "rewrite": [
+                rewrite_prompt(texts[r * PER_ROUND + i], r + 1, i) for i in range(PER_ROUND)
+            ],
+            "A": workload_a.prompts(seed=r + 1)[:PER_ROUND],
+        }
+        order = ["plain", "ngram"] if r % 2 == 0 else ["ngram", "plain"]
+        for workload, batch in prompts.items():
+            for who in order:
+                llm = engines[who]
+                before = llm.engine.stats().spec_decode
+                counts = (before.accepted_tokens, before.draft_tokens)
+                speeds, tpots = [], []
+                for prompt in batch:
+                    speed, tpot, _ = serve(llm, prompt)
+                    speeds.append(speed)
+                    tpots.append(tpot)
+                results.setdefault(f"{workload}/{who}/tok_s", []).append(statistics.mean(speeds))
+                results.setdefault(f"{workload}/{who}/tpot", []).append(statistics.mean(tpots))
+                after = llm.engine.stats().spec_decode
+                accepted[workload][0] += after.accepted_tokens - counts[0]
+                accepted[workload][1] += after.draft_tokens - counts[1]
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+
+    print()
+    verdicts = []
+    for workload, floor in (("rewrite", REWRITE_FLOOR), ("A", A_FLOOR)):
+        for who in ("plain", "ngram"):
+            print(
+                summary(f"{workload}, {who}, output", results[f"{workload}/{who}/tok_s"], "tok/s")
+            )
+            print(summary(f"{workload}, {who}, TPOT", results[f"{workload}/{who}/tpot"], "ms", 1e3))
+        ratio = statistics.median(results[f"{workload}/ngram/tok_s"]) / statistics.median(
+            results[f"{workload}/plain/tok_s"]
+        )
+        tpot = statistics.median(results[f"{workload}/ngram/tpot"]) / statistics.median(
+            results[f"{workload}/plain/tpot"]
+        )
+        got, proposed = accepted[workload]
+        rate = f"{got / proposed:.0%} of {proposed} draft tokens" if proposed else "no drafts"
+        ok = ratio >= floor
+        verdicts.append(ok)
+        print(
+            f"{workload}: ngram / plain output tok/s {ratio:.3f}x (target >= {floor}x) "
+            f"{'met' if ok else 'MISSED'}; TPOT {tpot:.3f}x; accepted {rate}"
+        )
+        print()
+    return 0 if all(verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

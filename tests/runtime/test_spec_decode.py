@@ -1,0 +1,181 @@
+"""Speculative decoding with n-gram drafts: greedy output token for token the same as without
+it (across prompts, lengths, stop strings, penalties, preemption and every tiny
+architecture), sampled output from the same distribution, the proposer, and the config's
+refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from random_weights import TINY_ARCHITECTURES
+
+from ladle.runtime import LLM, SamplingParams
+from ladle.runtime.sampler import Sampler
+from ladle.runtime.sampling_params import SamplingParams as Params
+from ladle.runtime.sequence import Sequence
+from ladle.runtime.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from ladle.runtime.spec_decode.ngram import propose
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
+PASSAGE = (
+    "The river flows through the old town, past the mill and the church, and under the stone "
+    "bridge where the children fish in summer. In winter the river freezes and the people "
+    "skate on it from the mill to the bridge."
+)
+PROMPTS = [
+    f"Repeat this passage exactly.\n\nPassage: {PASSAGE}\n\nRepeated: {PASSAGE[:40]}",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Count: one, two, three, four, five, one, two, three, four, five, one, two,",
+    "Write a short poem about the sea.",
+]
+
+
+def test_the_proposer_continues_the_latest_longest_match() -> None:
+    assert propose([1, 2, 3, 4, 1, 2, 3], 1, 3, 4) == [4, 1, 2, 3]
+    assert propose([9, 2, 3, 7, 1, 2, 3], 2, 2, 2) == [7, 1]
+    # The latest occurrence wins; a longer n-gram before a shorter one.
+    assert propose([5, 6, 1, 5, 7, 1, 5], 1, 2, 1) == [7]
+    assert propose([1, 2, 3, 4, 5], 1, 3, 4) == []
+    assert propose([1, 2, 1], 2, 3, 4) == []  # below the minimum n
+    # Packed as 32-bit integers, a match must start on a token: 256 = bytes 00 01 00 00.
+    assert propose([256, 1, 0, 0, 1], 1, 1, 3) == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be 1"),
+        ('{"method": "ngram", "num_speculative_tokens": 17}', "1 to 16; got 17"),
+        ('{"method": "ngram"}', "num_speculative_tokens must be 1 to 16; got None"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, '
+            '"prompt_lookup_max": 2}',
+            "prompt_lookup_min <= prompt_lookup_max",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown key 'k'"),
+        ("{method: ngram}", "not JSON"),
+    ],
+)
+def test_a_config_that_cannot_run_is_refused_by_name(raw: str, message: str) -> None:
+    with pytest.raises(SpeculativeConfigError, match=message):
+        SpeculativeConfig.parse(raw)
+
+
+def test_lookup_sizes_default_as_vllms_do() -> None:
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}) == (
+        SpeculativeConfig("ngram", 3, 5, 5)
+    )
+    only_max = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    assert SpeculativeConfig.parse(only_max).prompt_lookup_min == 4
+
+
+def _greedy(llm: LLM, params: SamplingParams, prompts: list[str] = PROMPTS) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def pair(default_model_path: Path) -> tuple[LLM, LLM]:
+    """The default model with and without drafts, each with a KV cache small enough that the
+    prompts below, run together, preempt one another."""
+    common: dict[str, Any] = {"kv_cache_memory": "24Mi", "max_num_seqs": 8}
+    return LLM(str(default_model_path), **common), LLM(
+        str(default_model_path), speculative_config=NGRAM, **common
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=7, temperature=0),
+        SamplingParams(max_tokens=64, temperature=0, stop=["bridge", "def div"]),
+        SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.3, min_tokens=20),
+        SamplingParams(max_tokens=32, temperature=0, logprobs=2),
+    ],
+    ids=["long", "short", "stop-strings", "penalties", "logprobs"],
+)
+def test_greedy_output_is_the_same_token_for_token(
+    pair: tuple[LLM, LLM], params: SamplingParams
+) -> None:
+    plain, spec = pair
+    before = spec.engine.stats().spec_decode.accepted_tokens
+    outs = plain.generate(PROMPTS, params, use_tqdm=False)
+    specs = spec.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(outs, specs, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
+        if params.logprobs:
+            assert b.outputs[0].logprobs is not None
+            assert a.outputs[0].logprobs is not None
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert x.keys() == y.keys()
+                for token in x:
+                    assert y[token].logprob == pytest.approx(x[token].logprob, abs=1e-3)
+    # A repetition penalty rejects the repeats that prompt lookup drafts.
+    if params.max_tokens and params.max_tokens > 8 and params.repetition_penalty == 1.0:
+        assert spec.engine.stats().spec_decode.accepted_tokens > before, "no draft was accepted"
+
+
+def test_preempted_sequences_that_speculate_still_give_the_same_output(
+    pair: tuple[LLM, LLM],
+) -> None:
+    plain, spec = pair
+    prompts = [p + f" {i}" for i in range(4) for p in PROMPTS]
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    preempted = spec.engine.stats().num_preemptions
+    assert _greedy(spec, params, prompts) == _greedy(plain, params, prompts)
+    assert spec.engine.stats().num_preemptions > preempted, "nothing was preempted"
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_every_architecture_gives_the_same_greedy_output(
+    tiny_model_factory: Callable[[str], Path], arch: str
+) -> None:
+    path = str(tiny_model_factory(arch))
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = _greedy(LLM(path), params)
+    # Random weights seldom repeat two tokens: drafts from one-token matches, mostly rejected.
+    spec = LLM(path, speculative_config={**NGRAM, "prompt_lookup_min": 1})
+    assert _greedy(spec, params) == plain
+    assert spec.engine.stats().spec_decode.drafts > 0
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_verification_leaves_the_sampled_distribution_unchanged() -> None:
+    """One row per draft token and a bonus row: whatever the draft proposes, the first token
+    out is distributed as the row's own distribution (temperature and top-k applied), and
+    the second, after an accepted draft, as its row's."""
+    torch.manual_seed(0)
+    vocab = 6
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 1.5, -0.5, 0.7, 0.0, 1.0]])
+    params = Params(temperature=0.8, top_k=5, max_tokens=8)
+    sampler = Sampler(torch.device("cpu"))
+    seq = Sequence("r", [1, 2, 3], params, 0.0)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    for draft in ([0], [3]):  # a likely draft token and an unlikely one
+        first.zero_()
+        second.zero_()
+        for _ in range(6000):
+            tokens = [t.token_id for t in sampler.verify(logits, [seq], [draft])[0]]
+            first[tokens[0]] += 1
+            if len(tokens) == 2:
+                second[tokens[1]] += 1
+        want = [sampler.distribution(logits[i : i + 1], [seq])[0] for i in range(2)]
+        kept = want[0] > 0
+        assert first[~kept].sum() == 0, "a token top-k removed was drawn"
+        # 4 degrees of freedom (5 tokens kept): p = 0.001 at 18.47.
+        assert _chi_square(first[kept], want[0][kept]) < 18.47, (draft, first)
+        kept = want[1] > 0
+        assert _chi_square(second[kept], want[1][kept]) < 18.47, (draft, second)
