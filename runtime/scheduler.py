@@ -287,7 +287,12 @@ class Scheduler:
             # A decode verifies draft tokens in the same step where there is room for them
             # (their blocks included: without, it decodes one token as usual).
             draft = self._draft(seq, num_new, budget)
-            if draft and self.kv.allocate_slots(seq, num_new + len(draft)):
+            later = len(self.running) - i - 1
+            if (
+                draft
+                and self._draft_fits(seq, num_new, len(draft), later)
+                and self.kv.allocate_slots(seq, num_new + len(draft))
+            ):
                 num_new += len(draft)
             else:
                 draft = []
@@ -376,6 +381,15 @@ class Scheduler:
         if room <= 0:
             return []
         return propose(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+
+    def _draft_fits(self, seq: Sequence, num_new: int, drafted: int, later: int) -> bool:
+        """Whether a draft's KV blocks leave a free block for each running sequence still to
+        schedule this step: a draft must not be why another sequence is preempted."""
+        kv = self.kv
+        held = len(kv.block_tables.get(seq.seq_id, ()))
+        plain = max(kv.blocks_needed(seq.num_computed_tokens + num_new), held)
+        extra = kv.blocks_needed(seq.num_computed_tokens + num_new + drafted) - plain
+        return extra <= 0 or kv.num_free_blocks - extra >= later
 
     def _running_adapters(self) -> set[int]:
         """The adapters running sequences hold, gathered once per schedule: admissions add to

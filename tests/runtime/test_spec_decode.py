@@ -179,3 +179,34 @@ def test_verification_leaves_the_sampled_distribution_unchanged() -> None:
         assert _chi_square(first[kept], want[0][kept]) < 18.47, (draft, first)
         kept = want[1] > 0
         assert _chi_square(second[kept], want[1][kept]) < 18.47, (draft, second)
+
+
+def test_a_draft_never_takes_the_block_another_sequence_needs() -> None:
+    """One free block, two decoding sequences that each could use it: A's draft would, and
+    then B would have to be preempted. The draft is dropped instead; both decode."""
+    from ladle.runtime.input_processor import Request
+    from ladle.runtime.kv_cache.manager import KVCacheManager
+    from ladle.runtime.model_runner import ModelRunnerOutput
+    from ladle.runtime.sampler import TokenLogprobs
+    from ladle.runtime.scheduler import Scheduler
+
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=False)
+    config = SpeculativeConfig("ngram", 4, 1, 4)
+    sched = Scheduler(kv, 8, 100, max_model_len=64, speculative=config)
+    params = Params(max_tokens=16, temperature=0.0)
+    sched.add_request(Request("a", None, [1, 2, 3, 4, 1, 2, 3], params, 0.0))
+    sched.add_request(Request("b", None, [5, 6, 7, 9, 10, 11, 12, 13], params, 1.0))
+    first = sched.schedule()  # both prefill: two blocks each, one left
+    sampled = {i.seq.seq_id: TokenLogprobs(4 if i.seq.request_id == "a" else 14, 0.0)
+               for i in first.scheduled}  # fmt: skip
+    sched.update_from_output(first, ModelRunnerOutput(sampled=sampled))
+    assert kv.num_free_blocks == 1
+    # A's next draft (1 2 3 4, from the earlier 1 2 3 4) would need a third block; B needs one.
+    a = sched.groups["a"].seqs[0]
+    assert propose(a.token_ids, 1, 4, 4) == [1, 2, 3, 4]
+    step = sched.schedule()
+    assert not step.preempted
+    assert {i.seq.request_id: (i.num_new_tokens, i.draft) for i in step.scheduled} == {
+        "a": (1, []),
+        "b": (1, []),
+    }
