@@ -131,24 +131,18 @@ class ModelRunner:
                 for r in range(ends[i + 1] - 1 - len(batch[i].draft), ends[i + 1])
             ]
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        plain = [j for j, i in enumerate(sample_rows) if not batch[i].draft]
-        if len(plain) == len(sample_rows):
-            seqs: list[Sequence] = [batch[i].seq for i in sample_rows]
-            samples = self.sampler(logits, seqs)
-            result.sampled = {seq.seq_id: s for seq, s in zip(seqs, samples, strict=True)}
-            return result
-        self._verify(batch, sample_rows, logits, result)
+        self._sample(batch, sample_rows, logits, result)
         return result
 
-    def _verify(
+    def _sample(
         self,
         batch: list[ScheduledSequence],
         sample_rows: list[int],
         logits: torch.Tensor,
         result: ModelRunnerOutput,
     ) -> None:
-        """Sample the plain rows, and verify the drafts (``logits`` holds a row per sequence
-        without a draft, and ``len(draft) + 1`` rows per sequence with one, in batch order)."""
+        """Each sequence's next token, and each draft's verification (``logits`` holds a row
+        per sequence without a draft and ``len(draft) + 1`` rows per one with, in order)."""
         plain_rows: list[int] = []
         draft_rows: list[int] = []
         plain_seqs: list[Sequence] = []
@@ -165,14 +159,16 @@ class ModelRunner:
                 plain_seqs.append(item.seq)
             row += width
         if plain_seqs:
-            samples = self.sampler(logits[plain_rows], plain_seqs)
+            rows = logits if not draft_items else logits[plain_rows]
+            samples = self.sampler(rows, plain_seqs)
             result.sampled = {seq.seq_id: s for seq, s in zip(plain_seqs, samples, strict=True)}
-        verified = self.sampler.verify(
-            logits[draft_rows], [item.seq for item in draft_items], [i.draft for i in draft_items]
-        )
-        result.verified = {
-            item.seq.seq_id: tokens for item, tokens in zip(draft_items, verified, strict=True)
-        }
+        if draft_items:
+            verified = self.sampler.verify(
+                logits[draft_rows], [i.seq for i in draft_items], [i.draft for i in draft_items]
+            )
+            result.verified = {
+                item.seq.seq_id: tokens for item, tokens in zip(draft_items, verified, strict=True)
+            }
 
     def _adapters(
         self, batch: list[ScheduledSequence]
