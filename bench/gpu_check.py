@@ -935,9 +935,10 @@ def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
     from ladle.runtime import SamplingParams
 
     rng = random.Random(0)
-    passage = [rng.randrange(1, spec["vocab"]) for _ in range(64)]
+    smoke = spec.get("smoke", False)  # the Triton interpreter runs every kernel: keep it short
+    passage = [rng.randrange(1, spec["vocab"]) for _ in range(16 if smoke else 64)]
     prompt = {"prompt_token_ids": passage * 2 + passage[:8]}
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16 if smoke else 128, ignore_eos=True)
     config = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
               "prompt_lookup_min": 2}  # fmt: skip
     out: dict[str, Any] = {}

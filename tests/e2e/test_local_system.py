@@ -24,6 +24,7 @@ import openai
 import psutil
 import pytest
 from kubernetes import client
+from prometheus_client.parser import text_string_to_metric_families
 
 from ladle_dev.pytest_plugin import wait_until
 
@@ -31,6 +32,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 System = Any  # the `ladle_system` fixture's type lives in conftest.py
 API_KEY = "change-me"  # examples/image-model.yaml's Secret
+SPECULATIVE = {"method": "ngram", "numSpeculativeTokens": 6, "promptLookupMax": 4,
+               "promptLookupMin": 2}  # fmt: skip
 
 
 def link_tree(source: Path, target: Path) -> None:
@@ -76,6 +79,8 @@ def services(
         "kvCacheMemory": "512Mi",
         "enablePrefixCaching": True,
         "drainTimeoutSeconds": 60,
+        # Speculative decoding rides along: its flag goes through the ConfigMap too.
+        "speculative": SPECULATIVE,
     }
     llama["spec"]["apiKeySecret"] = {"name": "qwen-api-key"}
     # Profiling through the operator (docs/pipeline.md): on from the start, so no restart.
@@ -271,6 +276,34 @@ def test_the_pvc_examples_wiring_serves_a_model_from_the_volume_behind_its_api_k
     volume = system.cluster.empty_dir(pod, "profiles")
     events = json.loads(gzip.decompress((volume / trace.name).read_bytes()))["traceEvents"]
     assert events
+
+
+def test_speculative_decoding_answers_as_the_plain_engine_and_counts_its_drafts(
+    ladle_system: System, services: dict[str, dict[str, Any]], default_model: Path
+) -> None:
+    """engine.speculative reaches the runtime (through the operator's ConfigMap): a greedy
+    answer that repeats its prompt is the plain engine's, token for token, and the pod's
+    vLLM spec_decode counters show the drafts it accepted."""
+    from ladle.runtime import LLM, SamplingParams
+
+    pod = ladle_system.ready_pod("llama-8b")
+    keyed = openai.OpenAI(base_url=base_url(pod), api_key=API_KEY, timeout=120)
+    model = model_name(services, "llama-8b")
+    passage = "The river flows past the mill and the church, under the old stone bridge."
+    prompt = f"Repeat this passage exactly.\n\nPassage: {passage}\n\nRepeated: {passage[:20]}"
+    served = keyed.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
+    plain = LLM(str(default_model), kv_cache_memory="256Mi", max_model_len=1024)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    reference = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert served.choices[0].text == reference.text
+    text = httpx.get(f"{base_url(pod).removesuffix('/v1')}/metrics", timeout=30).text
+    (accepted,) = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "ladle:spec_decode_num_accepted_tokens_total"
+    ]
+    assert accepted > 0
 
 
 def test_an_image_no_registry_serves_waits_with_the_pull_error(

@@ -83,7 +83,7 @@ def _greedy(llm: LLM, params: SamplingParams, prompts: list[str] = PROMPTS) -> l
 def pair(default_model_path: Path) -> tuple[LLM, LLM]:
     """The default model with and without drafts, each with a KV cache small enough that the
     prompts below, run together, preempt one another."""
-    common: dict[str, Any] = {"kv_cache_memory": "24Mi", "max_num_seqs": 8}
+    common: dict[str, Any] = {"kv_cache_memory": "16Mi", "max_num_seqs": 8}
     return LLM(str(default_model_path), **common), LLM(
         str(default_model_path), speculative_config=NGRAM, **common
     )
@@ -127,8 +127,8 @@ def test_preempted_sequences_that_speculate_still_give_the_same_output(
     pair: tuple[LLM, LLM],
 ) -> None:
     plain, spec = pair
-    prompts = [p + f" {i}" for i in range(4) for p in PROMPTS]
-    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    prompts = [p + f" {i}" for i in range(2) for p in PROMPTS]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     preempted = spec.engine.stats().num_preemptions
     assert _greedy(spec, params, prompts) == _greedy(plain, params, prompts)
     assert spec.engine.stats().num_preemptions > preempted, "nothing was preempted"
