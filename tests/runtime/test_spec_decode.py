@@ -92,7 +92,7 @@ def pair(default_model_path: Path) -> tuple[LLM, LLM]:
 @pytest.mark.parametrize(
     "params",
     [
-        SamplingParams(max_tokens=48, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=32, temperature=0, ignore_eos=True),
         SamplingParams(max_tokens=7, temperature=0),
         SamplingParams(max_tokens=64, temperature=0, stop=["bridge", "def div"]),
         SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.3, min_tokens=20),
@@ -139,7 +139,7 @@ def test_every_architecture_gives_the_same_greedy_output(
     tiny_model_factory: Callable[[str], Path], arch: str
 ) -> None:
     path = str(tiny_model_factory(arch))
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = _greedy(LLM(path), params)
     # Random weights seldom repeat two tokens: drafts from one-token matches, mostly rejected.
     spec = LLM(path, speculative_config={**NGRAM, "prompt_lookup_min": 1})
@@ -210,3 +210,18 @@ def test_a_draft_never_takes_the_block_another_sequence_needs() -> None:
         "a": (1, []),
         "b": (1, []),
     }
+
+
+def test_each_row_is_sampled_as_the_sequence_after_the_draft_tokens_before_it() -> None:
+    """Greedy with a repetition penalty: token 2 leads row 1 unless it is already output.
+    The draft [2] is accepted by row 0, so row 1 must see it as output (and pick 3), exactly
+    as decoding one token at a time would."""
+    sampler = Sampler(torch.device("cpu"))
+    params = Params(temperature=0.0, repetition_penalty=2.0, max_tokens=8)
+    logits = torch.tensor([[0.0, 0.0, 3.0, 1.0], [0.0, 0.0, 1.0, 0.9]])
+    seq = Sequence("r", [0, 1], params, 0.0)
+    tokens = [t.token_id for t in sampler.verify(logits, [seq], [[2]])[0]]
+    one_by_one = [sampler(logits[:1], [seq])[0].token_id]
+    seq.append_token(one_by_one[0])
+    one_by_one.append(sampler(logits[1:], [seq])[0].token_id)
+    assert tokens == one_by_one == [2, 3]
