@@ -67,6 +67,8 @@ from ladle.operator.telemetry import Metrics
 log = logging.getLogger("ladle.operator.inference")
 
 IsvcKey = tuple[str, str]
+# Whom a service's adapter read asked: each variant's adapters, and the pods.
+AdapterAsk = tuple[tuple[tuple[str, tuple[str, ...]], ...], tuple[str, ...]]
 # Children that come and go with the spec: deleted when no longer desired (a canary's
 # Deployment goes when its rollout ends).
 PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget", "Deployment", HTTP_ROUTE_KIND)
@@ -151,6 +153,9 @@ class InferenceServiceReconciler:
         self.config = config
         self.requeue = requeue
         self.canary = CanaryAnalysis(store, client)
+        # What the pods last said of their adapters, per service: a reconcile that comes
+        # before the recheck is due, for the same pods and adapters, does not ask again.
+        self._adapter_reads: dict[str, tuple[float, AdapterAsk, AdaptersObservation]] = {}
         # The ladle.dev/profiling problem last announced per service, so that a reconcile
         # repeats no Event (the recorder would count each repeat with an API write).
         self._profiling_said: dict[str, tuple[str, str] | None] = {}
@@ -173,6 +178,7 @@ class InferenceServiceReconciler:
             self.applier.forget(uid)
             self.writer.forget(uid)
             self.canary.forget(uid)
+            self._adapter_reads.pop(uid, None)
             self._profiling_said.pop(uid, None)
         self.pools.forget(key)
         self.metrics.rollouts.pop(key, None)
@@ -356,7 +362,18 @@ class InferenceServiceReconciler:
         if not wanted:
             return None
         pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
-        return observe(wanted, await read_pods([p for p in pods if p.variant in wanted]))
+        asked = [p for p in pods if p.variant in wanted and p.base_url]
+        key: AdapterAsk = (
+            tuple((v, tuple(names)) for v, names in sorted(wanted.items())),
+            tuple(sorted(p.name for p in asked)),
+        )
+        now = time.monotonic()
+        last = self._adapter_reads.get(isvc.meta.uid)
+        if last is not None and last[1] == key and now < last[0] + last[2].recheck_in:
+            return last[2]
+        seen = observe(wanted, await read_pods(asked))
+        self._adapter_reads[isvc.meta.uid] = (now, key, seen)
+        return seen
 
     def _announce(self, isvc: InferenceService, decision: Decision) -> None:
         """Events and metrics for what the decision did, once its status is written."""
