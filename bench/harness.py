@@ -176,3 +176,20 @@ def summary(name: str, values: list[float], unit: str, scale: float = 1.0) -> st
     med = statistics.median(values) * scale
     lo, hi = min(values) * scale, max(values) * scale
     return f"{name:<30} median {med:8.2f} {unit}  (spread {lo:.2f}-{hi:.2f}, n={len(values)})"
+
+
+def time_alone(engine: Any, prompt: Any, params: Any, **request: Any) -> tuple[float, float, int]:
+    """One request alone on an offline engine, stepped by hand: (seconds from its arrival to
+    its last token, seconds per output token after the first, output tokens)."""
+    started = time.perf_counter()
+    engine.add_request("bench", prompt, params, **request)
+    first: float | None = None
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = len(out.outputs[0].token_ids)
+            if first is None and tokens:
+                first = time.perf_counter()
+    ended = time.perf_counter()
+    assert first is not None, "the request produced no token"
+    return ended - started, (ended - first) / (tokens - 1), tokens

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from harness import summary  # noqa: E402 - after the path that finds ladle
+from harness import summary, time_alone  # noqa: E402 - after the path that finds ladle
 
 THROUGHPUT_FLOOR = 0.8
 TPOT_CEILING = 1.15
@@ -99,18 +99,9 @@ def run_tpot(llm: Any, prompt: list[int], adapter: Any) -> float:
     """Seconds per output token after the first, for one request alone."""
     from ladle.runtime import SamplingParams
 
-    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS + 1, ignore_eos=True)
-    engine.add_request("tpot", {"prompt_token_ids": prompt}, params, lora_request=adapter)
-    first: float | None = None
-    tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = len(out.outputs[0].token_ids)
-            if first is None and tokens:
-                first = time.perf_counter()
-    assert first is not None
-    return (time.perf_counter() - first) / (tokens - 1)
+    _, tpot, _ = time_alone(llm.engine, {"prompt_token_ids": prompt}, params, lora_request=adapter)
+    return tpot
 
 
 def main() -> int:

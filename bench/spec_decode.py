@@ -28,7 +28,6 @@ import argparse
 import importlib
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from harness import summary  # noqa: E402 - after the path that finds ladle
+from harness import summary, time_alone  # noqa: E402 - after the path that finds ladle
 
 REWRITE_FLOOR = 1.5
 A_FLOOR = 0.97
@@ -69,24 +68,13 @@ def rewrite_prompt(passage: str, round_: int, i: int) -> str:
     )
 
 
-def serve(llm: Any, prompt: str) -> tuple[float, float, int]:
-    """(output tokens per second, seconds per output token after the first, tokens)."""
+def serve(llm: Any, prompt: str) -> tuple[float, float]:
+    """(output tokens per second, seconds per output token after the first)."""
     from ladle.runtime import SamplingParams
 
-    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
-    started = time.perf_counter()
-    engine.add_request("bench", prompt, params)
-    first: float | None = None
-    tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens = len(out.outputs[0].token_ids)
-            if first is None and tokens:
-                first = time.perf_counter()
-    ended = time.perf_counter()
-    assert first is not None
-    return tokens / (ended - started), (ended - first) / (tokens - 1), tokens
+    seconds, tpot, tokens = time_alone(llm.engine, prompt, params)
+    return tokens / seconds, tpot
 
 
 def main() -> int:
@@ -126,7 +114,7 @@ def main() -> int:
                 counts = (before.accepted_tokens, before.draft_tokens)
                 speeds, tpots = [], []
                 for prompt in batch:
-                    speed, tpot, _ = serve(llm, prompt)
+                    speed, tpot = serve(llm, prompt)
                     speeds.append(speed)
                     tpots.append(tpot)
                 results.setdefault(f"{workload}/{who}/tok_s", []).append(statistics.mean(speeds))
