@@ -89,6 +89,7 @@ class AsyncLLM:
                         command = self._commands.get_nowait()
                     except queue.Empty:
                         command = None
+                self.engine.check_health()
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._deliver(output)
@@ -204,3 +205,4 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout=10)
+        self.engine.shutdown()

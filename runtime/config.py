@@ -105,6 +105,8 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     # vLLM's: JSON text or a mapping ({"method": "ngram", "num_speculative_tokens": 4, ...}).
     speculative_config: str | dict[str, Any] | None = None
+    # Ranks the model is split over (Megatron-style); rank r on GPU r, or CPU processes.
+    tensor_parallel_size: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,6 +125,7 @@ class EngineArgs:
             "block_size",
             "max_loras",
             "max_lora_rank",
+            "tensor_parallel_size",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -142,8 +145,25 @@ class EngineArgs:
                 f"({self.max_loras})"
             )
         self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
-        self.quantization_config()  # validates
+        quantization = self.quantization_config()  # validates
         self.speculative()  # validates
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel(quantization)
+
+    def _check_tensor_parallel(self, quantization: QuantizationConfig) -> None:
+        """What does not run split across ranks yet, refused before anything starts."""
+        if self.enable_lora:
+            raise ConfigError("enable_lora does not work with tensor_parallel_size > 1 yet")
+        if quantization.enabled and (quantization.uses_awq or quantization.uses_gptq):
+            raise ConfigError(
+                f"quantization_method {quantization.method} calibrates the whole model, which "
+                "tensor_parallel_size > 1 splits; use quantization_method rtn"
+            )
+        if self.device.startswith("cuda:"):
+            raise ConfigError(
+                "device cuda:N names one GPU; tensor parallelism uses GPUs 0 to "
+                "tensor_parallel_size - 1 (narrow them with CUDA_VISIBLE_DEVICES)"
+            )
 
     def quantization_config(self) -> QuantizationConfig:
         weights = self.quantization or "none"
@@ -337,6 +357,16 @@ class EngineArgs:
             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts from earlier text of the '
             "prompt and output, and each step verifies the draft; greedy output is unchanged "
             "token for token, and sampled output keeps its distribution",
+        )
+
+        parallel = parser.add_argument_group("parallelism")
+        parallel.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=integer(1),
+            default=defaults.tensor_parallel_size,
+            help="split every layer over this many ranks (GPUs 0 to N-1, or CPU processes): "
+            "for models larger than one device",
         )
 
     @classmethod

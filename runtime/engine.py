@@ -20,10 +20,10 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ladle.runtime.attention import AttentionBackend, KVCacheSpec
-from ladle.runtime.attention.registry import select_backend
 from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.errors import RequestError
+from ladle.runtime.forward_pass import ForwardPass
 from ladle.runtime.input_processor import InputProcessor, PromptInput, Request
 from ladle.runtime.kernels import decode_step
 from ladle.runtime.kv_cache.manager import KVCacheManager
@@ -33,12 +33,14 @@ from ladle.runtime.lora.manager import LoRAManager
 from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.lora.slots import LoRASlots
 from ladle.runtime.model_runner import ModelRunner, ModelRunnerOutput
+from ladle.runtime.models.build import build_model, kv_budget_blocks, resolve_dtype
 from ladle.runtime.models.config import ModelConfig, model_config_from_hf
-from ladle.runtime.models.llama import LlamaModel
-from ladle.runtime.models.loader import DEFAULT_MODEL_NAME, iter_safetensors, resolve_model
+from ladle.runtime.models.loader import DEFAULT_MODEL_NAME, resolve_model
 from ladle.runtime.output_processor import OutputProcessor
 from ladle.runtime.outputs import RequestOutput
-from ladle.runtime.quantization.apply import quantize_at_load
+from ladle.runtime.parallel.group import RankFailure, Shard
+from ladle.runtime.parallel.layout import check_tensor_parallel, shard_layout
+from ladle.runtime.parallel.peers import Peers
 from ladle.runtime.sampling_params import BeamSearchParams, SamplingParams
 from ladle.runtime.scheduler import Scheduler
 from ladle.runtime.scheduler_output import SchedulerOutput
@@ -109,19 +111,12 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    dtype: torch.dtype = getattr(torch, name)
-    return dtype
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs, limits: RequestLimits | None = None) -> None:
         self.args = args
         self.limits = limits or RequestLimits()
         self.device = _resolve_device(args.device)
-        self.dtype = _resolve_dtype(args.dtype, self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
         torch.manual_seed(args.seed)
         started = time.monotonic()
         self.model_path = resolve_model(args.model)
@@ -135,23 +130,28 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids(hf_config)
 
         cfg = self.model_config
-        kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else self.dtype
-        spec = KVCacheSpec(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.block_size, kv_dtype
-        )
-        backend = select_backend(args.attention_backend, self.device, kv_dtype, self.dtype)
-        self.attention: AttentionBackend = backend(spec, self.device)
-        self.model = LlamaModel(cfg, self.attention, self.dtype, self.device)
-        self.model.load_weights(iter_safetensors(self.model_path))
-        quantization = args.quantization_config()
-        quantize_at_load(self.model, quantization, self.model_path)
-        self.lora: LoRAManager | None = None
-        if args.enable_lora:
-            slots = LoRASlots(cfg, args.max_loras, args.max_lora_rank, self.dtype, self.device)
-            self.model.enable_lora(slots)
-            cpu = args.max_cpu_loras or args.max_loras
-            self.lora = LoRAManager(slots, cfg, args.max_lora_rank, cpu)
-        num_blocks = self._num_blocks(spec)
+        size = args.tensor_parallel_size
+        check_tensor_parallel(cfg, size)
+        # The other ranks, started first so that they load their slices while this one does.
+        self.peers = Peers.start(args, size, self.device) if size > 1 else None
+        try:
+            shard = (
+                None if self.peers is None else Shard(shard_layout(cfg, size, 0), self.peers.group)
+            )
+            self.model, spec = build_model(
+                args, cfg, self.model_path, self.device, self.dtype, shard
+            )
+            self.attention: AttentionBackend = self.model.attention
+            self.lora: LoRAManager | None = None
+            if args.enable_lora:
+                slots = LoRASlots(cfg, args.max_loras, args.max_lora_rank, self.dtype, self.device)
+                self.model.enable_lora(slots)
+                cpu = args.max_cpu_loras or args.max_loras
+                self.lora = LoRAManager(slots, cfg, args.max_lora_rank, cpu)
+            num_blocks = self._num_blocks(spec)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         caches = self.attention.allocate(num_blocks)
         self.scheduler = Scheduler(
@@ -164,11 +164,14 @@ class LLMEngine:
             args.max_loras if args.enable_lora else None,
             args.speculative(),
         )
-        self.runner = ModelRunner(self.model, self.attention, caches, self.kv, self.device)
+        forward = ForwardPass(self.model, caches, self.device)
+        self.runner = ModelRunner(forward, self.kv)
         self.runner.lora = self.lora
-        graphs = self.attention.name == "triton" and not args.enforce_eager
-        if self.device.type == "cuda" and graphs:
-            self.runner.graphs = DecodeGraphRunner(
+        self.runner.peers = self.peers
+        # The fast decode paths run the whole model in one call, without the collectives.
+        fast = not args.enforce_eager and self.peers is None
+        if self.device.type == "cuda" and self.attention.name == "triton" and fast:
+            forward.graphs = DecodeGraphRunner(
                 self.model,
                 caches,
                 args.max_num_seqs,
@@ -177,9 +180,9 @@ class LLMEngine:
                 self.device,
                 use_graphs=True,
             )
-            self.runner.graphs.capture()
-        if self.attention.name == "cpu" and not args.enforce_eager:
-            self.runner.fused = decode_step.for_model(self.model, caches)
+            forward.graphs.capture()
+        if self.attention.name == "cpu" and fast:
+            forward.fused = decode_step.for_model(self.model, caches)
         self.input_processor = InputProcessor(
             self.tokenizer,
             cfg.vocab_size,
@@ -204,8 +207,9 @@ class LLMEngine:
                 "device": str(self.device),
                 "dtype": str(self.dtype).removeprefix("torch."),
                 "attention_backend": self.attention.name,
-                "quantization": quantization.describe(),
-                "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+                "quantization": args.quantization_config().describe(),
+                "kv_cache_dtype": str(spec.dtype).removeprefix("torch."),
+                "tensor_parallel_size": size,
                 "num_kv_blocks": num_blocks,
                 "max_model_len": self.max_model_len,
                 "load_seconds": round(time.monotonic() - started, 2),
@@ -242,7 +246,9 @@ class LLMEngine:
         """Blocks for the KV budget. One sequence of max_model_len tokens must fit (vLLM's
         rule), or a long request could preempt itself for ever: an explicit max_model_len that
         does not fit is an error; the model's own is lowered to what fits."""
-        num_blocks = self._kv_budget_blocks(spec)
+        num_blocks = kv_budget_blocks(self.args, self.model, spec)
+        if self.peers is not None:
+            num_blocks = self.peers.agree_blocks(num_blocks)
         if num_blocks < 1:
             raise ConfigError("no memory is left for the KV cache; raise the memory budget")
         capacity = num_blocks * self.args.block_size
@@ -258,22 +264,6 @@ class LLMEngine:
             )
             self.max_model_len = capacity
         return num_blocks
-
-    def _kv_budget_blocks(self, spec: KVCacheSpec) -> int:
-        args = self.args
-        if args.num_gpu_blocks_override is not None:
-            return args.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            cfg = self.model_config
-            width = 4 * cfg.hidden_size + 2 * cfg.intermediate_size + cfg.q_size
-            activations = 4 * args.max_num_batched_tokens * width * 4
-            logits = args.max_num_seqs * cfg.vocab_size * 4 * 4
-            budget = int(total * args.gpu_memory_utilization) - (total - free)
-            budget -= activations + logits
-        else:
-            budget = args.kv_cache_memory
-        return int(budget // spec.bytes_per_block)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -398,6 +388,17 @@ class LLMEngine:
             spec_decode=self.scheduler.spec,
         )
 
+    def check_health(self) -> None:
+        """Raise if the engine cannot step any more (a tensor-parallel rank has exited)."""
+        if self.peers is not None:
+            self.peers.check()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks; the engine cannot step afterwards."""
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
+
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -437,7 +438,10 @@ class LLMEngine:
         fail by themselves fail (rewriting a sequence's KV slots is harmless)."""
         try:
             result = self.runner.execute(out)
-        except Exception:
+        except Exception as exc:
+            if self.peers is not None:
+                # The other ranks may be inside this step's collectives: no step can follow.
+                raise RankFailure(f"a tensor-parallel step failed: {exc!r}") from exc
             log.exception("a step failed; retrying its sequences one by one")
         else:
             self._failed_steps = 0

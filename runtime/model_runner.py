@@ -1,4 +1,4 @@
-"""Turn a scheduler decision into tensors, run the model, sample next tokens."""
+"""Turn a scheduler decision into a step plan, run it, sample next tokens."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ladle.runtime.attention.backend import AttentionBackend, AttentionMetadata, LayerKVCache
-from ladle.runtime.cuda_graphs import DecodeGraphRunner
-from ladle.runtime.kernels.decode_step import CpuDecodeStep
+from ladle.runtime.forward_pass import ForwardPass, StepPlan
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.lora.batch import LoRABatch
 from ladle.runtime.lora.manager import LoRAManager
-from ladle.runtime.models.llama import LlamaModel
+from ladle.runtime.parallel.peers import Peers
 from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
 from ladle.runtime.scheduler_output import ScheduledSequence, SchedulerOutput
 from ladle.runtime.sequence import Sequence
@@ -30,32 +28,35 @@ class ModelRunnerOutput:
     verified: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _PromptSpan:
+    """A sequence whose chunk scores prompt tokens: positions ``start`` onwards, ``count`` of
+    them, whose logits begin at ``first_row`` of the step's logits."""
+
+    seq: Sequence
+    start: int
+    first_row: int
+    count: int
+
+
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaModel,
-        attention: AttentionBackend,
-        caches: list[LayerKVCache],
-        kv: KVCacheManager,
-        device: torch.device,
-    ) -> None:
-        self.model = model
-        self.attention = attention
-        self.caches = caches
+    def __init__(self, forward: ForwardPass, kv: KVCacheManager) -> None:
+        self.forward = forward
         self.kv = kv
-        self.device = device
+        self.device = forward.device
         self.block_size = kv.block_size
-        self.sampler = Sampler(device)
-        # Set by the engine on CUDA: replays decode-only steps from captured graphs.
-        self.graphs: DecodeGraphRunner | None = None
-        # Set by the engine on CPUs: small decode-only steps in one C call.
-        self.fused: CpuDecodeStep | None = None
+        self.sampler = Sampler(self.device)
         # Set by the engine with --enable-lora.
         self.lora: LoRAManager | None = None
+        # Set by the engine with tensor parallelism: the other ranks, which run each plan too.
+        self.peers: Peers | None = None
 
-    def _prepare(
-        self, batch: list[ScheduledSequence]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _plan(
+        self, batch: list[ScheduledSequence], block_copies: list[tuple[int, int]]
+    ) -> tuple[StepPlan, list[_PromptSpan]]:
+        """The step's tensors, and which logits it needs: first the rows each sampling
+        sequence samples from (its last, or its draft's and the one after), then the rows
+        whose logits score prompt tokens."""
         token_ids: list[int] = []
         positions: list[int] = []
         seq_index: list[int] = []
@@ -73,25 +74,39 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(self.kv.block_tables[seq.seq_id])
         width = max(len(t) for t in tables)
-        dev = self.device
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         pos = torch.tensor(positions, dtype=torch.long)
         rows = torch.tensor(seq_index, dtype=torch.long)
         slots = block_tables[rows, pos // self.block_size].long() * self.block_size
         slots += pos % self.block_size
-        num_decodes = sum(1 for item in batch if item.num_new_tokens == 1)
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=block_tables.to(dev),
-            slot_mapping=slots.to(dev),
+        logit_rows = [
+            r
+            for i, item in enumerate(batch)
+            if item.completes_prompt
+            for r in range(query_start[i + 1] - 1 - len(item.draft), query_start[i + 1])
+        ]
+        spans: list[_PromptSpan] = []
+        for i, item in enumerate(batch):
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if seq.params.prompt_logprobs is None or end <= start:
+                continue
+            spans.append(_PromptSpan(seq, start, len(logit_rows), end - start))
+            logit_rows.extend(range(query_start[i], query_start[i] + end - start))
+        plan = StepPlan(
+            input_ids=torch.tensor(token_ids, dtype=torch.long),
+            positions=pos,
+            num_decodes=sum(1 for item in batch if item.num_new_tokens == 1),
+            query_start=query_start,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slots,
             max_query_len=max(item.num_new_tokens for item in batch),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
+            block_copies=block_copies,
+            logit_rows=logit_rows,
         )
-        return torch.tensor(token_ids, dtype=torch.long, device=dev), pos.to(dev), meta
+        return plan, spans
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget per-sequence state (seeded generators) of sequences that ended."""
@@ -102,36 +117,18 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; sample for each sequence that reached its end."""
         self.release(out.finished_seq_ids)
-        self.attention.copy_blocks(self.caches, out.block_copies)
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch, lora = self._adapters(batch)
-        input_ids, positions, meta = self._prepare(batch)
-        # A fused CPU step computes every row's logits with the rest (each row of a
-        # decode-only step is its sequence's last token).
-        all_logits: torch.Tensor | None = None
-        if self.graphs is not None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta, lora)
-        elif self.fused is not None and self.fused.can_run(meta):
-            hidden, all_logits = self.fused.run(input_ids, positions, meta, lora)
-        else:
-            hidden = self.model.forward(input_ids, positions, self.caches, meta, lora)
-        result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(batch, hidden, meta))
+        plan, spans = self._plan(batch, out.block_copies)
+        if self.peers is not None:
+            self.peers.send(plan)
+        logits = self.forward(plan, lora)
+        result = ModelRunnerOutput(prompt_logprobs=self._prompt_logprobs(spans, logits))
         sample_rows = [i for i, item in enumerate(batch) if item.completes_prompt]
-        if not sample_rows:
-            return result
-        if all_logits is not None and len(sample_rows) == len(batch):
-            logits = all_logits
-        else:
-            # A sequence verifying a draft needs every row of its chunk; the others their last.
-            ends = meta.query_start_loc_cpu
-            rows = [
-                r
-                for i in sample_rows
-                for r in range(ends[i + 1] - 1 - len(batch[i].draft), ends[i + 1])
-            ]
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        self._sample(batch, sample_rows, logits, result)
+        if sample_rows:
+            sampled = sum(len(batch[i].draft) + 1 for i in sample_rows)
+            self._sample(batch, sample_rows, logits[:sampled], result)
         return result
 
     def _sample(
@@ -186,29 +183,22 @@ class ModelRunner:
 
         batch = sorted(batch, key=lambda item: (item.num_new_tokens != 1, slot(item)))
         rows = [item.num_new_tokens for item in batch]
-        triton = self.attention.name == "triton"
+        triton = self.forward.model.attention.name == "triton"
         return batch, LoRABatch.build([slot(i) for i in batch], rows, self.device, triton)
 
+    @staticmethod
     def _prompt_logprobs(
-        self, batch: list[ScheduledSequence], hidden: torch.Tensor, meta: AttentionMetadata
+        spans: list[_PromptSpan], logits: torch.Tensor
     ) -> dict[int, tuple[int, list[TokenLogprobs]]]:
         """Logprobs of the prompt tokens each chunk predicts: position p's logits score prompt
         token p + 1."""
         result: dict[int, tuple[int, list[TokenLogprobs]]] = {}
-        for i, item in enumerate(batch):
-            seq = item.seq
-            if seq.params.prompt_logprobs is None:
-                continue
-            start = seq.num_computed_tokens
-            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if end <= start:
-                continue
-            first = meta.query_start_loc_cpu[i]
-            logits = self.model.compute_logits(hidden[first : first + end - start])
-            targets = torch.tensor(seq.token_ids[start + 1 : end + 1], device=self.device)
-            num_top = [seq.params.prompt_logprobs] * (end - start)
-            result[seq.seq_id] = (
-                start + 1,
-                token_logprobs(logits, targets, num_top),
+        for span in spans:
+            seq, start, count = span.seq, span.start, span.count
+            targets = torch.tensor(
+                seq.token_ids[start + 1 : start + 1 + count], device=logits.device
             )
+            num_top = [seq.params.prompt_logprobs or 0] * count
+            rows = logits[span.first_row : span.first_row + count]
+            result[seq.seq_id] = (start + 1, token_logprobs(rows, targets, num_top))
         return result

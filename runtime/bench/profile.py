@@ -98,7 +98,7 @@ def profile_decode(llm: LLM, prompts: list[list[int]], steps: int = 8) -> Decode
 def _profiled_steps(llm: LLM, steps: int) -> tuple[Any, float, dict[str, _Timed]]:
     engine = llm.engine
     runner = engine.runner
-    sampler, fused = runner.sampler, runner.fused
+    sampler, fused = runner.sampler, runner.forward.fused
     timers = {name: _Timed(getattr(cpu_kernels, name)) for name in _C_KERNELS}
     timers["sampler"] = _Timed(sampler)
     runner.sampler = timers["sampler"]  # type: ignore[assignment]
@@ -171,7 +171,7 @@ def latency_profile(
     copy bandwidth."""
     engine = llm.engine
     runner = engine.runner
-    fused = runner.fused
+    fused = runner.forward.fused
     modes = {"op by op (before)": None, "fused step (after)": fused}
     if fused is None:
         modes = {"op by op (engine default here)": None}
@@ -182,18 +182,18 @@ def latency_profile(
         for round_ in range(rounds):
             order = list(modes) if round_ % 2 == 0 else list(modes)[::-1]
             for name in order:
-                runner.fused = modes[name]
+                runner.forward.fused = modes[name]
                 started = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
                 times[name].append((time.perf_counter() - started) / steps)
         profiles = {}
         for name, mode in modes.items():
-            runner.fused = mode
+            runner.forward.fused = mode
             prof, wall, timers = _profiled_steps(llm, steps)
             profiles[name] = _buckets(prof, wall, timers, 1, steps)
     finally:
-        runner.fused = fused
+        runner.forward.fused = fused
         engine.abort_request(ids)
     weights = engine.model.weight_bytes()
     bandwidth = copy_bandwidth(copy_megabytes)

@@ -21,6 +21,7 @@ from ladle.runtime.kernels.ops import ops_for_backend
 from ladle.runtime.lora.batch import LoRABatch
 from ladle.runtime.lora.slots import LayerLoRA, LoRASlots
 from ladle.runtime.models.config import ModelConfig
+from ladle.runtime.parallel.group import Shard
 from ladle.runtime.quantization.linear import DenseEmbedding, DenseLinear, Embedding, Linear
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -66,8 +67,11 @@ class LlamaModel:
         attention: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        shard: Shard | None = None,
     ) -> None:
+        """``config``: the shape this rank computes (its slice's, with tensor parallelism)."""
         self.config = config
+        self.shard = shard
         self.attention = attention
         # Norms, RoPE and SiLU-and-mul: fused Triton kernels with the Triton backend.
         self.ops = ops_for_backend(attention.name)
@@ -87,7 +91,7 @@ class LlamaModel:
     def with_attention(self, attention: AttentionBackend) -> LlamaModel:
         """The same weight tensors (shared, not copied) behind another attention backend, with
         layer objects of its own so that swapping one of its linears leaves this model alone."""
-        view = LlamaModel(self.config, attention, self.dtype, self.device)
+        view = LlamaModel(self.config, attention, self.dtype, self.device, self.shard)
         view.layers = [dataclasses.replace(layer) for layer in self.layers]
         view.embed, view.norm, view.lm_head = self.embed, self.norm, self.lm_head
         return view
@@ -97,17 +101,21 @@ class LlamaModel:
             layer.lora = lora
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take HF-named tensors, in any order, and build the fused per-layer weights."""
+        """Take HF-named tensors, in any order, and build the fused per-layer weights (of this
+        rank's slice, with tensor parallelism)."""
         cfg = self.config
+        layout = None if self.shard is None else self.shard.layout
         parts: list[dict[str, object]] = [{} for _ in range(cfg.num_layers)]
         top: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
-            t = tensor.to(device=self.device, dtype=self.dtype)
             match = _LAYER_KEY.match(name)
+            suffix = name if match is None else match.group(2)
+            part = tensor if layout is None else layout.shard(suffix, tensor, cfg.head_dim)
+            t = part.to(device=self.device, dtype=self.dtype)
             if match is None:
                 top[name] = t
                 continue
-            layer, suffix = int(match.group(1)), match.group(2)
+            layer = int(match.group(1))
             if suffix in _FUSED:
                 key, slot = _FUSED[suffix]
                 parts[layer].setdefault(key, {})[slot] = t  # type: ignore[index]
@@ -167,7 +175,8 @@ class LlamaModel:
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
         self.attention.begin_step(meta)
-        residual = self.embed(input_ids)
+        residual = self._embed(input_ids)
+        group = None if self.shard is None else self.shard.group
         # Each sublayer's output is added into the residual by the next norm (fused on GPU).
         first_norm = self.layers[0].input_norm if self.layers else self.norm
         x = ops.rms_norm(residual, first_norm, eps)
@@ -189,6 +198,8 @@ class LlamaModel:
             out = layer.o_proj(attn)
             if lora is not None and adapters is not None:
                 lora.add(adapters.o_proj, attn, out)
+            if group is not None:
+                group.all_reduce(out)
             x, residual = ops.add_rms_norm(out, residual, layer.post_norm, eps)
             gate_up = layer.gate_up(x)
             if lora is not None and adapters is not None:
@@ -197,12 +208,31 @@ class LlamaModel:
             out = layer.down(act)
             if lora is not None and adapters is not None:
                 lora.add(adapters.down, act, out)
+            if group is not None:
+                group.all_reduce(out)
             norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
             x, residual = ops.add_rms_norm(out, residual, norm, eps)
         return x
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding; with tensor parallelism each rank looks up the ids in its
+        vocabulary slice, zeros the rest, and the ranks sum."""
+        if self.shard is None:
+            return self.embed(ids)
+        layout = self.shard.layout
+        local = ids - layout.vocab_start
+        inside = (local >= 0) & (local < layout.vocab_rows)
+        rows = self.embed(torch.where(inside, local, 0)).masked_fill(~inside[:, None], 0)
+        return self.shard.group.all_reduce(rows)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """The logits over the whole vocabulary (on tensor-parallel ranks other than 0, over
+        this rank's slice: only rank 0 samples)."""
+        logits = self.lm_head(hidden).float()
+        if self.shard is None:
+            return logits
+        gathered = self.shard.group.gather_columns(logits)
+        return logits if gathered is None else gathered[:, : self.config.vocab_size]
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the model holds, a tensor shared by several holders (a tied

@@ -83,6 +83,10 @@ MISTAKES: dict[str, Mistake] = {
         ("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'),
         ("--speculative-config", "num_speculative_tokens must be 1 to 16; got 0"),
     ),
+    "tensor parallelism with LoRA": Mistake(
+        ("serve", "--tensor-parallel-size", "2", "--enable-lora"),
+        ("enable_lora does not work with tensor_parallel_size > 1 yet",),
+    ),
     "config file named empty": Mistake(("serve", "--config", ""), ("--config ''", "not be empty")),
     "config file from the environment, empty": Mistake(
         ("serve",), ("LADLE_SERVE_CONFIG=''", "not be empty"), env={"LADLE_SERVE_CONFIG": ""},
@@ -265,10 +269,24 @@ def test_a_mistake_is_one_line_naming_what_to_fix(
     assert result.returncode == mistake.code, line
 
 
-def test_an_engine_setting_the_model_refuses_is_one_error_line(places: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--max-model-len", "100000"), "max_model_len 100000 exceeds the model's 8192"),
+        (
+            ("--tensor-parallel-size", "4"),
+            "tensor_parallel_size 4 does not split the model's 9 attention heads over its 3 KV "
+            "heads; sizes that do: 2, 3, 9",
+        ),
+    ],
+    ids=["max-model-len", "tensor-parallel-size"],
+)
+def test_an_engine_setting_the_model_refuses_is_one_error_line(
+    flags: tuple[str, ...], says: str
+) -> None:
     """Known only once the model's config is read: the server logs one error and exits 2."""
     result = subprocess.run(
-        [sys.executable, "-m", "ladle.cli", "serve", "--max-model-len", "100000",
+        [sys.executable, "-m", "ladle.cli", "serve", *flags,
          "--port", str(free_port()), "--log-level", "error"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
@@ -278,7 +296,7 @@ def test_an_engine_setting_the_model_refuses_is_one_error_line(places: dict[str,
     assert len(lines) == 1, result.stderr
     record = json.loads(lines[0])
     assert record["level"] == "error"
-    assert "max_model_len 100000 exceeds the model's 8192" in record["error"]
+    assert says in record["error"]
 
 
 @pytest.mark.parametrize(

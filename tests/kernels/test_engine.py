@@ -74,7 +74,7 @@ def test_triton_engine_equals_torch_engine(
     # kernel in test_quant_kernels.py; another interpreted engine run would add minutes.)
     flags = {"quantization": "int8", "quantization_method": "rtn", "kv_cache_dtype": "int8"}
     quantized = _engine(path, "triton", **flags)
-    assert quantized.engine.runner.caches[0].key.dtype == torch.int8
+    assert quantized.engine.runner.forward.caches[0].key.dtype == torch.int8
     assert _generate(quantized) == _generate(_engine(path, "torch", **flags))
 
     llm = _engine(path, "triton")
@@ -95,14 +95,14 @@ class PaddingSpy(DecodeGraphRunner):
         engine = llm.engine
         spy = cls(
             engine.model,
-            engine.runner.caches,
+            engine.runner.forward.caches,
             max_batch=8,
             max_model_len=engine.max_model_len,
             block_size=4,
             device=DEVICE,
             use_graphs=False,
         )
-        engine.runner.graphs = spy
+        engine.runner.forward.graphs = spy
         return spy
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -67,7 +67,7 @@ def test_int8_greedy_output_follows_fp32_for_a_dozen_tokens_on_average(
         assert qkv.kernels == kernels
         assert isinstance(engine.model.embed, Int8Embedding)
     else:
-        assert engine.runner.caches[0].key.dtype == torch.int8
+        assert engine.runner.forward.caches[0].key.dtype == torch.int8
     prefixes = []
     for ours, reference in zip(greedy_chats(llm), fp32_greedy, strict=True):
         same = 0
@@ -84,7 +84,7 @@ def test_int8_kv_budget_holds_over_three_and_a_half_times_the_tokens() -> None:
     for kv in ("auto", "int8"):
         engine = LLMEngine(EngineArgs(kv_cache_memory="96MiB", kv_cache_dtype=kv))
         tokens[kv] = engine.kv.pool.num_blocks * engine.kv.block_size
-        caches = engine.runner.caches
+        caches = engine.runner.forward.caches
         allocated = sum(t.nbytes for layer in caches for t in layer if t is not None)
         assert allocated <= 96 << 20  # scales included, the budget holds
         assert allocated == engine.kv.pool.num_blocks * engine.attention.spec.bytes_per_block

@@ -48,7 +48,7 @@ def _compare_decode_steps(
     """Run the prompts to their decode phase, then compare every decode step both ways;
     returns how many steps were compared. ``adapters``: one per prompt."""
     engine = llm.engine
-    fused = engine.runner.fused
+    fused = engine.runner.forward.fused
     assert isinstance(fused, CpuDecodeStep)
     for i, ids in enumerate(PROMPTS):
         # Each prompt runs two steps longer than the one before: the batch shrinks from all
@@ -87,7 +87,9 @@ def _compare_decode_steps(
             compared += 1
         return reference
 
-    engine.runner.fused = None  # every step through `both`, which calls the fused step itself
+    engine.runner.forward.fused = (
+        None  # every step through `both`, which calls the fused step itself
+    )
     engine.model.forward = both  # type: ignore[method-assign]
     try:
         while engine.has_unfinished_requests():
@@ -95,7 +97,7 @@ def _compare_decode_steps(
                 assert out.error is None, out.error
     finally:
         engine.model.forward = forward  # type: ignore[method-assign]
-        engine.runner.fused = fused
+        engine.runner.forward.fused = fused
     assert not mismatches, mismatches[0]
     return compared
 
@@ -146,7 +148,7 @@ def test_fused_step_serves_small_decode_batches_only(
     tiny_model_factory: Callable[[str], Path],
 ) -> None:
     llm = _engine(tiny_model_factory("llama"))
-    fused = llm.engine.runner.fused
+    fused = llm.engine.runner.forward.fused
     assert fused is not None
 
     def meta(decodes: int, prefills: int) -> AttentionMetadata:
@@ -158,14 +160,16 @@ def test_fused_step_serves_small_decode_batches_only(
     assert fused.can_run(meta(fused.max_batch, 0))
     assert not fused.can_run(meta(fused.max_batch + 1, 0))  # a GEMM: torch does it better
     assert not fused.can_run(meta(2, 1))  # a prefill chunk in the step
-    assert _engine(tiny_model_factory("llama"), enforce_eager=True).engine.runner.fused is None
+    assert (
+        _engine(tiny_model_factory("llama"), enforce_eager=True).engine.runner.forward.fused is None
+    )
 
 
 def test_latency_profile_runs_both_paths_and_puts_the_engine_back(
     tiny_model_factory: Callable[[str], Path],
 ) -> None:
     llm = _engine(tiny_model_factory("llama"))
-    fused = llm.engine.runner.fused
+    fused = llm.engine.runner.forward.fused
     text = latency_profile(llm, [5, 6, 7], steps=2, rounds=2, copy_megabytes=8)
     for heading in ("op by op (before):", "fused step (after):", "copy bandwidth"):
         assert heading in text
@@ -174,5 +178,5 @@ def test_latency_profile_runs_both_paths_and_puts_the_engine_back(
     share = after.split("one C call)")[1].split()[2]
     assert share.endswith("%")
     assert float(share[:-1]) > 0  # the fused step was timed
-    assert llm.engine.runner.fused is fused
+    assert llm.engine.runner.forward.fused is fused
     assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,64 @@
+"""A rank's model, ready to run: its attention backend, its weights (its slice of them, with
+tensor parallelism), quantized as the engine args say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ladle.runtime.attention import KVCacheSpec
+from ladle.runtime.attention.registry import select_backend
+from ladle.runtime.config import EngineArgs
+from ladle.runtime.models.config import ModelConfig
+from ladle.runtime.models.llama import LlamaModel
+from ladle.runtime.models.loader import iter_safetensors
+from ladle.runtime.parallel.group import Shard
+from ladle.runtime.quantization.apply import quantize_at_load
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def build_model(
+    args: EngineArgs,
+    cfg: ModelConfig,
+    model_path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    shard: Shard | None = None,
+) -> tuple[LlamaModel, KVCacheSpec]:
+    """The model and the shape of its KV cache (this rank's KV heads)."""
+    local = cfg if shard is None else shard.layout.local_config(cfg)
+    kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else dtype
+    spec = KVCacheSpec(
+        local.num_layers, local.num_kv_heads, local.head_dim, args.block_size, kv_dtype
+    )
+    backend = select_backend(args.attention_backend, device, kv_dtype, dtype)
+    model = LlamaModel(local, backend(spec, device), dtype, device, shard)
+    model.load_weights(iter_safetensors(model_path))
+    quantize_at_load(model, args.quantization_config(), model_path)
+    return model, spec
+
+
+def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> int:
+    """KV blocks that fit beside the weights: on a GPU, what its memory leaves after the
+    step's activations and logits; on the CPU, ``--kv-cache-memory``."""
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    device = model.device
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cfg = model.config
+        width = 4 * cfg.hidden_size + 2 * cfg.intermediate_size + cfg.q_size
+        activations = 4 * args.max_num_batched_tokens * width * 4
+        logits = args.max_num_seqs * cfg.vocab_size * 4 * 4
+        budget = int(total * args.gpu_memory_utilization) - (total - free)
+        budget -= activations + logits
+    else:
+        budget = args.kv_cache_memory
+    return int(budget // spec.bytes_per_block)

@@ -1,0 +1,122 @@
+"""Rank 0's side of tensor parallelism: it starts the other ranks, agrees the KV cache size
+with them, forms the group, and sends them each step's plan.
+
+The plans travel over a socket pair (``multiprocessing.connection``), not a collective: an
+idle server may wait hours for its next request, and a collective would time out meanwhile;
+and a rank that dies closes its end, so rank 0 learns of it at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from ladle.runtime.config import ConfigError, EngineArgs
+from ladle.runtime.forward_pass import StepPlan
+from ladle.runtime.parallel import worker
+from ladle.runtime.parallel.group import JOIN_TIMEOUT, RankFailure, TensorParallelGroup
+
+_HOST = "127.0.0.1"
+
+
+class Peers:
+    def __init__(
+        self,
+        group: TensorParallelGroup,
+        store: TCPStore,
+        processes: list[subprocess.Popen[bytes]],
+        channels: list[Connection],
+    ) -> None:
+        self.group = group
+        self.store = store
+        self.processes = processes
+        self.channels = channels
+
+    @classmethod
+    def start(cls, args: EngineArgs, size: int, device: torch.device) -> Peers:
+        """Start ranks 1 to ``size - 1`` on this machine (rank r on GPU r), which begin
+        loading their slices at once. Rank 0 keeps its share of the CPU threads."""
+        if dist.is_initialized():
+            raise ConfigError(
+                "this process already runs a tensor-parallel engine (torch.distributed has "
+                "one group per process); shut that engine down first"
+            )
+        if device.type == "cpu":
+            torch.set_num_threads(worker.threads_per_rank(size))
+        store = TCPStore(
+            _HOST, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
+        )
+        processes: list[subprocess.Popen[bytes]] = []
+        channels: list[Connection] = []
+        for rank in range(1, size):
+            ours, theirs = Pipe()
+            fd = theirs.fileno()
+            command = [sys.executable, "-m", "ladle.runtime.parallel", str(fd)]
+            processes.append(subprocess.Popen(command, pass_fds=[fd]))
+            theirs.close()
+            worker.send(
+                ours,
+                worker.WorkerSpec(
+                    args=args,
+                    rank=rank,
+                    size=size,
+                    device=f"cuda:{rank}" if device.type == "cuda" else "cpu",
+                    host=_HOST,
+                    store_port=store.port,
+                ),
+            )
+            channels.append(ours)
+        return cls(TensorParallelGroup(0, size, device), store, processes, channels)
+
+    def agree_blocks(self, blocks: int) -> int:
+        """Wait for every rank to load its slice; the KV blocks every rank holds (each sizes
+        its own memory), told to all. Then the ranks meet, ready for steps."""
+        for rank, channel in enumerate(self.channels, start=1):
+            try:
+                report = worker.receive(channel)
+            except EOFError:
+                code = self.processes[rank - 1].wait()
+                raise RankFailure(f"tensor-parallel rank {rank} exited ({code})") from None
+            if isinstance(report, worker.LoadFailed):
+                raise ConfigError(report.message)
+            blocks = min(blocks, report.blocks)
+        for channel in self.channels:
+            worker.send(channel, blocks)
+        self.group.join(self.store)
+        return blocks
+
+    def send(self, plan: StepPlan) -> None:
+        self.check()
+        try:
+            for channel in self.channels:
+                worker.send(channel, plan)
+        except OSError as exc:
+            raise RankFailure(f"a tensor-parallel rank stopped listening: {exc}") from exc
+
+    def check(self) -> None:
+        """Raise if a rank has exited: the replica cannot compute another token."""
+        for rank, process in enumerate(self.processes, start=1):
+            code = process.poll()
+            if code is not None:
+                raise RankFailure(f"tensor-parallel rank {rank} exited ({code})")
+
+    def close(self) -> None:
+        """Tell the ranks to stop, and wait for them (briefly: a hung rank is killed)."""
+        for channel in self.channels:
+            with contextlib.suppress(OSError):
+                worker.send(channel, None)
+            channel.close()
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.group.close()
