@@ -30,7 +30,9 @@ Sections, in order of value, each skipped once the time budget is spent:
    requests, input and output lengths uniform in 100-1024) on a Qwen3-0.6B-shaped model with
    random weights (graphs, eager, torch attention) and on the default model's shape, in bf16
    and with int8 / int4 weights and an int8 KV cache; and a fixed-output-length workload
-   against transformers' continuous batching.
+   against transformers' continuous batching;
+6. tensor parallelism 2, 4 and 8 against 1, as far as the machine's GPUs go (the smoke run: 2
+   CPU processes): greedy outputs the same, and throughput on a fixed batch.
 
 Results go to ``results.json`` and ``table.txt`` under ``--out``; the table is printed last,
 and the exit status is 1 if any check failed.
@@ -892,6 +894,7 @@ def worker(spec: dict[str, Any]) -> None:
         "graphs": graph_parity,
         "bench_cli": bench_cli,
         "spec": spec_decode,
+        "tp": tensor_parallel,
     }[kind](spec)
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -956,6 +959,32 @@ def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
             out["acceptance"] = llm.engine.stats().spec_decode.acceptance_rate or 0.0
     out["identical"] = tokens["plain"] == tokens["ngram"]
     return out
+
+
+def tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
+    """One size's throughput on a fixed batch, and its first greedy outputs (to compare with
+    one GPU's): a worker per size, since a process holds one tensor-parallel group."""
+    from ladle.runtime import SamplingParams
+
+    smoke = spec.get("smoke", False)
+    prompts, outs = workload(spec["num"], spec["vocab"], 0, spec["fixed_out"], smoke)
+    llm = _llm(spec, tensor_parallel_size=spec["size"])
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy, use_tqdm=False)
+        params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=outs[0])
+        sync()
+        start = time.perf_counter()
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sync()
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.engine.shutdown()
+    generated = sum(len(r.outputs[0].token_ids) for r in results)
+    return {
+        "tok_s": generated / elapsed,
+        "greedy": [list(r.outputs[0].token_ids) for r in first],
+    }
 
 
 def transformers_throughput(spec: dict[str, Any]) -> dict[str, Any]:
@@ -1142,6 +1171,38 @@ def engine_checks(report: Report, default: Path, smoke: bool, interpret: bool) -
         report.add(Row("engine", "one stream, n-gram drafts / plain", ratio, "x", None, note))
 
 
+def parallel_checks(report: Report, models_dir: Path, default: Path, dev: torch.device,
+                    smoke: bool, interpret: bool) -> None:  # fmt: skip
+    """Tensor parallelism 2, 4 and 8 against 1, as far as the machine's GPUs go (the smoke run:
+    2 CPU processes over gloo): greedy outputs the same, and throughput on a fixed batch."""
+    if smoke:
+        base = {"model": str(default), "vocab": TINY_LLAMA["vocab_size"], "num": 4,
+                "engine": SMOKE_ENGINE}  # fmt: skip
+        sizes = [2]
+    else:
+        qwen = build_model(QWEN3_06B, models_dir / "qwen3-0.6b-shape", dev)
+        base = {"model": str(qwen), "vocab": QWEN3_06B["vocab_size"], "num": 64, "engine": {}}
+        sizes = [n for n in (2, 4, 8) if n <= torch.cuda.device_count()]
+        if not sizes:
+            report.add(Row("parallel", "tensor parallelism: skipped, one GPU", None, ""))
+            return
+    common = {**base, "kind": "tp", "section": "parallel", "smoke": smoke,
+              "interpret": interpret, "fixed_out": 8 if smoke else 256}  # fmt: skip
+    one = run_worker(report, {**common, "size": 1, "label": "tensor parallel 1"}, 300)
+    for size in sizes:
+        result = run_worker(report, {**common, "size": size, "label": f"tensor parallel {size}"},
+                            300)  # fmt: skip
+        if result is None or one is None:
+            continue
+        same = result["greedy"] == one["greedy"]
+        note = "bf16 sums in another order may flip near-ties"
+        name = f"greedy identical, tp {size} vs 1"
+        report.add(Row("parallel", name, float(same), "bool", same if smoke else None, note))
+        note = f"{result['tok_s']:.0f} against {one['tok_s']:.0f} tok/s"
+        report.add(Row("parallel", f"throughput, tp {size} / 1", result["tok_s"] / one["tok_s"],
+                       "x", None, note))  # fmt: skip
+
+
 def throughput(
     report: Report, models_dir: Path, default: Path, dev: torch.device, smoke: bool, interpret: bool
 ) -> None:
@@ -1273,6 +1334,14 @@ def main() -> None:
             "throughput",
             60,
             lambda: throughput(report, models_dir, holder["default"], dev, args.smoke, interpret),
+        )
+        section(
+            report,
+            "parallel",
+            60,
+            lambda: parallel_checks(
+                report, models_dir, holder["default"], dev, args.smoke, interpret
+            ),
         )
     report.meta["seconds"] = round(time.monotonic() - report.started, 1)
     report.save()

@@ -47,7 +47,8 @@ def build_model(
 
 def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> int:
     """KV blocks that fit beside the weights: on a GPU, what its memory leaves after the
-    step's activations and logits; on the CPU, ``--kv-cache-memory``."""
+    step's activations and logits; on the CPU, ``--kv-cache-memory``, which the ranks of a
+    split model share (they share the host's memory, and a pod's limit)."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     device = model.device
@@ -60,5 +61,5 @@ def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> 
         budget = int(total * args.gpu_memory_utilization) - (total - free)
         budget -= activations + logits
     else:
-        budget = args.kv_cache_memory
+        budget = args.kv_cache_memory // args.tensor_parallel_size
     return int(budget // spec.bytes_per_block)

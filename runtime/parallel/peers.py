@@ -9,6 +9,7 @@ and a rank that dies closes its end, so rank 0 learns of it at once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import subprocess
 import sys
 from multiprocessing import Pipe
@@ -70,6 +71,7 @@ class Peers:
                     device=f"cuda:{rank}" if device.type == "cuda" else "cpu",
                     host=_HOST,
                     store_port=store.port,
+                    log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
                 ),
             )
             channels.append(ours)

@@ -19,6 +19,7 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from transformers import AutoConfig
 
+from ladle import logs
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.forward_pass import ForwardPass
 from ladle.runtime.models.build import build_model, kv_budget_blocks, resolve_dtype
@@ -39,6 +40,8 @@ class WorkerSpec:
     # Rank 0's rendezvous store.
     host: str
     store_port: int
+    # Rank 0's log level: this rank's logs are JSON lines at the same level.
+    log_level: str
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ def serve(channel: Connection) -> None:
     None or its end of the channel closes. A failure while serving ends the process, which
     fails rank 0's step at once instead of leaving it waiting in a collective."""
     spec: WorkerSpec = receive(channel)
+    logs.configure(spec.log_level)
     group = TensorParallelGroup(spec.rank, spec.size, torch.device(spec.device))
     try:
         forward, blocks = _load(spec, group)
