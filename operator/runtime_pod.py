@@ -207,6 +207,9 @@ def pod_template(
         "env": [{"name": "XDG_CACHE_HOME", "value": CACHE_DIR}, *_threads(isvc)],
         "resources": _resources(isvc, gpu_resource),
         "volumeMounts": mounts,
+        # A runtime that refuses its settings exits with one JSON error line: the kubelet
+        # keeps it as the termination message, which the service's conditions quote.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Startup covers model load; liveness only takes over once the model is ready.
         "startupProbe": _probe(
             "/health/ready",

@@ -11,6 +11,7 @@ no longer holds, unless a watch event about it arrived after the list began.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -205,10 +206,27 @@ def _pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
         if _oom_killed(container):
             return "OOMKilled", _oom_message(pod, container)
         if reason and reason not in NORMAL_WAITS:
-            return str(reason), str(waiting.get("message") or reason)
+            return str(reason), _with_refusal(str(waiting.get("message") or reason), container)
         if _crashed(container, init_container=container in init):
-            return "CrashLoopBackOff", _crash_message(container)
+            return "CrashLoopBackOff", _with_refusal(_crash_message(container), container)
     return None
+
+
+def _with_refusal(message: str, container: Mapping[str, Any]) -> str:
+    """``message``, and what the container said last before it exited, when that was an error
+    line of Ladle's JSON logs (the runtime refusing a setting: a tensor-parallel size the
+    model's heads do not split into), kept by the kubelet as its termination message."""
+    said = ""
+    for state in (container.get("state") or {}, container.get("lastState") or {}):
+        said = said or str((state.get("terminated") or {}).get("message") or "")
+    for line in reversed(said.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("level") == "error":
+            return f"{message}: {record.get('error') or record.get('message')}"
+    return message
 
 
 def _crashed(container: Mapping[str, Any], *, init_container: bool) -> bool:

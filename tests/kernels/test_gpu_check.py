@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.py"
-SECTIONS = {"ceiling", "correct", "decode", "prefill", "fused", "quant", "engine", "throughput"}
+SECTIONS = {
+    "ceiling", "correct", "decode", "prefill", "fused", "quant", "engine", "throughput", "parallel"
+}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -41,6 +43,8 @@ def test_smoke_run_fills_every_section_and_passes(tmp_path: Path) -> None:
     names = [r["name"] for r in rows]
     # The last section drives `ladle bench throughput --profile` through the real CLI.
     assert {"bench throughput A ladle", "bench throughput B ladle"} <= set(names)
+    # Two CPU ranks stand in for the GPUs: the same greedy tokens as one.
+    assert "greedy identical, tp 2 vs 1" in names
     assert (
         (out / "table.txt").read_text().splitlines()[-1].startswith(f"{len(rows)} rows, 0 failed")
     )

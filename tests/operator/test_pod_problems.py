@@ -4,6 +4,7 @@ decision alone (``PodInfo.from_pod``), without a cluster. ``test_pod_facts.py`` 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -75,6 +76,36 @@ def test_a_crashing_container_reads_as_a_crash_loop_with_its_exit_code() -> None
     assert problem(pod(waiting, last=terminated("Error", 3))) == (
         "CrashLoopBackOff",
         "back-off 10s restarting",
+    )
+
+
+def test_a_runtime_that_refuses_its_settings_is_quoted_from_its_last_error_line() -> None:
+    """The runtime exits with one JSON error line; the kubelet keeps the log's tail as the
+    termination message (FallbackToLogsOnError), and the problem quotes the refusal."""
+    refusal = (
+        "tensor_parallel_size 4 does not split the model's 9 attention heads over its 3 KV "
+        "heads; sizes that do: 2, 3, 9"
+    )
+    lines = [
+        "a line that is not JSON",
+        json.dumps({"level": "info", "message": "loading"}),
+        json.dumps({"level": "error", "message": "invalid engine setting", "error": refusal}),
+    ]
+    ended = {"terminated": {"reason": "Error", "exitCode": 2, "message": "\n".join(lines)}}
+    assert problem(pod(ended, restarts=1)) == (
+        "CrashLoopBackOff",
+        f"container runtime exited with code 2 (Error), 1 restart so far: {refusal}",
+    )
+    waiting = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting"}}
+    assert problem(pod(waiting, last=ended)) == (
+        "CrashLoopBackOff",
+        f"back-off 10s restarting: {refusal}",
+    )
+    # Output that holds no error line of ours adds nothing.
+    plain = {"terminated": {"reason": "Error", "exitCode": 1, "message": "Segmentation fault"}}
+    assert problem(pod(plain)) == (
+        "CrashLoopBackOff",
+        "container runtime exited with code 1 (Error), 0 restarts so far",
     )
 
 

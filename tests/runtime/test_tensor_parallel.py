@@ -31,7 +31,7 @@ PROMPTS = [
     "Count: one, two, three, four, five, one, two, three,",
     "Write a short poem about the sea.",
 ]
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
 def _config(heads: int, kv_heads: int, vocab: int = 100) -> ModelConfig:
@@ -154,15 +154,15 @@ INT4 = {"quantization": "int4", "quantization_method": "rtn", "quantization_grou
         ("mistral", {}),
         ("qwen2", {}),
         ("qwen2-mqa", {}),
-        ("qwen3", {}),
         ("qwen3", INT4),
     ],
-    ids=["llama", "mistral", "qwen2", "qwen2-mqa", "qwen3", "qwen3-int4"],
+    ids=["llama", "mistral", "qwen2", "qwen2-mqa", "qwen3-int4"],
 )
 def test_greedy_output_split_over_two_ranks_is_one_ranks(
     tiny: Callable[[str], Path], arch: str, args: dict[str, Any]
 ) -> None:
-    """Split at group boundaries, int4 groups quantize alike."""
+    """Split at group boundaries, int4 groups quantize alike (qwen3 runs int4 only: its
+    quantized run covers its layout too)."""
     path = tiny(arch)
     expected = _tokens(LLM(str(path), kv_cache_memory="64Mi", **args), PROMPTS, GREEDY)
     for llm in _split(path, **args):
@@ -182,7 +182,7 @@ def test_the_default_model_split_keeps_every_feature(default_model_path: Path) -
     one = LLM(str(default_model_path), **common)
     for split in _split(default_model_path, **common):
         prompts = [p + f" {i}" for i in range(2) for p in PROMPTS]
-        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         assert _tokens(split, prompts, params) == _tokens(one, prompts, params)
         stats = split.engine.stats()
         assert stats.num_preemptions > 0, "nothing was preempted"
