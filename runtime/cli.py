@@ -37,6 +37,12 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings.from_namespace(args)
     engine_args = EngineArgs.from_cli_args(args)
     limits = RequestLimits.from_cli_args(args)
+    if engine_args.node_rank > 0:
+        from ladle import logs
+        from ladle.runtime.parallel.node import run_node
+
+        logs.configure(settings.log_level)
+        return run_node(engine_args)
     from ladle.runtime.server.main import serve
 
     return serve(settings, engine_args, limits)

@@ -107,6 +107,12 @@ class EngineArgs:
     speculative_config: str | dict[str, Any] | None = None
     # Ranks the model is split over (Megatron-style); rank r on GPU r, or CPU processes.
     tensor_parallel_size: int = 1
+    # vLLM's multi-node flags: the ranks spread over nnodes machines, tensor_parallel_size /
+    # nnodes each; node 0 serves, the others run their ranks headless.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -126,6 +132,8 @@ class EngineArgs:
             "max_loras",
             "max_lora_rank",
             "tensor_parallel_size",
+            "nnodes",
+            "master_port",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -149,6 +157,13 @@ class EngineArgs:
         self.speculative()  # validates
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel(quantization)
+        if self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(
+                f"tensor_parallel_size {self.tensor_parallel_size} does not spread evenly over "
+                f"nnodes {self.nnodes}: each node runs tensor_parallel_size / nnodes ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank must be 0 to nnodes - 1; got {self.node_rank}")
 
     def _check_tensor_parallel(self, quantization: QuantizationConfig) -> None:
         """What does not run split across ranks yet, refused before anything starts."""
@@ -367,6 +382,30 @@ class EngineArgs:
             default=defaults.tensor_parallel_size,
             help="split every layer over this many ranks (GPUs 0 to N-1, or CPU processes): "
             "for models larger than one device",
+        )
+        parallel.add_argument(
+            "--nnodes",
+            type=integer(1),
+            default=defaults.nnodes,
+            help="machines the ranks spread over, tensor-parallel-size / nnodes each; every "
+            "node needs LADLE_PARALLEL_SECRET, the same on all",
+        )
+        parallel.add_argument(
+            "--node-rank",
+            type=integer(0),
+            default=defaults.node_rank,
+            help="this machine's place: 0 serves the API, the others run their ranks headless",
+        )
+        parallel.add_argument(
+            "--master-addr",
+            default=defaults.master_addr,
+            help="node 0's address, as the other nodes reach it",
+        )
+        parallel.add_argument(
+            "--master-port",
+            type=integer(1),
+            default=defaults.master_port,
+            help="node 0's rendezvous port; the port after it carries the step plans",
         )
 
     @classmethod

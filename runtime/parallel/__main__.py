@@ -1,9 +1,20 @@
-"""``python -m ladle.runtime.parallel FD``: a tensor-parallel rank other than 0, started by
-rank 0 with its end of their socket pair."""
+"""A tensor-parallel rank other than 0, as its own interpreter:
+
+* ``python -m ladle.runtime.parallel FD``: started by rank 0 on its machine, with its end of
+  their socket pair;
+* ``python -m ladle.runtime.parallel --connect HOST:PORT RANK``: started on another machine
+  (``ladle serve --node-rank N``), reaching rank 0 over the network.
+"""
 
 import sys
 from multiprocessing.connection import Connection
 
-from ladle.runtime.parallel.worker import serve
+from ladle.runtime.parallel.worker import connect, send, serve
 
-serve(Connection(int(sys.argv[1])))
+if sys.argv[1] == "--connect":
+    host, port = sys.argv[2].rsplit(":", 1)
+    channel = connect(host, int(port))
+    send(channel, int(sys.argv[3]))
+    serve(channel)
+else:
+    serve(Connection(int(sys.argv[1])))

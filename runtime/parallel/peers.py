@@ -13,7 +13,7 @@ import logging
 import subprocess
 import sys
 from multiprocessing import Pipe
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, Listener
 
 import torch
 import torch.distributed as dist
@@ -42,40 +42,55 @@ class Peers:
 
     @classmethod
     def start(cls, args: EngineArgs, size: int, device: torch.device) -> Peers:
-        """Start ranks 1 to ``size - 1`` on this machine (rank r on GPU r), which begin
-        loading their slices at once. Rank 0 keeps its share of the CPU threads."""
+        """Start this node's other ranks (rank r on GPU r), which begin loading their slices
+        at once; with ``nnodes`` > 1, wait until every other node's ranks have connected too.
+        Rank 0 keeps its share of the CPU threads."""
         if dist.is_initialized():
             raise ConfigError(
                 "this process already runs a tensor-parallel engine (torch.distributed has "
                 "one group per process); shut that engine down first"
             )
+        local = size // args.nnodes
         if device.type == "cpu":
-            torch.set_num_threads(worker.threads_per_rank(size))
-        store = TCPStore(
-            _HOST, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
-        )
+            torch.set_num_threads(worker.threads_per_rank(local))
+        spread = args.nnodes > 1
+        secret = worker.parallel_secret() if spread else b""
+        host = "0.0.0.0" if spread else _HOST
+        port = args.master_port if spread else 0
+        store = TCPStore(host, port, size, is_master=True, timeout=JOIN_TIMEOUT,
+                         wait_for_workers=False)  # fmt: skip
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
+
+        def spec(rank: int) -> worker.WorkerSpec:
+            return worker.WorkerSpec(
+                args=args,
+                rank=rank,
+                size=size,
+                device=f"cuda:{rank % local}" if device.type == "cuda" else "cpu",
+                host=args.master_addr if rank >= local else _HOST,
+                store_port=store.port,
+                log_level=level,
+            )
+
         processes: list[subprocess.Popen[bytes]] = []
-        channels: list[Connection] = []
-        for rank in range(1, size):
+        channels: dict[int, Connection] = {}
+        for rank in range(1, local):
             ours, theirs = Pipe()
             fd = theirs.fileno()
             command = [sys.executable, "-m", "ladle.runtime.parallel", str(fd)]
             processes.append(subprocess.Popen(command, pass_fds=[fd]))
             theirs.close()
-            worker.send(
-                ours,
-                worker.WorkerSpec(
-                    args=args,
-                    rank=rank,
-                    size=size,
-                    device=f"cuda:{rank}" if device.type == "cuda" else "cpu",
-                    host=_HOST,
-                    store_port=store.port,
-                    log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower(),
-                ),
-            )
-            channels.append(ours)
-        return cls(TensorParallelGroup(0, size, device), store, processes, channels)
+            worker.send(ours, spec(rank))
+            channels[rank] = ours
+        if spread:
+            with Listener((host, args.master_port + 1), authkey=secret) as listener:
+                while len(channels) < size - 1:
+                    channel = listener.accept()
+                    rank = worker.receive(channel)
+                    worker.send(channel, spec(rank))
+                    channels[rank] = channel
+        ordered = [channels[rank] for rank in range(1, size)]
+        return cls(TensorParallelGroup(0, size, device), store, processes, ordered)
 
     def agree_blocks(self, blocks: int) -> int:
         """Wait for every rank to load its slice; the KV blocks every rank holds (each sizes

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from transformers import AutoConfig
 
 from ladle import logs
-from ladle.runtime.config import EngineArgs
+from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.forward_pass import ForwardPass
 from ladle.runtime.models.build import build_model, kv_budget_blocks, resolve_dtype
 from ladle.runtime.models.config import model_config_from_hf
@@ -64,6 +65,34 @@ def send(channel: Connection, message: object) -> None:
 
 def receive(channel: Connection) -> Any:
     return pickle.loads(channel.recv_bytes())
+
+
+SECRET_VARIABLE = "LADLE_PARALLEL_SECRET"
+
+
+def parallel_secret() -> bytes:
+    """What ranks on several machines prove to one another (HMAC, ``multiprocessing``'s
+    handshake) before any plan, which is pickled, crosses the network."""
+    secret = os.environ.get(SECRET_VARIABLE, "")
+    if not secret:
+        raise ConfigError(
+            f"nnodes > 1 needs {SECRET_VARIABLE}: the same secret on every node, which "
+            "authenticates the ranks to one another"
+        )
+    return secret.encode()
+
+
+def connect(host: str, port: int) -> Connection:
+    """Rank 0's plan listener on another machine, which may start after this one (its pod
+    scheduled later, its image still pulling): tried again each second, for ten minutes."""
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            return Client((host, port), authkey=parallel_secret())
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def threads_per_rank(size: int) -> int:

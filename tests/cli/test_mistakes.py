@@ -83,6 +83,14 @@ MISTAKES: dict[str, Mistake] = {
         ("serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'),
         ("--speculative-config", "num_speculative_tokens must be 1 to 16; got 0"),
     ),
+    "nodes that do not divide the ranks": Mistake(
+        ("serve", "--tensor-parallel-size", "3", "--nnodes", "2"),
+        ("tensor_parallel_size 3 does not spread evenly over nnodes 2",),
+    ),
+    "a second node without the shared secret": Mistake(
+        ("serve", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1"),
+        ("nnodes > 1 needs LADLE_PARALLEL_SECRET",),
+    ),
     "tensor parallelism with LoRA": Mistake(
         ("serve", "--tensor-parallel-size", "2", "--enable-lora"),
         ("enable_lora does not work with tensor_parallel_size > 1 yet",),

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from kube_harness import free_port
 from random_weights import save_random_model, tiny_config
 from transformers import AutoConfig
 
@@ -218,6 +221,29 @@ def _tokens(llm: LLM, prompts: list[str], params: SamplingParams) -> list[list[i
 def _beams(llm: LLM, params: dict[str, Any]) -> list[list[int]]:
     results = llm.beam_search([PROMPTS[0]], BeamSearchParams(**params))
     return [list(seq.tokens) for seq in results[0].sequences]
+
+
+def test_ranks_on_two_nodes_give_one_ranks_output(
+    tiny: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's multi-node flags, on loopback: node 1 is ``ladle serve --node-rank 1`` (headless,
+    its rank connecting to node 0 with the shared secret); node 0 is the engine here."""
+    path = tiny("qwen2")
+    port = free_port()
+    monkeypatch.setenv("LADLE_PARALLEL_SECRET", "a secret both nodes hold")
+    node = subprocess.Popen(
+        [sys.executable, "-m", "ladle.cli", "serve", "--tensor-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), "--log-level", "warning"],
+    )  # fmt: skip
+    try:
+        expected = _tokens(LLM(str(path), kv_cache_memory="64Mi"), PROMPTS, GREEDY)
+        for llm in _split(path, nnodes=2, master_port=port):
+            assert _tokens(llm, PROMPTS, GREEDY) == expected
+        # Node 0's shutdown ends node 1's rank, and with it the node.
+        assert node.wait(timeout=60) == 0
+    finally:
+        node.kill()
 
 
 def test_a_rank_that_dies_fails_the_engine_instead_of_hanging_it(
