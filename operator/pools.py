@@ -228,9 +228,12 @@ class PoolReconciler:
         granted = plan.granted.get(isvc.key, 0)
         note = None
         if granted < requested:
+            gpus = isvc.spec.resources.gpus
+            # A split model's replica needs every one of its GPUs at once.
+            each = f" of {gpus} GPUs each" if gpus > 1 else ""
             note = (
                 f"GPUPool {name} quota of {plural(plan.quota_gpus or 0, 'GPU')} allows "
-                f"{granted} of {plural(requested, 'replica')} "
+                f"{granted} of {plural(requested, 'replica')}{each} "
                 f"({plural(plan.claimed_gpus, 'GPU')} claimed, "
                 f"{plan.requested_gpus} requested)"
             )

@@ -1,9 +1,9 @@
 """Rank 0's side of tensor parallelism: it starts the other ranks, agrees the KV cache size
 with them, forms the group, and sends them each step's plan.
 
-The plans travel over a socket pair (``multiprocessing.connection``), not a collective: an
-idle server may wait hours for its next request, and a collective would time out meanwhile;
-and a rank that dies closes its end, so rank 0 learns of it at once.
+The plans travel over a socket pair (``multiprocessing.connection``; TCP from other machines),
+not a collective: an idle server may wait hours for its next request, and a collective would
+time out meanwhile; and a rank that dies closes its end, so rank 0 learns of it at once.
 """
 
 from __future__ import annotations
@@ -99,8 +99,7 @@ class Peers:
             try:
                 report = worker.receive(channel)
             except EOFError:
-                code = self.processes[rank - 1].wait()
-                raise RankFailure(f"tensor-parallel rank {rank} exited ({code})") from None
+                raise RankFailure(self._gone(rank)) from None
             if isinstance(report, worker.LoadFailed):
                 raise ConfigError(report.message)
             blocks = min(blocks, report.blocks)
@@ -108,6 +107,11 @@ class Peers:
             worker.send(channel, blocks)
         self.group.join(self.store)
         return blocks
+
+    def _gone(self, rank: int) -> str:
+        if rank <= len(self.processes):  # on this machine
+            return f"tensor-parallel rank {rank} exited ({self.processes[rank - 1].wait()})"
+        return f"tensor-parallel rank {rank}, on another node, disconnected"
 
     def send(self, plan: StepPlan) -> None:
         self.check()

@@ -54,6 +54,26 @@ def test_a_newcomer_gets_its_guaranteed_replica_from_a_full_pool(
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
 
+def test_a_split_replica_that_needs_more_gpus_than_the_quota_waits_named(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    """resources.gpus: 4 is one pod of 4 GPUs: a quota of 2 cannot hold it, and the service
+    says so instead of starting a pod that could never be whole."""
+    pool = f"{k8s_namespace}-split"
+    kube.apply(pool_manifest(pool, quota={"gpus": 2}))
+    try:
+        kube.apply(isvc_manifest("split", gpuPool=pool, resources={"gpus": 4}), k8s_namespace)
+        obj = kube.wait_condition(k8s_namespace, "split", "Degraded", reason="QuotaExceeded")
+        assert (
+            "quota of 2 GPUs allows 0 of 1 replica of 4 GPUs each"
+            in (kube.condition(obj, "Degraded")["message"])
+        )
+        assert replicas(kube, k8s_namespace, "split") == 0
+    finally:
+        kube.kubectl("delete", "-n", k8s_namespace, "lisvc", "--all", "--wait=false")
+        kube.kubectl("delete", "gpupool", pool, "--wait=false")
+
+
 class ReplicaSetPeak:
     """The most replicas a Deployment's ReplicaSets asked for at once while watched. This is
     what a rolling update bounds (replicas + maxSurge); live pods may briefly exceed it, since
