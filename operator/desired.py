@@ -156,6 +156,7 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
         ),
         ("seed", engine.seed),
         ("max-waiting-requests", engine.max_waiting_requests),
+        ("tensor-parallel-size", spec.resources.gpus if spec.resources.gpus > 1 else None),
         (
             "speculative-config",
             None if engine.speculative is None else json.dumps(engine.speculative.config()),

@@ -6,6 +6,7 @@ Only the standard library is imported here; each handler imports torch when it r
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING
 
 from ladle.flag_types import integer, memory, number
@@ -30,6 +31,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Before torch loads: its C++ warnings are plain text among the JSON lines (c10d warns
+    # for each rank that connects when a pod cannot look up 127.0.0.1's name); errors stay.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from ladle.runtime.config import EngineArgs
     from ladle.runtime.limits import RequestLimits
     from ladle.runtime.server.settings import ServerSettings

@@ -57,7 +57,10 @@ def services(
     nodes of two cores (the kubelets count the machine's), so each service asks for a quarter
     of a core instead of its example's one."""
     system = ladle_system
-    documents = [*system.example("cpu.yaml"), *system.example("smollm2.yaml")]
+    smollm2 = system.example("smollm2.yaml")
+    # Two of the node's fake GPUs: one pod, the model split over two ranks (on its CPU).
+    smollm2[0]["spec"]["resources"]["gpus"] = 2
+    documents = [*system.example("cpu.yaml"), *smollm2]
     documents += system.example("image-model.yaml")
     pv, claim, llama = system.example("pvc-model.yaml")
     volume = tmp_path_factory.mktemp("models")
@@ -185,13 +188,13 @@ def test_a_pod_is_ready_only_after_health_ready_answers(
 def test_gpu_pods_get_their_devices_and_the_runtime_says_it_runs_on_the_cpu(
     ladle_system: System, services: dict[str, dict[str, Any]]
 ) -> None:
-    """The node's device plugin gives the GPU pod one device, named as NVIDIA's plugin names
-    it; the runtime finds no CUDA behind it and says so, with the device it was given."""
+    """The node's device plugin gives the GPU pod its two devices, named as NVIDIA's plugin
+    names them; the runtime finds no CUDA behind them and says so, with the devices it was
+    given."""
     system = ladle_system
     gpu_pod = system.ready_pod("smollm2")
     devices = system.cluster.container_environ(gpu_pod, "runtime")["NVIDIA_VISIBLE_DEVICES"]
-    assert devices.startswith("GPU-")
-    assert "," not in devices  # resources.gpus: 1
+    assert [d[:4] for d in devices.split(",")] == ["GPU-", "GPU-"]  # resources.gpus: 2
     notice = [
         line
         for line in log_lines(system, gpu_pod)
@@ -278,24 +281,51 @@ def test_the_pvc_examples_wiring_serves_a_model_from_the_volume_behind_its_api_k
     assert events
 
 
+@pytest.fixture(scope="module")
+def plain(default_model: Path) -> Any:
+    """The default model in this process, as ``ladle serve`` runs it by default: the answers
+    that pods with other engine settings must give."""
+    from ladle.runtime import LLM
+
+    return LLM(str(default_model), kv_cache_memory="256Mi", max_model_len=1024)
+
+
+def greedy(llm: Any, prompt: str, max_tokens: int) -> str:
+    from ladle.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return str(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text)
+
+
+def test_a_replica_of_two_gpus_splits_the_model_and_answers_as_one_rank(
+    ladle_system: System, services: dict[str, dict[str, Any]], plain: Any
+) -> None:
+    """resources.gpus: 2 starts the runtime with --tensor-parallel-size 2: two ranks in the
+    pod (gloo, on its CPU), whose greedy answer is one rank's, token for token."""
+    pod = ladle_system.ready_pod("smollm2")
+    (ready,) = [line for line in log_lines(ladle_system, pod) if line["message"] == "engine ready"]
+    assert ready["tensor_parallel_size"] == 2
+    client = openai.OpenAI(base_url=base_url(pod), api_key="unused", timeout=120)
+    prompt = "The three primary colours are"
+    served = client.completions.create(
+        model=model_name(services, "smollm2"), prompt=prompt, max_tokens=24, temperature=0
+    )
+    assert served.choices[0].text == greedy(plain, prompt, 24)
+
+
 def test_speculative_decoding_answers_as_the_plain_engine_and_counts_its_drafts(
-    ladle_system: System, services: dict[str, dict[str, Any]], default_model: Path
+    ladle_system: System, services: dict[str, dict[str, Any]], plain: Any
 ) -> None:
     """engine.speculative reaches the runtime (through the operator's ConfigMap): a greedy
     answer that repeats its prompt is the plain engine's, token for token, and the pod's
     vLLM spec_decode counters show the drafts it accepted."""
-    from ladle.runtime import LLM, SamplingParams
-
     pod = ladle_system.ready_pod("llama-8b")
     keyed = openai.OpenAI(base_url=base_url(pod), api_key=API_KEY, timeout=120)
     model = model_name(services, "llama-8b")
     passage = "The river flows past the mill and the church, under the old stone bridge."
     prompt = f"Repeat this passage exactly.\n\nPassage: {passage}\n\nRepeated: {passage[:20]}"
     served = keyed.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
-    plain = LLM(str(default_model), kv_cache_memory="256Mi", max_model_len=1024)
-    params = SamplingParams(max_tokens=32, temperature=0)
-    reference = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    assert served.choices[0].text == reference.text
+    assert served.choices[0].text == greedy(plain, prompt, 32)
     text = httpx.get(f"{base_url(pod).removesuffix('/v1')}/metrics", timeout=30).text
     (accepted,) = [
         s.value

@@ -227,10 +227,20 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "resources.memory must be a positive quantity such as 16Gi",
     ),
     (
-        "two-gpus",
-        with_spec(VALID_ISVC, resources={"gpus": 2}),
-        "resources.gpus is 2, but a replica uses one GPU (or 0 to run on CPU): the engine does "
-        "not split a model across GPUs yet",
+        "three-gpus",
+        with_spec(VALID_ISVC, resources={"gpus": 3}),
+        "resources.gpus is 3: a replica uses 0 (CPU), 1, 2, 4 or 8 GPUs, and more than one "
+        "splits the model over them (a power of two, up to one node's 8)",
+    ),
+    (
+        "split-model-with-adapters",
+        with_spec(VALID_ISVC, resources={"gpus": 2}, adapters=[]),
+        "spec.adapters: Invalid value: adapters need resources.gpus of 0 or 1",
+    ),
+    (
+        "split-model-calibrated-quantization",
+        with_spec(VALID_ISVC, resources={"gpus": 4}, quantization={"weights": "int4"}),
+        "quantization.method awq, gptq and awq-gptq (awq when unset) calibrate the whole model",
     ),
     (
         # The CLI's rule too: 512m is half a byte (it became "--kv-cache-memory 1"), not 512 MiB.

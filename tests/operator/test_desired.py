@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 from typing import Any
@@ -195,6 +196,25 @@ def test_engine_settings_become_ladle_serve_flags(make_isvc: Builder) -> None:
         "--seed", "7",
         "--drain-timeout", "30",
     ]  # fmt: skip
+
+
+def test_a_replica_of_several_gpus_is_one_pod_split_over_them(make_isvc: Builder) -> None:
+    """Tensor parallelism in one pod: every GPU requested, vLLM's flag, which the runtime's
+    own parser reads back."""
+    isvc = parse_isvc(make_isvc(spec={"model": {"name": "m"}, "resources": {"gpus": 4}}))
+    children = desired_children(isvc, None, 2, CONFIG)
+    ctr = container(children)
+    assert ctr["resources"] == {
+        "requests": {"nvidia.com/gpu": "4"},
+        "limits": {"nvidia.com/gpu": "4"},
+    }
+    flags = render_flags(engine_config(isvc))
+    assert flags[flags.index("--tensor-parallel-size") + 1] == "4"
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    assert parser.parse_known_args(flags)[0].tensor_parallel_size == 4
+    one = parse_isvc(make_isvc(spec={"model": {"name": "m"}, "resources": {"gpus": 1}}))
+    assert "--tensor-parallel-size" not in render_flags(engine_config(one))
 
 
 def test_speculative_decoding_is_vllms_flag_and_a_new_revision(make_isvc: Builder) -> None:
