@@ -970,7 +970,7 @@ def tensor_parallel(spec: dict[str, Any]) -> dict[str, Any]:
     prompts, outs = workload(spec["num"], spec["vocab"], 0, spec["fixed_out"], smoke)
     llm = _llm(spec, tensor_parallel_size=spec["size"])
     try:
-        greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=6 if smoke else 16, ignore_eos=True)
         first = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], greedy, use_tqdm=False)
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=outs[0])
         sync()
@@ -1176,7 +1176,7 @@ def parallel_checks(report: Report, models_dir: Path, default: Path, dev: torch.
     """Tensor parallelism 2, 4 and 8 against 1, as far as the machine's GPUs go (the smoke run:
     2 CPU processes over gloo): greedy outputs the same, and throughput on a fixed batch."""
     if smoke:
-        base = {"model": str(default), "vocab": TINY_LLAMA["vocab_size"], "num": 4,
+        base = {"model": str(default), "vocab": TINY_LLAMA["vocab_size"], "num": 2,
                 "engine": SMOKE_ENGINE}  # fmt: skip
         sizes = [2]
     else:
@@ -1187,7 +1187,7 @@ def parallel_checks(report: Report, models_dir: Path, default: Path, dev: torch.
             report.add(Row("parallel", "tensor parallelism: skipped, one GPU", None, ""))
             return
     common = {**base, "kind": "tp", "section": "parallel", "smoke": smoke,
-              "interpret": interpret, "fixed_out": 8 if smoke else 256}  # fmt: skip
+              "interpret": interpret, "fixed_out": 4 if smoke else 256}  # fmt: skip
     one = run_worker(report, {**common, "size": 1, "label": "tensor parallel 1"}, 300)
     for size in sizes:
         result = run_worker(report, {**common, "size": size, "label": f"tensor parallel {size}"},
