@@ -9,9 +9,10 @@
 import sys
 from multiprocessing.connection import Connection
 
-from ladle.runtime.parallel.worker import connect, send, serve
+from ladle.runtime.parallel.worker import connect, die_with_parent, send, serve
 
 if sys.argv[1] == "--connect":
+    die_with_parent()  # its TCP connection would outlive the node's process otherwise
     host, port = sys.argv[2].rsplit(":", 1)
     channel = connect(host, int(port))
     send(channel, int(sys.argv[3]))

@@ -9,7 +9,7 @@ import sys
 import time
 
 from ladle.runtime.config import EngineArgs
-from ladle.runtime.parallel.worker import parallel_secret
+from ladle.runtime.parallel.worker import child_env, parallel_secret
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +23,8 @@ def run_node(args: EngineArgs) -> int:
     address = f"{args.master_addr}:{args.master_port + 1}"
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "ladle.runtime.parallel", "--connect", address, str(rank)]
+            [sys.executable, "-m", "ladle.runtime.parallel", "--connect", address, str(rank)],
+            env=child_env(),
         )
         for rank in range(first, first + local)
     ]

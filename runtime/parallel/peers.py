@@ -78,7 +78,7 @@ class Peers:
             ours, theirs = Pipe()
             fd = theirs.fileno()
             command = [sys.executable, "-m", "ladle.runtime.parallel", str(fd)]
-            processes.append(subprocess.Popen(command, pass_fds=[fd]))
+            processes.append(subprocess.Popen(command, pass_fds=[fd], env=worker.child_env()))
             theirs.close()
             worker.send(ours, spec(rank))
             channels[rank] = ours
@@ -122,11 +122,16 @@ class Peers:
             raise RankFailure(f"a tensor-parallel rank stopped listening: {exc}") from exc
 
     def check(self) -> None:
-        """Raise if a rank has exited: the replica cannot compute another token."""
+        """Raise if a rank has exited: the replica cannot compute another token. A rank never
+        writes once loaded, so a channel with something to read has been closed (a rank on
+        another node whose process or machine went away)."""
         for rank, process in enumerate(self.processes, start=1):
             code = process.poll()
             if code is not None:
                 raise RankFailure(f"tensor-parallel rank {rank} exited ({code})")
+        for rank, channel in enumerate(self.channels, start=1):
+            if channel.poll():
+                raise RankFailure(self._gone(rank))
 
     def close(self) -> None:
         """Tell the ranks to stop, and wait for them (briefly: a hung rank is killed)."""

@@ -8,9 +8,11 @@ socket pair with rank 0), so that starting it never re-runs the user's script, a
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
@@ -68,6 +70,8 @@ def receive(channel: Connection) -> Any:
 
 
 SECRET_VARIABLE = "LADLE_PARALLEL_SECRET"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PARENT_VARIABLE = "LADLE_RANK_PARENT"
 
 
 def parallel_secret() -> bytes:
@@ -93,6 +97,22 @@ def connect(host: str, port: int) -> Connection:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a rank this process starts: its own, and its pid, which the rank
+    checks in :func:`die_with_parent`."""
+    return {**os.environ, _PARENT_VARIABLE: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """First thing in a rank a node started (``ladle serve --node-rank N``, whose main thread
+    waits on its ranks): the kernel kills the rank when that process dies, however it dies,
+    so no rank outlives its node. Set in the rank itself (a ``preexec_fn`` is unsafe beside
+    threads); a parent gone before that is caught by the pid check."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if str(os.getppid()) != os.environ.get(_PARENT_VARIABLE, str(os.getppid())):
+        raise SystemExit("the process that started this rank is gone")
 
 
 def threads_per_rank(size: int) -> int:

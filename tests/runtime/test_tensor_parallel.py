@@ -227,7 +227,8 @@ def test_ranks_on_two_nodes_give_one_ranks_output(
     tiny: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's multi-node flags, on loopback: node 1 is ``ladle serve --node-rank 1`` (headless,
-    its rank connecting to node 0 with the shared secret); node 0 is the engine here."""
+    its rank connecting to node 0 with the shared secret); node 0 is the engine here. When node
+    1 dies, its rank dies with it, and node 0 notices while idle."""
     path = tiny("qwen2")
     port = free_port()
     monkeypatch.setenv("LADLE_PARALLEL_SECRET", "a secret both nodes hold")
@@ -240,10 +241,19 @@ def test_ranks_on_two_nodes_give_one_ranks_output(
         expected = _tokens(LLM(str(path), kv_cache_memory="64Mi"), PROMPTS, GREEDY)
         for llm in _split(path, nnodes=2, master_port=port):
             assert _tokens(llm, PROMPTS, GREEDY) == expected
-        # Node 0's shutdown ends node 1's rank, and with it the node.
-        assert node.wait(timeout=60) == 0
+            llm.engine.check_health()
+            node.kill()
+            with pytest.raises(RankFailure, match="rank 1, on another node, disconnected"):
+                _check_for(llm, 10)
     finally:
         node.kill()
+
+
+def _check_for(llm: LLM, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        llm.engine.check_health()
+        time.sleep(0.1)
 
 
 def test_a_rank_that_dies_fails_the_engine_instead_of_hanging_it(
