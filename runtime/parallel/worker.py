@@ -27,6 +27,7 @@ from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.forward_pass import ForwardPass
 from ladle.runtime.models.build import build_model, kv_budget_blocks, resolve_dtype
 from ladle.runtime.models.config import model_config_from_hf
+from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.models.loader import resolve_model
 from ladle.runtime.parallel.group import JOIN_TIMEOUT, Shard, TensorParallelGroup
 from ladle.runtime.parallel.layout import shard_layout
@@ -120,7 +121,7 @@ def threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def _load(spec: WorkerSpec, group: TensorParallelGroup) -> tuple[ForwardPass, int]:
+def _load(spec: WorkerSpec, group: TensorParallelGroup) -> tuple[LlamaModel, int]:
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -131,7 +132,7 @@ def _load(spec: WorkerSpec, group: TensorParallelGroup) -> tuple[ForwardPass, in
     cfg = model_config_from_hf(AutoConfig.from_pretrained(path))
     shard = Shard(shard_layout(cfg, spec.size, spec.rank), group)
     model, kv_spec = build_model(args, cfg, path, device, resolve_dtype(args.dtype, device), shard)
-    return ForwardPass(model, [], device), kv_budget_blocks(args, model, kv_spec)
+    return model, kv_budget_blocks(args, model, kv_spec)
 
 
 def serve(channel: Connection) -> None:
@@ -142,7 +143,7 @@ def serve(channel: Connection) -> None:
     logs.configure(spec.log_level)
     group = TensorParallelGroup(spec.rank, spec.size, torch.device(spec.device))
     try:
-        forward, blocks = _load(spec, group)
+        model, blocks = _load(spec, group)
     except Exception as exc:
         send(channel, LoadFailed(f"rank {spec.rank}: {exc}"))
         raise
@@ -152,7 +153,7 @@ def serve(channel: Connection) -> None:
     except EOFError:  # rank 0 gave up starting
         return
     group.join(TCPStore(spec.host, spec.store_port, spec.size, timeout=JOIN_TIMEOUT))
-    forward.caches = forward.model.attention.allocate(blocks)
+    forward = ForwardPass(model, model.attention.allocate(blocks), model.device)
     try:
         while True:
             try:
