@@ -58,6 +58,7 @@ REFUSE_FOREIGN_KINDS = frozenset({"Deployment"})
 BACKGROUND_CREATES = 8
 API_VERSIONS = {
     "Deployment": "apps/v1",
+    "StatefulSet": "apps/v1",
     "Service": "v1",
     "ConfigMap": "v1",
     "PodDisruptionBudget": "policy/v1",

@@ -84,8 +84,11 @@ def _holding(pod: PodInfo | None) -> object:
 
 
 def _start_facts(pod: PodInfo | None) -> object:
-    """What of a pod its service's status reads."""
-    return (None, None) if pod is None else (pod.problem, pod.starting_since)
+    """What of a pod its service's status reads, and what a group's leader gives its
+    workers."""
+    if pod is None:
+        return None
+    return (pod.problem, pod.starting_since, pod.leads, pod.refused)
 
 
 def _held_since(isvc: InferenceService) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import yaml
 from ladle.api import (
     API_VERSION,
     CANARY,
+    CONFIG_HASH_ANNOTATION,
     HTTP_ROUTE_API_VERSION,
     HTTP_ROUTE_KIND,
     INFERENCE_POOL_API_VERSION,
@@ -33,6 +35,7 @@ from ladle.api import (
     GPUPoolSpec,
     InferenceService,
 )
+from ladle.operator import groups
 from ladle.operator.config import OperatorConfig
 from ladle.operator.revisions import with_template
 from ladle.operator.rollout_state import RolloutState, split
@@ -49,13 +52,19 @@ from ladle.operator.runtime_pod import (
     adapter_path,
     pod_template,
 )
+from ladle.operator.store import PodInfo, runtime_settings
 from ladle.quantity import quantity_to_int
 
 SERVICE_PORT = 80
-CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
 # On the Deployment (not its pods): a digest of the pod template it was last given, so that
 # any leader can tell from the live object whether a rollout of the current spec is due.
 TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
+# On a Deployment whose runtime refused its settings (exit EX_CONFIG: a tensor-parallel size
+# the model's heads do not split into, a context longer than the model's): that template's
+# digest and the runtime's words. It stays at zero replicas until the template changes, instead
+# of crash-looping pods that no restart can help.
+REFUSED_TEMPLATE_ANNOTATION = "ladle.dev/refused-template"
+REFUSAL_ANNOTATION = "ladle.dev/refusal"
 
 
 def variant_sources(
@@ -156,7 +165,10 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
         ),
         ("seed", engine.seed),
         ("max-waiting-requests", engine.max_waiting_requests),
-        ("tensor-parallel-size", spec.resources.gpus if spec.resources.gpus > 1 else None),
+        (
+            "tensor-parallel-size",
+            spec.parallelism.tensor if spec.parallelism.tensor > 1 else None,
+        ),
         (
             "speculative-config",
             None if engine.speculative is None else json.dumps(engine.speculative.config()),
@@ -180,6 +192,7 @@ def engine_config(isvc: InferenceService) -> dict[str, Any]:
             ("max-cpu-loras", engine.max_cpu_loras),
         ]
     config.update((key, value) for key, value in optional if value is not None)
+    config.update(groups.group_settings(spec.parallelism.nodes))
     if spec.api_key_secret is not None:
         config["api-key-file"] = f"{API_KEY_MOUNT}/{API_KEY_FILE}"
     config["drain-timeout"] = engine.drain_timeout_seconds
@@ -309,6 +322,9 @@ class Blueprint:
     template_hash: str
     config_map: JSON | None
     adapters: JSON | None = None
+    # A group's leader template (spec.parallelism.nodes > 1): the digest its pods carry, by
+    # which their workers are made from this blueprint.
+    group_digest: str = ""
 
 
 def blueprint(
@@ -352,7 +368,12 @@ def blueprint(
         profiles="profile-dir" in engine,
         adapters_config_map=None if adapters is None else adapters_name,
     )
-    return Blueprint(isvc, variant, template, object_digest(template), config_map, adapters)
+    digest = ""
+    if spec.parallelism.nodes > 1:
+        digest = object_digest(template)
+        secret = groups.secret_name(name)
+        template = groups.leader_template(template, variant_name(name, variant), secret, digest)
+    return Blueprint(isvc, variant, template, object_digest(template), config_map, adapters, digest)
 
 
 def _config_map(isvc: InferenceService, name: str, labels: JSON, data: JSON) -> JSON:
@@ -369,16 +390,42 @@ def _config_map(isvc: InferenceService, name: str, labels: JSON, data: JSON) -> 
     }
 
 
+def refusal(bp: Blueprint, live: JSON | None, pods: Iterable[PodInfo]) -> str | None:
+    """Why this blueprint's pods can never serve, if its runtime refused its settings: as its
+    live Deployment remembers, or as one of its pods has just said."""
+    annotations = ((live or {}).get("metadata") or {}).get("annotations") or {}
+    if annotations.get(REFUSED_TEMPLATE_ANNOTATION) == bp.template_hash:
+        return str(annotations.get(REFUSAL_ANNOTATION) or "settings refused")
+    settings = runtime_settings(bp.template)
+    return next(
+        (
+            p.refused
+            for p in pods
+            if p.variant == bp.variant and not p.worker and p.refused and p.settings == settings
+        ),
+        None,
+    )
+
+
 def children_of(
-    bp: Blueprint, replicas: int, *, surge: bool = True, idle: bool = False
+    bp: Blueprint,
+    replicas: int,
+    *,
+    surge: bool = True,
+    idle: bool = False,
+    refused: str | None = None,
 ) -> Children:
     """The variant's children at ``replicas`` pods (already quota-limited), rolling as
-    ``rollout_strategy`` says."""
+    ``rollout_strategy`` says; none while its runtime ``refused`` its settings."""
     isvc, variant = bp.source, bp.variant
     name = isvc.meta.name
     namespace = isvc.meta.namespace
     owner = [owner_reference(isvc)]
     labels = common_labels(name, variant)
+    annotations = {TEMPLATE_HASH_ANNOTATION: bp.template_hash}
+    if refused is not None:
+        replicas = 0
+        annotations |= {REFUSED_TEMPLATE_ANNOTATION: bp.template_hash, REFUSAL_ANNOTATION: refused}
     deployment: JSON = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -386,7 +433,7 @@ def children_of(
             "name": variant_name(name, variant),
             "namespace": namespace,
             "labels": labels,
-            "annotations": {TEMPLATE_HASH_ANNOTATION: bp.template_hash},
+            "annotations": annotations,
             "ownerReferences": owner,
         },
         "spec": {
@@ -434,6 +481,45 @@ def desired_children(
 ) -> Children:
     """The children of one variant running ``replicas`` pods, blueprint and all."""
     return children_of(blueprint(isvc, pool, config, variant), replicas, surge=surge, idle=idle)
+
+
+def group_children(bp: Blueprint, pods: Iterable[PodInfo]) -> list[JSON]:
+    """A variant's groups (spec.parallelism.nodes > 1): its headless Service, and a set of
+    workers for each leader that runs this blueprint's template and has a node and an address
+    (a leader of another template keeps the set it was given until it goes, taking it along)."""
+    if not bp.group_digest:
+        return []
+    isvc = bp.source
+    name = variant_name(isvc.meta.name, bp.variant)
+    service_name = groups.service_name(name)
+    metadata = {**_service_metadata(isvc), "name": service_name}
+    metadata["labels"] = common_labels(isvc.meta.name, bp.variant)
+    out = [groups.headless_service(metadata, name)]
+    for pod in sorted(pods, key=lambda p: p.name):
+        if pod.variant != bp.variant or pod.worker or pod.leads is None:
+            continue
+        uid, digest, node, ip = pod.leads
+        if digest != bp.group_digest:
+            continue
+        template = groups.worker_template(bp.template, isvc.meta.name, pod.name, node, ip)
+        out.append(
+            groups.worker_set(
+                name=groups.worker_set_name(name, uid),
+                namespace=isvc.meta.namespace,
+                nodes=isvc.spec.parallelism.nodes,
+                service=service_name,
+                template=template,
+                leader_pod=pod.name,
+                leader_uid=uid,
+            )
+        )
+    return out
+
+
+def group_secret(isvc: InferenceService, value: str) -> JSON:
+    """The Secret every group of the service authenticates its ranks with, made once."""
+    metadata = {**_service_metadata(isvc), "name": groups.secret_name(isvc.meta.name)}
+    return groups.secret(metadata, value)
 
 
 def _service_metadata(isvc: InferenceService) -> JSON:

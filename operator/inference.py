@@ -14,6 +14,7 @@ what the store then holds. Events and metrics of the decision follow the status 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -44,8 +45,11 @@ from ladle.operator.desired import (
     desired_http_route,
     desired_inference_pool,
     desired_service,
+    group_children,
+    group_secret,
     label_selector,
     profiling,
+    refusal,
     service_url,
     template_hash,
     variant_name,
@@ -70,8 +74,9 @@ IsvcKey = tuple[str, str]
 # Whom a service's adapter read asked: each variant's adapters, and the pods.
 AdapterAsk = tuple[tuple[tuple[str, tuple[str, ...]], ...], tuple[str, ...]]
 # Children that come and go with the spec: deleted when no longer desired (a canary's
-# Deployment goes when its rollout ends).
-PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget", "Deployment", HTTP_ROUTE_KIND)
+# Deployment goes when its rollout ends, a group's headless Service when its replicas fit one
+# node). A group's workers are not among them: they belong to their leader pod and go with it.
+PRUNED_KINDS = ("ConfigMap", "PodDisruptionBudget", "Deployment", "Service", HTTP_ROUTE_KIND)
 
 
 def isvc_ref(isvc: InferenceService) -> ObjectRef:
@@ -159,6 +164,8 @@ class InferenceServiceReconciler:
         # The ladle.dev/profiling problem last announced per service, so that a reconcile
         # repeats no Event (the recorder would count each repeat with an API write).
         self._profiling_said: dict[str, tuple[str, str] | None] = {}
+        # Services whose groups' Secret exists (by uid): created once, by the first reconcile.
+        self._group_secrets: set[str] = set()
         # Whether the cluster has GAIE's InferencePool CRD and the Gateway API's HTTPRoute (the
         # controller finds out as its term starts): each service then gets a pool, and a route
         # to it from the Gateway its spec (or the operator) names.
@@ -180,6 +187,7 @@ class InferenceServiceReconciler:
             self.canary.forget(uid)
             self._adapter_reads.pop(uid, None)
             self._profiling_said.pop(uid, None)
+            self._group_secrets.discard(uid)
         self.pools.forget(key)
         self.metrics.rollouts.pop(key, None)
 
@@ -213,13 +221,24 @@ class InferenceServiceReconciler:
         asked = split(state, spec.steps if spec else (100,), isvc.requested_replicas)[1]
         return self.pools.grant(isvc, any(p.rolling for p in plan), asked)
 
+    def refusals(self, isvc: InferenceService, plan: list[Planned]) -> dict[str, str | None]:
+        """Each variant whose runtime refused its settings, in its words."""
+        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
+        return {p.name: refusal(p.blueprint, p.live, pods) for p in plan}
+
     def desired(
-        self, isvc: InferenceService, state: RolloutState, plan: list[Planned], grant: Grant
+        self,
+        isvc: InferenceService,
+        state: RolloutState,
+        plan: list[Planned],
+        grant: Grant,
+        refused: Mapping[str, str | None],
     ) -> list[JSON]:
         """Every child: each variant's, then the Service (and the InferencePool). A variant
         about to roll out gets the strategy its pool's headroom allows; the others keep the
         one they have, so that a strategy never changes (and bumps a Deployment) for nothing."""
         replicas = variant_replicas(isvc, state, grant.replicas)
+        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
         objects: list[JSON] = []
         for p in plan:
             children = children_of(
@@ -227,8 +246,9 @@ class InferenceServiceReconciler:
                 replicas[p.name],
                 surge=grant.surge if p.rolling else surges(p.live),
                 idle=p.weight == 0 and state.active,
+                refused=refused[p.name],
             )
-            objects += children.all()
+            objects += [*children.all(), *group_children(p.blueprint, pods)]
         gaie: list[JSON] = []
         if self.inference_pools:
             gaie.append(desired_inference_pool(isvc))
@@ -308,9 +328,12 @@ class InferenceServiceReconciler:
         plan = self._plan(isvc, state, {p.name: p.blueprint for p in planned})
         grant = self._grant(isvc, state, plan)
         blockers = [grant.blocker] if grant.blocker else []
+        refused = self.refusals(isvc, plan)
         result = SyncResult()
         if grant.pool is not None or not isvc.spec.gpu_pool:
-            desired = self.desired(isvc, state, plan, grant)
+            if isvc.spec.parallelism.nodes > 1:
+                await self._group_secret(isvc)
+            desired = self.desired(isvc, state, plan, grant, refused)
             result = await self.applier.sync(owner, desired, PRUNED_KINDS)
         blockers += [apply_problem(k, err) for k, err in result.errors]
         await self.canary.follow(isvc, decision)
@@ -318,7 +341,10 @@ class InferenceServiceReconciler:
         adapters = await self._adapters(isvc, plan)
         service = child_key(desired_service(isvc))
         replicas = variant_replicas(isvc, state, grant.replicas)
-        observed = [await self._observe(isvc, p, replicas[p.name], grant, now) for p in plan]
+        observed = [
+            await self._observe(isvc, p, replicas[p.name], grant, now, refused[p.name])
+            for p in plan
+        ]
         variants = [v for v, _ in observed]
         status = derive_isvc_status(
             isvc,
@@ -349,6 +375,19 @@ class InferenceServiceReconciler:
             self.requeue(key, min(wakes))
         if result.errors:
             raise result.errors[0][1]  # the work queue retries with backoff
+
+    async def _group_secret(self, isvc: InferenceService) -> None:
+        """Create the ranks' shared secret once (never applied: a second apply would change
+        it under running groups). The operator never reads it back."""
+        if isvc.meta.uid in self._group_secrets:
+            return
+        secret = group_secret(isvc, secrets.token_hex(32))
+        try:
+            await self.client.create(resource_path("v1", "Secret", isvc.meta.namespace), secret)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+        self._group_secrets.add(isvc.meta.uid)
 
     async def _adapters(
         self, isvc: InferenceService, plan: list[Planned]
@@ -408,7 +447,13 @@ class InferenceServiceReconciler:
         )
 
     async def _observe(
-        self, isvc: InferenceService, p: Planned, replicas: int, grant: Grant, now: float
+        self,
+        isvc: InferenceService,
+        p: Planned,
+        replicas: int,
+        grant: Grant,
+        now: float,
+        refused: str | None,
     ) -> tuple[VariantObservation, float | None]:
         """One variant as status reads it, and when its waiting pods want another look."""
         name = variant_name(isvc.meta.name, p.name)
@@ -426,12 +471,13 @@ class InferenceServiceReconciler:
             # Read again: the apply above stored what the API server returned.
             deployment=self.store.get("Deployment", (isvc.meta.namespace, name)),
             requested_replicas=isvc.requested_replicas if stable else replicas,
-            granted_replicas=replicas,
+            granted_replicas=0 if refused is not None else replicas,
             gpu_resource=grant.gpu_resource,
             pod_problems=tuple(problems),
             quota_note=grant.note if stable else None,
             weight=p.weight,
             revision=revision_of(template_of(source.raw_spec, self.config.runtime_image)),
+            refused=refused,
         ), wake_in
 
     async def _pod_problems(

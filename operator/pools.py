@@ -171,7 +171,7 @@ class PoolReconciler:
                 key=isvc.key,
                 created=isvc.meta.created,
                 requested_replicas=self._asked(name, isvc),
-                gpus_per_replica=isvc.spec.resources.gpus,
+                gpus_per_replica=isvc.spec.gpus_per_replica,
                 current_replicas=self._current(name, isvc),
                 min_replicas=isvc.spec.min_replicas,
                 held_gpus=held.pop(isvc.key, 0),
@@ -228,7 +228,7 @@ class PoolReconciler:
         granted = plan.granted.get(isvc.key, 0)
         note = None
         if granted < requested:
-            gpus = isvc.spec.resources.gpus
+            gpus = isvc.spec.gpus_per_replica
             # A split model's replica needs every one of its GPUs at once.
             each = f" of {gpus} GPUs each" if gpus > 1 else ""
             note = (
@@ -263,9 +263,9 @@ class PoolReconciler:
         surging = self._surging.setdefault(pool.meta.name, set())
         if not rolling or isvc.key in surging:
             return True
-        gpus = isvc.spec.resources.gpus
+        gpus = isvc.spec.gpus_per_replica
         reserved = sum(
-            i.spec.resources.gpus for i in self.members(pool.meta.name) if i.key in surging
+            i.spec.gpus_per_replica for i in self.members(pool.meta.name) if i.key in surging
         )
         held = sum(self._held(pool).values())
         if self._free_gpus(pool, held) - reserved < gpus:
@@ -318,7 +318,7 @@ class PoolReconciler:
                 isvc.key,
                 isvc.meta.created,
                 self._asked(pool.meta.name, isvc),
-                isvc.spec.resources.gpus,
+                isvc.spec.gpus_per_replica,
                 held_gpus=held.pop(isvc.key, 0),
             )
             for isvc in self.members(pool.meta.name)

@@ -118,6 +118,8 @@ class VariantObservation:
     # Its share of traffic (percent), and the revision it runs.
     weight: int = 100
     revision: str | None = None
+    # What its runtime said refusing its settings: it stays at zero replicas.
+    refused: str | None = None
     rollout: Rollout = field(init=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +136,15 @@ class Problem:
 
 def _pod_problems(v: VariantObservation) -> list[Problem]:
     problems = []
+    if v.refused is not None:
+        problems.append(
+            Problem(
+                "SettingsRefused",
+                f"the runtime of Deployment {v.deployment_name} refuses its settings: "
+                f"{v.refused}; it stays at 0 replicas until the spec changes",
+                stalls=True,
+            )
+        )
     unschedulable = [p for p in v.pod_problems if p.reason == "Unschedulable"]
     if unschedulable:
         first = unschedulable[0]

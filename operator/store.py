@@ -11,18 +11,23 @@ no longer holds, unless a watch event about it arrived after the list began.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ladle.api import (
+    CONFIG_HASH_ANNOTATION,
+    GROUP_TEMPLATE_ANNOTATION,
     HTTP_ROUTE_KIND,
     INFERENCE_POOL_KIND,
     JSON,
     LABEL_ISVC,
     LABEL_POOL,
     LABEL_VARIANT,
+    LABEL_WORKER_OF,
     STABLE,
     GPUPoolSpec,
     parse_rfc3339,
@@ -36,7 +41,7 @@ Indexer = Callable[[Any], Iterable[Any]]
 # Kinds whose metadata.generation moves only when their spec does (a GAIE gateway writes an
 # InferencePool's or an HTTPRoute's status: that is not a change to revert).
 GENERATION_KINDS = frozenset(
-    {"Deployment", "PodDisruptionBudget", INFERENCE_POOL_KIND, HTTP_ROUTE_KIND}
+    {"Deployment", "StatefulSet", "PodDisruptionBudget", INFERENCE_POOL_KIND, HTTP_ROUTE_KIND}
 )
 # Container waiting reasons that are part of a normal start. A pod whose volumes or sandbox
 # cannot be set up also waits in one of them: the kubelet says why only in the pod's Events.
@@ -110,6 +115,19 @@ class PodInfo:
     # Seconds from its creation to Ready, once Ready: the autoscaler projects a rising load
     # over the time a new replica takes to serve.
     start_seconds: float | None = None
+    # What a group's leader tells the operator to make its workers (spec.parallelism.nodes):
+    # the template digest it runs, its uid (their owner), node and address.
+    uid: str = ""
+    group_template: str = ""
+    node: str = ""
+    ip: str = ""
+    deleting: bool = False
+    # A group's worker: it serves no API, so it has no base_url.
+    worker: bool = False
+    # What its runtime said when it refused its settings (exit EX_CONFIG), and a digest of
+    # those settings (``runtime_settings``): no restart of that template can serve.
+    refused: str | None = None
+    settings: str = ""
 
     @classmethod
     def from_pod(cls, pod: Mapping[str, Any]) -> PodInfo:
@@ -122,17 +140,18 @@ class PodInfo:
                 if "/" in name:
                     limits[name] = limits.get(name, 0) + quantity_to_int(value)
         deleting = bool(meta.get("deletionTimestamp"))
+        worker = LABEL_WORKER_OF in labels
         return cls(
             namespace=str(meta.get("namespace")),
             name=str(meta.get("name")),
-            owner=str(labels.get(LABEL_ISVC)),
+            owner=str(labels.get(LABEL_WORKER_OF if worker else LABEL_ISVC)),
             variant=str(labels.get(LABEL_VARIANT, STABLE)),
             pool=labels.get(LABEL_POOL),
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
             problem=None if deleting else _pod_problem(pod),
             starting_since=None if deleting else _starting_since(pod),
-            base_url=None if deleting else _base_url(pod),
+            base_url=None if deleting or worker else _base_url(pod),
             start_seconds=_start_seconds(pod),
             replica_set=next(
                 (
@@ -142,7 +161,22 @@ class PodInfo:
                 ),
                 "",
             ),
+            uid=str(meta.get("uid") or ""),
+            group_template=str((meta.get("annotations") or {}).get(GROUP_TEMPLATE_ANNOTATION, "")),
+            node=str((pod.get("spec") or {}).get("nodeName") or ""),
+            ip=str(status.get("podIP") or ""),
+            deleting=deleting,
+            worker=worker,
+            refused=_refusal(status),
+            settings=runtime_settings(pod),
         )
+
+    @property
+    def leads(self) -> tuple[str, str, str, str] | None:
+        """What its group's workers are made from, for a live leader placed on a node."""
+        if not self.group_template or self.deleting or not self.ip:
+            return None
+        return (self.uid, self.group_template, self.node, self.ip)
 
     def gpus(self, resource: str) -> int:
         return self.limits.get(resource, 0) if self.holds else 0
@@ -212,6 +246,42 @@ def _pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
+def runtime_settings(pod_or_template: Mapping[str, Any]) -> str:
+    """A digest of what the runtime container is told (image, flags, the ConfigMap's digest),
+    the same for a pod template and the pods made from it."""
+    meta = pod_or_template.get("metadata") or {}
+    containers = (pod_or_template.get("spec") or {}).get("containers") or [{}]
+    runtime: Mapping[str, Any] = containers[0]
+    told = [
+        runtime.get("image"),
+        runtime.get("args"),
+        (meta.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION),
+    ]
+    return hashlib.sha256(json.dumps(told).encode()).hexdigest()[:16]
+
+
+def _refusal(status: Mapping[str, Any]) -> str | None:
+    """The runtime's own words, if its last run ended refusing its settings."""
+    for container in status.get("containerStatuses") or ():
+        for state in (container.get("state") or {}, container.get("lastState") or {}):
+            terminated = state.get("terminated") or {}
+            if terminated.get("exitCode") == os.EX_CONFIG:
+                return _last_error(str(terminated.get("message") or "")) or "settings refused"
+    return None
+
+
+def _last_error(said: str) -> str | None:
+    """The last error line of Ladle's JSON logs in a termination message."""
+    for line in reversed(said.splitlines()):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("level") == "error":
+            return str(record.get("error") or record.get("message"))
+    return None
+
+
 def _with_refusal(message: str, container: Mapping[str, Any]) -> str:
     """``message``, and what the container said last before it exited, when that was an error
     line of Ladle's JSON logs (the runtime refusing a setting: a tensor-parallel size the
@@ -219,14 +289,8 @@ def _with_refusal(message: str, container: Mapping[str, Any]) -> str:
     said = ""
     for state in (container.get("state") or {}, container.get("lastState") or {}):
         said = said or str((state.get("terminated") or {}).get("message") or "")
-    for line in reversed(said.splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("level") == "error":
-            return f"{message}: {record.get('error') or record.get('message')}"
-    return message
+    error = _last_error(said)
+    return message if error is None else f"{message}: {error}"
 
 
 def _crashed(container: Mapping[str, Any], *, init_container: bool) -> bool:
@@ -449,7 +513,9 @@ class Store:
 
 
 def owner_of(child: Mapping[str, Any]) -> Iterable[ObjKey]:
-    """Index value: the InferenceService a child belongs to, by its label."""
+    """Index value: the InferenceService a child belongs to, by its label (a group's workers
+    have their own)."""
     meta = child.get("metadata") or {}
-    owner = (meta.get("labels") or {}).get(LABEL_ISVC)
+    labels = meta.get("labels") or {}
+    owner = labels.get(LABEL_ISVC) or labels.get(LABEL_WORKER_OF)
     return [(str(meta.get("namespace")), str(owner))] if owner else []

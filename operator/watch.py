@@ -57,6 +57,7 @@ WATCHED = (
     Watched("Node", "v1", "nodes"),
     Watched("Namespace", "v1", "namespaces"),
     Watched("Deployment", "apps/v1", "deployments", MANAGED_SELECTOR),
+    Watched("StatefulSet", "apps/v1", "statefulsets", MANAGED_SELECTOR),
     Watched("Service", "v1", "services", MANAGED_SELECTOR),
     Watched("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets", MANAGED_SELECTOR),
     Watched("ConfigMap", "v1", "configmaps", MANAGED_SELECTOR),
@@ -76,6 +77,7 @@ WATCHED = (
 CHILD_KINDS = frozenset(
     {
         "Deployment",
+        "StatefulSet",
         "Service",
         "PodDisruptionBudget",
         "ConfigMap",

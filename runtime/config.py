@@ -26,6 +26,11 @@ class ConfigError(SettingError):
     """A user-facing configuration problem; the message names the setting and what is allowed."""
 
 
+class ModelMissing(ConfigError):
+    """The model's files are not where the settings say. Unlike the settings themselves, they
+    may yet arrive (a volume still being filled), so a restart may help."""
+
+
 def parse_memory_size(value: str | int) -> int:
     """Bytes from a Kubernetes quantity (``4Gi``, ``4G``), ``4GiB``/``4GB`` or a byte count:
     one rule for the command line and the CRD (see ``ladle.settings.memory``)."""

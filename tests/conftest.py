@@ -43,3 +43,18 @@ def pytest_configure(config: pytest.Config) -> None:
             f"pytest {pytest.__version__} breaks --dist loadgroup: install the pytest pinned in "
             "constraints.txt (make setup)"
         )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Seconds of tests each xdist worker ran: the suite lasts as long as the busiest, so this
+    says which group to trim (or rebalance) when it runs long."""
+    busy: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            worker = getattr(getattr(report, "node", None), "gateway", None)
+            duration = getattr(report, "duration", None)
+            if worker is not None and isinstance(duration, float):
+                busy[worker.id] = busy.get(worker.id, 0.0) + duration
+    if busy:
+        line = ", ".join(f"{worker} {seconds:.0f} s" for worker, seconds in sorted(busy.items()))
+        terminalreporter.write_line(f"test time per worker: {line}")

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from ladle.runtime.config import ConfigError
+from ladle.runtime.config import ConfigError, ModelMissing
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def resolve_model(model: str | None) -> Path:
         return convert_gguf(default_gguf_path(), cache_dir() / "models" / DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ConfigError(f"model path {model!r} does not exist")
+        raise ModelMissing(f"model path {model!r} does not exist")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ConfigError(f"model file {model!r} is not a .gguf file")
@@ -60,9 +60,9 @@ def resolve_model(model: str | None) -> Path:
         key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
         return convert_gguf(path, cache_dir() / "models" / f"{path.stem}-{key.hexdigest()[:12]}")
     if not (path / "config.json").is_file():
-        raise ConfigError(f"model folder {model!r} has no config.json")
+        raise ModelMissing(f"model folder {model!r} has no config.json")
     if not any(path.glob("*.safetensors")):
-        raise ConfigError(f"model folder {model!r} has no .safetensors weights")
+        raise ModelMissing(f"model folder {model!r} has no .safetensors weights")
     return path
 
 
@@ -74,7 +74,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     if not gguf.is_file():
-        raise ConfigError(f"GGUF file {gguf} does not exist")
+        raise ModelMissing(f"GGUF file {gguf} does not exist")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target.parent.mkdir(parents=True, exist_ok=True)

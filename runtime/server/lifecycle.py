@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from ladle.audit import AuditLog
-from ladle.runtime.config import ConfigError
+from ladle.runtime.config import ConfigError, ModelMissing
 from ladle.runtime.filters.loader import load_input, load_output
 from ladle.runtime.profiler import EngineProfiler
 from ladle.runtime.server.adapters import ModulesFileError, ServedAdapters, read_modules_file
@@ -96,9 +97,12 @@ class ServerState:
             metrics = ServerMetrics(self.registry, llm.engine, self.adapters)
         except (ConfigError, APIError) as exc:
             # A setting the engine cannot use, or an adapter it cannot serve: the message says
-            # which; no traceback.
+            # which; no traceback. A setting is refused with EX_CONFIG, which no restart can
+            # change (the operator scales such a template to zero instead of crash-looping it);
+            # a model or an adapter may yet appear on its volume.
             log.error("the engine failed to start", extra={"error": str(exc)})
-            self.exit_code = 2
+            settled = isinstance(exc, ConfigError) and not isinstance(exc, ModelMissing)
+            self.exit_code = os.EX_CONFIG if settled else 2
             self.request_exit()
             return
         except Exception:

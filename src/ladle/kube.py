@@ -39,6 +39,8 @@ from ladle.flag_types import yaml_problem
 # (apiVersion, kind) → (plural, namespaced), for every kind the operator touches.
 RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     ("apps/v1", "Deployment"): ("deployments", True),
+    ("apps/v1", "StatefulSet"): ("statefulsets", True),
+    ("v1", "Secret"): ("secrets", True),
     ("v1", "Service"): ("services", True),
     ("v1", "ConfigMap"): ("configmaps", True),
     ("v1", "Pod"): ("pods", True),

@@ -292,13 +292,14 @@ def test_a_mistake_is_one_line_naming_what_to_fix(
 def test_an_engine_setting_the_model_refuses_is_one_error_line(
     flags: tuple[str, ...], says: str
 ) -> None:
-    """Known only once the model's config is read: the server logs one error and exits 2."""
+    """Known only once the model's config is read: the server logs one error and exits with
+    EX_CONFIG (78), which tells a supervisor that no restart will help."""
     result = subprocess.run(
         [sys.executable, "-m", "ladle.cli", "serve", *flags,
          "--port", str(free_port()), "--log-level", "error"],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == os.EX_CONFIG, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

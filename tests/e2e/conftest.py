@@ -125,6 +125,22 @@ def cpu_service(name: str, model: str, **spec: Any) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+def plain(default_model: Path) -> Any:
+    """The default model in this process, as ``ladle serve`` runs it by default: the answers
+    that pods with other engine settings must give."""
+    from ladle.runtime import LLM
+
+    return LLM(str(default_model), kv_cache_memory="256Mi", max_model_len=1024)
+
+
+def greedy(llm: Any, prompt: str, max_tokens: int) -> str:
+    from ladle.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return str(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text)
+
+
 def _namespace(api: ApiClient, prefix: str) -> str:
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
     meta = client.V1ObjectMeta(name=name, annotations=local_namespace_annotations())

@@ -1,5 +1,6 @@
 """The whole system on the local nodes: the chart's operator (as pods) turns the examples into
-real runtime pods, and the official ``openai`` client talks to them at their pod addresses.
+real runtime pods, and the official ``openai`` client talks to them at their pod addresses and
+through the chart's gateway.
 
 All InferenceServices are applied at once, so their pods load side by side and the module pays
 for one model load per pod; the destructive tests (kill -9, deletion mid-stream) come last.
@@ -28,10 +29,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ladle_dev.pytest_plugin import wait_until
 
+from .conftest import cpu_service, greedy
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 System = Any  # the `ladle_system` fixture's type lives in conftest.py
 API_KEY = "change-me"  # examples/image-model.yaml's Secret
+GROUP, GROUP_MODEL = "group", "smollm2-group"
+GROUP_PROMPT = "The three primary colours are"
+REFUSED = "too-long"
 SPECULATIVE = {"method": "ngram", "numSpeculativeTokens": 6, "promptLookupMax": 4,
                "promptLookupMin": 2}  # fmt: skip
 
@@ -60,7 +66,9 @@ def services(
     smollm2 = system.example("smollm2.yaml")
     # Two of the node's fake GPUs: one pod, the model split over two ranks (on its CPU).
     smollm2[0]["spec"]["resources"]["gpus"] = 2
-    documents = [*system.example("cpu.yaml"), *smollm2]
+    # A context longer than the model's: known only to the runtime, which refuses it.
+    refused = cpu_service(REFUSED, "smollm2-too-long", engine={"maxModelLen": 100000})
+    documents = [*system.example("cpu.yaml"), *smollm2, group_service(), refused]
     documents += system.example("image-model.yaml")
     pv, claim, llama = system.example("pvc-model.yaml")
     volume = tmp_path_factory.mktemp("models")
@@ -95,6 +103,46 @@ def services(
     system.apply(documents)
     yield {d["metadata"]["name"]: d for d in documents if d["kind"] == "InferenceService"}
     system.kubectl("delete", "pv", pv["metadata"]["name"], "--wait=false")
+
+
+def group_service() -> dict[str, Any]:
+    """A replica over two nodes (spec.parallelism.nodes: 2), one fake GPU per pod (the ranks
+    run on the nodes' CPUs, gloo between the pods)."""
+    return cpu_service(
+        GROUP, GROUP_MODEL, gpuPool="h200", resources={"gpus": 1}, parallelism={"nodes": 2}
+    )
+
+
+def workers(system: System) -> list[dict[str, Any]]:
+    pods = system.core.list_namespaced_pod(
+        system.namespace, label_selector=f"ladle.dev/worker-of={GROUP}"
+    ).items
+    return [system.api.sanitize_for_serialization(p) for p in pods]
+
+
+def whole_group(system: System, timeout: float = 300) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Ready leader and its one running worker."""
+    leader = system.ready_pod(GROUP, timeout=timeout)
+
+    def worker() -> dict[str, Any] | None:
+        mine = [
+            w
+            for w in workers(system)
+            if w["metadata"]["labels"]["ladle.dev/leader"] == leader["metadata"]["name"]
+            and not w["metadata"].get("deletionTimestamp")
+            and w["status"].get("phase") == "Running"
+        ]
+        return mine[0] if len(mine) == 1 else None
+
+    return leader, wait_until(worker, "the leader's worker to run", 60)
+
+
+def group_answer(gateway_url: str) -> str:
+    client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", timeout=120)
+    reply = client.completions.create(
+        model=GROUP_MODEL, prompt=GROUP_PROMPT, max_tokens=16, temperature=0
+    )
+    return str(reply.choices[0].text)
 
 
 def base_url(pod: dict[str, Any]) -> str:
@@ -281,36 +329,43 @@ def test_the_pvc_examples_wiring_serves_a_model_from_the_volume_behind_its_api_k
     assert events
 
 
-@pytest.fixture(scope="module")
-def plain(default_model: Path) -> Any:
-    """The default model in this process, as ``ladle serve`` runs it by default: the answers
-    that pods with other engine settings must give."""
-    from ladle.runtime import LLM
-
-    return LLM(str(default_model), kv_cache_memory="256Mi", max_model_len=1024)
-
-
-def greedy(llm: Any, prompt: str, max_tokens: int) -> str:
-    from ladle.runtime import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0)
-    return str(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text)
-
-
 def test_a_replica_of_two_gpus_splits_the_model_and_answers_as_one_rank(
-    ladle_system: System, services: dict[str, dict[str, Any]], plain: Any
+    ladle_system: System, services: dict[str, dict[str, Any]], plain: Any, gateway_url: str
 ) -> None:
     """resources.gpus: 2 starts the runtime with --tensor-parallel-size 2: two ranks in the
-    pod (gloo, on its CPU), whose greedy answer is one rank's, token for token."""
+    pod (gloo, on its CPU), whose greedy answer, through the chart's gateway, is one rank's,
+    token for token."""
     pod = ladle_system.ready_pod("smollm2")
     (ready,) = [line for line in log_lines(ladle_system, pod) if line["message"] == "engine ready"]
     assert ready["tensor_parallel_size"] == 2
-    client = openai.OpenAI(base_url=base_url(pod), api_key="unused", timeout=120)
+    client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", timeout=120)
     prompt = "The three primary colours are"
     served = client.completions.create(
         model=model_name(services, "smollm2"), prompt=prompt, max_tokens=24, temperature=0
     )
     assert served.choices[0].text == greedy(plain, prompt, 24)
+
+
+def test_a_two_node_group_serves_through_the_gateway_as_one_rank(
+    ladle_system: System, services: dict[str, dict[str, Any]], gateway_url: str, plain: Any
+) -> None:
+    """Leader and worker on different nodes, the worker pointed at the leader's address and
+    outside the Service; the gateway's answer is one rank's, token for token."""
+    system = ladle_system
+    leader, worker = whole_group(system)
+    assert worker["spec"]["nodeName"] != leader["spec"]["nodeName"]
+    env = {e["name"]: e.get("value") for e in worker["spec"]["containers"][0]["env"]}
+    assert env["LADLE_MASTER_ADDR"] == leader["status"]["podIP"]
+    assert "ladle.dev/inferenceservice" not in worker["metadata"]["labels"]
+    slices = system.kubectl(
+        "get", "endpointslices", "-n", system.namespace,
+        "-l", f"kubernetes.io/service-name={GROUP}", "-o",
+        "jsonpath={.items[*].endpoints[*].addresses[*]}",
+    )  # fmt: skip
+    assert slices.stdout.split() == [leader["status"]["podIP"]]
+    assert group_answer(gateway_url) == greedy(plain, GROUP_PROMPT, 16)
+    obj = system.isvc(GROUP)
+    assert system.condition(obj, "Ready") == "True"
 
 
 def test_speculative_decoding_answers_as_the_plain_engine_and_counts_its_drafts(
@@ -362,6 +417,60 @@ def test_an_image_no_registry_serves_waits_with_the_pull_error(
     )
     degraded = next(c for c in obj["status"]["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] in ("ErrImagePull", "ImagePullBackOff")
+
+
+def test_settings_the_runtime_refuses_stop_at_zero_replicas_in_its_words(
+    ladle_system: System, services: dict[str, dict[str, Any]]
+) -> None:
+    """What only the runtime can judge (a context longer than the model's, a tensor-parallel
+    size its heads do not split into) ends its first run with EX_CONFIG: the operator keeps
+    the Deployment at zero instead of crash-looping pods, and the service says why in the
+    runtime's words until the spec changes."""
+    system = ladle_system
+
+    def refused() -> dict[str, Any] | None:
+        obj = system.isvc(REFUSED)
+        ready = next((c for c in obj["status"].get("conditions", ()) if c["type"] == "Ready"), {})
+        return obj if ready.get("reason") == "SettingsRefused" else None
+
+    obj = wait_until(refused, f"{REFUSED} to read SettingsRefused", timeout=240)
+    ready = next(c for c in obj["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False"
+    assert "max_model_len 100000 exceeds the model's 8192" in ready["message"], ready
+    assert system.condition(obj, "Stalled") == "True"
+    wait_until(lambda: not system.pods(REFUSED), f"{REFUSED}'s pod to go", timeout=120)
+    replicas = system.kubectl(
+        "get", "deployment", f"{REFUSED}-stable", "-n", system.namespace,
+        "-o", "jsonpath={.spec.replicas}",
+    )  # fmt: skip
+    assert replicas.stdout == "0"
+
+
+def test_killing_the_worker_restarts_the_group_which_serves_again(
+    ladle_system: System, services: dict[str, dict[str, Any]], gateway_url: str, plain: Any
+) -> None:
+    """The leader notices its rank is gone and turns unready; its liveness probe restarts it,
+    the StatefulSet makes a new worker, they meet again, and the replica serves."""
+    system = ladle_system
+    leader, worker = whole_group(system)
+    name = leader["metadata"]["name"]
+    restarts = leader["status"]["containerStatuses"][0]["restartCount"]
+    deleted = system.kubectl(
+        "delete", "pod", "-n", system.namespace, worker["metadata"]["name"],
+        "--grace-period=1", "--wait=false",
+    )  # fmt: skip
+    assert deleted.returncode == 0, deleted.stderr
+
+    def unready() -> bool:
+        pod = next(p for p in system.pods(GROUP) if p["metadata"]["name"] == name)
+        return system.condition(pod, "Ready") != "True"
+
+    wait_until(unready, "the leader to turn unready", 60)
+    again, new_worker = whole_group(system, timeout=400)
+    assert again["metadata"]["name"] == name
+    assert again["status"]["containerStatuses"][0]["restartCount"] > restarts
+    assert new_worker["metadata"]["uid"] != worker["metadata"]["uid"]
+    assert group_answer(gateway_url) == greedy(plain, GROUP_PROMPT, 16)
 
 
 def test_kill_9_restarts_the_runtime_unready_in_between_and_it_serves_again(

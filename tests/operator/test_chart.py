@@ -142,6 +142,11 @@ def test_install_upgrade_and_uninstall(
         # Deployment when its rollout ends.
         ("patch", "inferenceservices.ladle.dev", True),
         ("delete", "deployments.apps", True),
+        # A group's workers, its headless Service (gone when replicas fit a node again), and
+        # the Secret its ranks share, created once and never read back.
+        ("patch", "statefulsets.apps", True),
+        ("delete", "services", True),
+        ("create", "secrets", True),
         # What it must not do:
         ("update", "inferenceservices.ladle.dev", False),
         ("delete", "inferenceservices.ladle.dev", False),
@@ -150,6 +155,8 @@ def test_install_upgrade_and_uninstall(
         ("delete", "pods", False),
         ("get", "secrets", False),
         ("list", "secrets", False),
+        ("patch", "secrets", False),
+        ("delete", "statefulsets.apps", False),
         ("patch", "nodes", False),
         ("update", "gpupools.ladle.dev", False),
         ("delete", "gpupools.ladle.dev", False),

@@ -243,6 +243,29 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "quantization.method awq, gptq and awq-gptq (awq when unset) calibrate the whole model",
     ),
     (
+        "group-with-adapters",
+        with_spec(VALID_ISVC, parallelism={"nodes": 2}, adapters=[]),
+        "spec.adapters: Invalid value: adapters need resources.gpus of 0 or 1 and no "
+        "parallelism.nodes",
+    ),
+    (
+        "group-of-cpu-pods",
+        with_spec(VALID_ISVC, resources={"gpus": 0}, parallelism={"nodes": 2}),
+        "spec.resources.gpus: Invalid value: parallelism.nodes spreads a replica over GPU "
+        "nodes: set resources.gpus to the GPUs each of its pods takes",
+    ),
+    (
+        "group-tensor-not-every-gpu",
+        with_spec(VALID_ISVC, resources={"gpus": 2}, parallelism={"nodes": 2, "tensor": 2}),
+        "spec.parallelism.tensor: Invalid value: parallelism.tensor is 2: it must be "
+        "resources.gpus (2, per pod) times parallelism.nodes (2), every GPU of the group",
+    ),
+    (
+        "group-of-too-many-nodes",
+        with_spec(VALID_ISVC, parallelism={"nodes": 17}),
+        "spec.parallelism.nodes in body should be less than or equal to 16",
+    ),
+    (
         # The CLI's rule too: 512m is half a byte (it became "--kv-cache-memory 1"), not 512 MiB.
         "kv-cache-memory-in-milli",
         with_spec(VALID_ISVC, resources={"gpus": 0}, engine={"kvCacheMemory": "512m"}),
@@ -516,6 +539,17 @@ def test_adapters_are_accepted_as_written(kube: Kube, k8s_namespace: str) -> Non
     spec = kube.isvc(k8s_namespace, "with-adapters")["spec"]
     assert spec["adapters"] == adapters
     assert (spec["engine"]["maxLoras"], spec["engine"]["maxLoraRank"]) == (2, 32)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ladle_chart")
+def test_a_group_over_nodes_is_accepted_with_its_tensor_size(
+    kube: Kube, k8s_namespace: str
+) -> None:
+    obj = with_spec(VALID_ISVC, resources={"gpus": 4}, parallelism={"nodes": 2, "tensor": 8})
+    obj["metadata"]["name"] = "group"
+    kube.apply(yaml.safe_dump(obj), k8s_namespace)
+    assert kube.isvc(k8s_namespace, "group")["spec"]["parallelism"] == {"nodes": 2, "tensor": 8}
 
 
 @pytest.mark.usefixtures("ladle_chart")

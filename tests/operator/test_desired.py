@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
+import os
 from typing import Any
 
 import pytest
@@ -18,15 +20,20 @@ from ladle.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     TEMPLATE_HASH_ANNOTATION,
     Profiling,
+    blueprint,
+    children_of,
     desired_children,
     desired_service,
     engine_config,
+    group_children,
     object_digest,
     operator_settings,
     profiling,
+    refusal,
     render_flags,
     template_hash,
 )
+from ladle.operator.store import PodInfo
 from ladle.runtime.config import EngineArgs
 
 CONFIG = OperatorConfig(runtime_image="registry.test/ladle-runtime:1")
@@ -215,6 +222,125 @@ def test_a_replica_of_several_gpus_is_one_pod_split_over_them(make_isvc: Builder
     assert parser.parse_known_args(flags)[0].tensor_parallel_size == 4
     one = parse_isvc(make_isvc(spec={"model": {"name": "m"}, "resources": {"gpus": 1}}))
     assert "--tensor-parallel-size" not in render_flags(engine_config(one))
+
+
+def _leader(pod_template: dict[str, Any], name: str, uid: str, node: str, ip: str) -> PodInfo:
+    """A live pod of the Deployment, as the API server would hold it once scheduled."""
+    pod = {
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "uid": uid,
+            "labels": pod_template["metadata"]["labels"],
+            "annotations": pod_template["metadata"]["annotations"],
+        },
+        "spec": {**pod_template["spec"], "nodeName": node},
+        "status": {"phase": "Running", "podIP": ip},
+    }
+    return PodInfo.from_pod(pod)
+
+
+def test_a_replica_over_two_nodes_is_a_leader_and_a_worker_set(make_isvc: Builder) -> None:
+    """spec.parallelism.nodes: the Deployment's pods lead (every rank's flags, node rank 0,
+    their own address as the master's); each leader placed on a node gets a StatefulSet of
+    workers from the same template, pointed at its address, kept off its node, owned by it,
+    and selected by no Service; the runtime's parser reads both pods' flags back."""
+    isvc = parse_isvc(
+        make_isvc(
+            "big",
+            spec={"model": {"name": "m"}, "resources": {"gpus": 2}, "parallelism": {"nodes": 2}},
+        )
+    )
+    assert isvc.spec.parallelism.tensor == 4
+    assert isvc.spec.gpus_per_replica == 4
+    bp = blueprint(isvc, None, CONFIG)
+    leader = bp.template
+    ctr = leader["spec"]["containers"][0]
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["LADLE_NODE_RANK"]["value"] == "0"
+    assert env["LADLE_MASTER_ADDR"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["LADLE_PARALLEL_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "big-group"
+    assert group_children(bp, []) == [group_children(bp, [])[0]]  # no leader yet: no workers
+    unplaced = _leader(leader, "big-stable-abc", "uid-0", "", "")
+    old = _leader(leader, "big-stable-old", "uid-1", "node-b", "10.0.0.9")
+    old = dataclasses.replace(old, group_template="an-older-template")
+    placed = _leader(leader, "big-stable-xyz", "uid-2", "node-a", "10.0.0.7")
+    service, workers = group_children(bp, [unplaced, old, placed])
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"ladle.dev/group": "big-stable"}
+    assert workers["kind"] == "StatefulSet"
+    assert workers["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "big-stable-xyz", "uid": "uid-2",
+         "controller": True}
+    ]  # fmt: skip
+    spec = workers["spec"]
+    assert (spec["replicas"], spec["ordinals"], spec["serviceName"]) == (
+        1, {"start": 1}, "big-stable-group"
+    )  # fmt: skip
+    labels = spec["template"]["metadata"]["labels"]
+    assert "ladle.dev/inferenceservice" not in labels  # no Service or gateway picks a worker
+    assert labels["ladle.dev/worker-of"] == "big"
+    assert spec["selector"]["matchLabels"] == {"ladle.dev/leader": "big-stable-xyz"}
+    worker = spec["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in worker
+    assert "ports" not in worker
+    wenv = {e["name"]: e for e in worker["env"]}
+    assert wenv["LADLE_MASTER_ADDR"] == {"name": "LADLE_MASTER_ADDR", "value": "10.0.0.7"}
+    assert wenv["LADLE_NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    assert worker["resources"] == ctr["resources"]
+    assert worker["args"] == ctr["args"]
+    affinity = spec["template"]["spec"]["affinity"]
+    term = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == ["node-a"]
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    expanded = [
+        a.replace("$(LADLE_NODE_RANK)", "1").replace("$(LADLE_MASTER_ADDR)", "10.0.0.7")
+        for a in worker["args"]
+    ]
+    args = parser.parse_known_args(expanded)[0]
+    assert (args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr) == (
+        4, 2, 1, "10.0.0.7"
+    )  # fmt: skip
+    single = parse_isvc(make_isvc("small", spec={"resources": {"gpus": 2}}))
+    assert group_children(blueprint(single, None, CONFIG), [placed]) == []
+    assert "--nnodes" not in render_flags(engine_config(single))
+
+
+def test_a_template_whose_runtime_refused_its_settings_stays_at_zero(make_isvc: Builder) -> None:
+    """A pod of the template that exited EX_CONFIG, quoting its runtime: the Deployment goes to
+    zero and remembers which template was refused (its pods are gone next time); another
+    template, or a pod that exited otherwise, is not refused."""
+    isvc = parse_isvc(make_isvc("big", spec={"resources": {"gpus": 4}}))
+    bp = blueprint(isvc, None, CONFIG)
+    error = "tensor_parallel_size 4 does not split the model's heads"
+    said = json.dumps({"level": "error", "message": "the engine failed to start", "error": error})
+
+    def pod(exit_code: int, template: dict[str, Any]) -> PodInfo:
+        ended = {"terminated": {"exitCode": exit_code, "message": f"loading\n{said}\n"}}
+        return PodInfo.from_pod(
+            {
+                "metadata": {"name": "big-stable-x", "namespace": "default",
+                             **copy.deepcopy(template["metadata"])},
+                "spec": template["spec"],
+                "status": {"phase": "Running", "containerStatuses": [
+                    {"name": "runtime", "restartCount": 1, "lastState": ended,
+                     "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]},
+            }
+        )  # fmt: skip
+
+    why = refusal(bp, None, [pod(os.EX_CONFIG, bp.template)])
+    assert why == error
+    assert refusal(bp, None, [pod(1, bp.template)]) is None
+    other = blueprint(parse_isvc(make_isvc("big", spec={"resources": {"gpus": 2}})), None, CONFIG)
+    assert refusal(other, None, [pod(os.EX_CONFIG, bp.template)]) is None
+    deployment = children_of(bp, 3, refused=why).deployment
+    assert deployment["spec"]["replicas"] == 0
+    assert refusal(bp, deployment, []) == why  # remembered by the live Deployment
+    assert refusal(other, deployment, []) is None  # a changed spec serves again
+    assert children_of(bp, 3).deployment["spec"]["replicas"] == 3
 
 
 def test_speculative_decoding_is_vllms_flag_and_a_new_revision(make_isvc: Builder) -> None:

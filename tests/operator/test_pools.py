@@ -54,15 +54,21 @@ def test_a_newcomer_gets_its_guaranteed_replica_from_a_full_pool(
         kube.kubectl("delete", "gpupool", pool, "--wait=false")
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [{"resources": {"gpus": 4}}, {"resources": {"gpus": 2}, "parallelism": {"nodes": 2}}],
+    ids=["one-pod", "two-node-group"],
+)
 def test_a_split_replica_that_needs_more_gpus_than_the_quota_waits_named(
-    kube: Kube, k8s_namespace: str
+    kube: Kube, k8s_namespace: str, shape: dict[str, Any]
 ) -> None:
-    """resources.gpus: 4 is one pod of 4 GPUs: a quota of 2 cannot hold it, and the service
-    says so instead of starting a pod that could never be whole."""
+    """A replica of 4 GPUs, whether one pod of 4 or a group of two pods of 2: a quota of 2
+    cannot hold it, and the service says so instead of starting pods that could never be
+    whole."""
     pool = f"{k8s_namespace}-split"
     kube.apply(pool_manifest(pool, quota={"gpus": 2}))
     try:
-        kube.apply(isvc_manifest("split", gpuPool=pool, resources={"gpus": 4}), k8s_namespace)
+        kube.apply(isvc_manifest("split", gpuPool=pool, **shape), k8s_namespace)
         obj = kube.wait_condition(k8s_namespace, "split", "Degraded", reason="QuotaExceeded")
         assert (
             "quota of 2 GPUs allows 0 of 1 replica of 4 GPUs each"

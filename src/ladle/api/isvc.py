@@ -110,6 +110,15 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class Parallelism:
+    """How one replica splits its model: over ``tensor`` GPUs in all, on ``nodes`` pods (one
+    per node: a leader that serves and ``nodes - 1`` workers), ``tensor / nodes`` GPUs each."""
+
+    tensor: int = 1
+    nodes: int = 1
+
+
+@dataclass(frozen=True)
 class SecretKeyRef:
     name: str
     key: str
@@ -240,6 +249,12 @@ class InferenceServiceSpec:
     tracing: TracingSpec = TracingSpec()
     # None: LoRA off. A list, even empty: the pods run --enable-lora and follow it.
     adapters: tuple[AdapterSpec, ...] | None = None
+    parallelism: Parallelism = Parallelism()
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """What a replica holds of its pool: every GPU of every pod of its group."""
+        return self.resources.gpus * self.parallelism.nodes
 
 
 @dataclass(frozen=True)
@@ -460,7 +475,16 @@ def parse_spec(spec: Mapping[str, Any]) -> InferenceServiceSpec:
         inference_pool=parse_inference_pool(spec.get("inferencePool")),
         tracing=parse_tracing(spec.get("tracing")),
         adapters=parse_adapters(spec.get("adapters")),
+        parallelism=parse_parallelism(spec.get("parallelism"), int(resources.get("gpus", 1))),
     )
+
+
+def parse_parallelism(raw: Mapping[str, Any] | None, gpus: int) -> Parallelism:
+    """spec.parallelism, or one pod splitting over its own GPUs (CEL holds tensor to gpus ×
+    nodes)."""
+    raw = raw or {}
+    nodes = int(raw.get("nodes", 1))
+    return Parallelism(tensor=int(raw.get("tensor", max(gpus, 1) * nodes)), nodes=nodes)
 
 
 def parse_isvc(obj: Mapping[str, Any]) -> InferenceService:

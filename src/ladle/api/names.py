@@ -24,6 +24,18 @@ HTTP_ROUTE_PLURAL = "httproutes"
 # Labels on every child; the first two are also the Deployment/Service selectors.
 LABEL_ISVC = "ladle.dev/inferenceservice"
 LABEL_VARIANT = "ladle.dev/variant"
+# A replica that spans nodes (spec.parallelism.nodes) is a group: its leader is a pod of the
+# variant's Deployment, carrying the labels above; its workers carry LABEL_WORKER_OF instead of
+# LABEL_ISVC (no Service, gateway or scale selector picks them), and the name of their leader.
+# LABEL_GROUP is on both: the variant's headless Service selects them by it.
+LABEL_WORKER_OF = "ladle.dev/worker-of"
+LABEL_LEADER = "ladle.dev/leader"
+LABEL_GROUP = "ladle.dev/group"
+# On runtime pods whose engine settings are in a ConfigMap: its digest, so that an edit rolls
+# them (and tells which settings a pod runs).
+CONFIG_HASH_ANNOTATION = "ladle.dev/config-hash"
+# On a leader pod: the digest of the pod template it runs, from which its workers are made.
+GROUP_TEMPLATE_ANNOTATION = "ladle.dev/group-template"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "ladle-operator"
 MANAGED_SELECTOR = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
