@@ -174,10 +174,11 @@ class EngineArgs:
         """What does not run split across ranks yet, refused before anything starts."""
         if self.enable_lora:
             raise ConfigError("enable_lora does not work with tensor_parallel_size > 1 yet")
-        if quantization.enabled and (quantization.uses_awq or quantization.uses_gptq):
+        if quantization.enabled and quantization.uses_gptq:
             raise ConfigError(
-                f"quantization_method {quantization.method} calibrates the whole model, which "
-                "tensor_parallel_size > 1 splits; use quantization_method rtn"
+                f"quantization_method {quantization.method} rounds each layer on the whole "
+                "model's activations, which tensor_parallel_size > 1 splits; use "
+                "quantization_method awq or rtn"
             )
         if self.device.startswith("cuda:"):
             raise ConfigError(

@@ -3,6 +3,7 @@ tensor parallelism), quantized as the engine args say."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from ladle.runtime.models.config import ModelConfig
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.models.loader import iter_safetensors
 from ladle.runtime.parallel.group import Shard
+from ladle.runtime.quantization import awq
 from ladle.runtime.quantization.apply import quantize_at_load
 
 
@@ -41,8 +43,32 @@ def build_model(
     backend = select_backend(args.attention_backend, device, kv_dtype, dtype)
     model = LlamaModel(local, backend(spec, device), dtype, device, shard)
     model.load_weights(iter_safetensors(model_path))
-    quantize_at_load(model, args.quantization_config(), model_path)
+    quantization = args.quantization_config()
+    calibration = None
+    if shard is not None and quantization.enabled and quantization.uses_awq:
+        whole = whole_calibration(args, cfg, model_path)
+        calibration = whole.shard(shard.layout, cfg, quantization.group_size)
+    quantize_at_load(model, quantization, model_path, calibration)
     return model, spec
+
+
+def whole_calibration(args: EngineArgs, cfg: ModelConfig, model_path: Path) -> awq.Calibration:
+    """AWQ's calibration of the whole model, which no rank's slice can compute: a stored one,
+    else computed by the first rank to ask, on an unsplit copy in host memory (once: it is
+    cached, and the other ranks wait for it)."""
+    quantization = args.quantization_config()
+    with awq.calibrating(model_path, quantization):
+        found = awq.stored_calibration(model_path, quantization)
+        if found is not None:
+            return found
+        plain = dataclasses.replace(
+            args, tensor_parallel_size=1, nnodes=1, node_rank=0, quantization=None,
+            quantization_method=None, quantization_group_size=None, device="cpu",
+            attention_backend="auto",
+        )  # fmt: skip
+        cpu = torch.device("cpu")
+        model, _ = build_model(plain, cfg, model_path, cpu, resolve_dtype("auto", cpu))
+        return awq.calibration_for(model, quantization, model_path)
 
 
 def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> int:

@@ -87,11 +87,18 @@ def quantize_model(
     model.embed = Int8Embedding(head_q if tied else quantize_int8(embed.weight), model.dtype)
 
 
-def quantize_at_load(model: LlamaModel, config: QuantizationConfig, model_path: Path) -> None:
-    """The engine's entry point: calibrate if the method needs it (AWQ's result is cached per
-    model and settings; GPTQ runs at every load), then quantize."""
+def quantize_at_load(
+    model: LlamaModel,
+    config: QuantizationConfig,
+    model_path: Path,
+    calibration: awq.Calibration | None = None,
+) -> None:
+    """The engine's entry point: calibrate if the method needs it and no ``calibration`` is
+    given (AWQ's result is cached per model and settings; GPTQ runs at every load), then
+    quantize."""
     if not config.enabled:
         return
-    calibration = awq.calibration_for(model, config, model_path) if config.uses_awq else None
+    if config.uses_awq and calibration is None:
+        calibration = awq.calibration_for(model, config, model_path)
     sequences = gptq.calibration_sequences(model_path) if config.uses_gptq else None
     quantize_model(model, config, calibration, sequences)

@@ -31,12 +31,14 @@ settings ``--quantization int8`` and ``int4`` default to (``bake.py``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,10 +47,12 @@ from safetensors.torch import load_file, save_file
 
 from ladle.runtime.attention.backend import KVCacheSpec
 from ladle.runtime.attention.torch_backend import TorchAttentionBackend
-from ladle.runtime.config import QuantizationConfig
+from ladle.runtime.config import ConfigError, QuantizationConfig
+from ladle.runtime.models.config import ModelConfig
 from ladle.runtime.models.llama import LayerWeights, LlamaModel
 from ladle.runtime.models.loader import cache_dir
 from ladle.runtime.models.scoring import hidden_states
+from ladle.runtime.parallel.layout import ShardLayout
 from ladle.runtime.quantization import bake
 from ladle.runtime.quantization.formats import fake_quantize_groups, quantize_int8
 from ladle.runtime.quantization.linear import DenseLinear, Linear
@@ -83,6 +87,40 @@ class Calibration:
         with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as tmp:
             save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, tmp.name)
         os.replace(tmp.name, path)
+
+    def shard(self, layout: ShardLayout, cfg: ModelConfig, group_size: int | None) -> Calibration:
+        """A rank's part of the whole model's calibration (``cfg``: the whole model's shape).
+        Scales follow each linear's input channels: whole for QKV and gate/up (their input is
+        the replicated hidden state), this rank's columns for O and down. Clip ratios follow
+        the weights' rows for the column-parallel linears, their input groups for the
+        row-parallel ones, which must start and end on a group boundary."""
+        hd = cfg.head_dim
+        q = slice(layout.q_heads.start * hd, layout.q_heads.stop * hd)
+        kv = slice(layout.kv_heads.start * hd, layout.kv_heads.stop * hd)
+        inter = slice(layout.intermediate.start, layout.intermediate.stop)
+        columns = {"o_proj": q, "down": inter}
+        scales = {k: s[columns[k[1]]] if k[1] in columns else s for k, s in self.scales.items()}
+
+        def rows(name: str, clip: torch.Tensor) -> torch.Tensor:
+            if name == "qkv":
+                k0, v0 = cfg.q_size, cfg.q_size + cfg.kv_size
+                parts = (q, slice(k0 + kv.start, k0 + kv.stop), slice(v0 + kv.start, v0 + kv.stop))
+                return torch.cat([clip[part] for part in parts])
+            if name == "gate_up":
+                up = slice(cfg.intermediate_size + inter.start, cfg.intermediate_size + inter.stop)
+                return torch.cat([clip[inter], clip[up]])
+            part = columns[name]
+            assert group_size is not None, "clips exist only for grouped weights"
+            if part.start % group_size or part.stop % group_size:
+                raise ConfigError(
+                    f"quantization_group_size {group_size} does not divide this rank's "
+                    f"{name} columns {part.start}..{part.stop}: choose a group size that "
+                    "divides every rank's share of the heads and the MLP"
+                )
+            return clip[:, part.start // group_size : part.stop // group_size]
+
+        clips = {k: rows(k[1], c) for k, c in self.clips.items()}
+        return Calibration(scales, clips)
 
     @classmethod
     def load(cls, path: Path) -> Calibration:
@@ -304,23 +342,49 @@ def calibration_file(model_path: Path, config: QuantizationConfig) -> str:
     return f"awq-{_cache_key(model_path, config)}.safetensors"
 
 
-def calibration_for(
-    model: LlamaModel, config: QuantizationConfig, model_path: Path, folder: Path | None = None
-) -> Calibration:
-    """The calibration for this model and settings: one an image baked
-    (``$LADLE_CALIBRATION_DIR``, read-only), else the one cached in ``folder`` (the cache's
-    ``calibration`` folder by default), else computed now and saved there. A pod's cache starts
-    empty, so only a baked one spares it the calibration at every start."""
+def _cached_path(model_path: Path, config: QuantizationConfig, folder: Path | None) -> Path:
+    return (folder or cache_dir() / "calibration") / calibration_file(model_path, config)
+
+
+def stored_calibration(
+    model_path: Path, config: QuantizationConfig, folder: Path | None = None
+) -> Calibration | None:
+    """The calibration an image baked (``$LADLE_CALIBRATION_DIR``, read-only), else the one
+    cached in ``folder`` (the cache's ``calibration`` folder by default), if either exists."""
     name = calibration_file(model_path, config)
-    path = (folder or cache_dir() / "calibration") / name
     baked = os.environ.get(bake.ENV)
-    for found, where in ([(Path(baked) / name, "baked")] if baked else []) + [(path, "cached")]:
+    cached = _cached_path(model_path, config, folder)
+    for found, where in ([(Path(baked) / name, "baked")] if baked else []) + [(cached, "cached")]:
         if found.is_file():
             log.info(
                 f"using the {where} AWQ calibration",
                 extra={"quantization": config.describe(), "path": str(found)},
             )
             return Calibration.load(found)
+    return None
+
+
+@contextlib.contextmanager
+def calibrating(model_path: Path, config: QuantizationConfig) -> Iterator[None]:
+    """Held while one process calibrates: the ranks of a split model load at once, and one
+    calibration of the whole model serves them all."""
+    lock = _cached_path(model_path, config, None).with_suffix(".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
+def calibration_for(
+    model: LlamaModel, config: QuantizationConfig, model_path: Path, folder: Path | None = None
+) -> Calibration:
+    """The calibration for this (whole) model and settings: a stored one, else computed now
+    and saved in ``folder``. A pod's cache starts empty, so only a baked one spares it the
+    calibration at every start."""
+    stored = stored_calibration(model_path, config, folder)
+    if stored is not None:
+        return stored
+    path = _cached_path(model_path, config, folder)
     from transformers import AutoTokenizer
 
     started = time.monotonic()

@@ -238,21 +238,17 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "spec.adapters: Invalid value: adapters need resources.gpus of 0 or 1",
     ),
     (
-        "split-model-calibrated-quantization",
-        with_spec(VALID_ISVC, resources={"gpus": 4}, quantization={"weights": "int4"}),
-        "quantization.method awq, gptq and awq-gptq (awq when unset) calibrate the whole model",
+        "split-model-gptq",
+        with_spec(
+            VALID_ISVC, resources={"gpus": 4}, quantization={"weights": "int4", "method": "gptq"}
+        ),
+        "quantization.method gptq and awq-gptq round each layer on the whole model's activations",
     ),
     (
         "group-with-adapters",
         with_spec(VALID_ISVC, parallelism={"nodes": 2}, adapters=[]),
         "spec.adapters: Invalid value: adapters need resources.gpus of 0 or 1 and no "
         "parallelism.nodes",
-    ),
-    (
-        "group-of-cpu-pods",
-        with_spec(VALID_ISVC, resources={"gpus": 0}, parallelism={"nodes": 2}),
-        "spec.resources.gpus: Invalid value: parallelism.nodes spreads a replica over GPU "
-        "nodes: set resources.gpus to the GPUs each of its pods takes",
     ),
     (
         "group-tensor-not-every-gpu",
@@ -550,6 +546,16 @@ def test_a_group_over_nodes_is_accepted_with_its_tensor_size(
     obj["metadata"]["name"] = "group"
     kube.apply(yaml.safe_dump(obj), k8s_namespace)
     assert kube.isvc(k8s_namespace, "group")["spec"]["parallelism"] == {"nodes": 2, "tensor": 8}
+    # On CPUs: one rank per pod, its KV cache sized as any CPU replica's.
+    cpus = with_spec(
+        VALID_ISVC,
+        resources={"gpus": 0},
+        parallelism={"nodes": 3, "tensor": 3},
+        engine={"kvCacheMemory": "256Mi"},
+    )
+    cpus["metadata"]["name"] = "cpu-group"
+    kube.apply(yaml.safe_dump(cpus), k8s_namespace)
+    assert kube.isvc(k8s_namespace, "cpu-group")["spec"]["parallelism"]["nodes"] == 3
 
 
 @pytest.mark.usefixtures("ladle_chart")

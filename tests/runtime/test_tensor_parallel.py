@@ -26,6 +26,7 @@ from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.models.config import ModelConfig, model_config_from_hf
 from ladle.runtime.parallel.group import RankFailure
 from ladle.runtime.parallel.layout import check_tensor_parallel, shard_layout
+from ladle.runtime.quantization.awq import Calibration
 from ladle.runtime.sampling_params import BeamSearchParams
 
 PROMPTS = [
@@ -111,7 +112,10 @@ def test_a_size_the_heads_do_not_split_into_is_refused(
     ("args", "says"),
     [
         ({"enable_lora": True}, "enable_lora does not work with tensor_parallel_size > 1"),
-        ({"quantization": "int4"}, "quantization_method awq calibrates the whole model"),
+        (
+            {"quantization": "int4", "quantization_method": "gptq"},
+            "quantization_method gptq rounds each layer on the whole model's activations",
+        ),
         ({"device": "cuda:1"}, "narrow them with CUDA_VISIBLE_DEVICES"),
     ],
 )
@@ -125,15 +129,18 @@ def test_what_does_not_split_yet_is_refused_before_anything_starts(
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
          default_model_path: Path) -> Callable[[str], Path]:  # fmt: skip
-    """The tiny architectures, and ``qwen2-mqa``: one KV head, so two ranks replicate it."""
+    """The tiny architectures, ``qwen2-mqa`` (one KV head, so two ranks replicate it) and
+    ``llama-mha`` (as many KV heads as query heads: AWQ scales O's input too)."""
+    kv_heads = {"qwen2-mqa": ("qwen2", 1), "llama-mha": ("llama", 4)}
 
     def build(name: str) -> Path:
-        if name != "qwen2-mqa":
+        if name not in kv_heads:
             return tiny_model_factory(name)
+        arch, kv = kv_heads[name]
         vocab: int = AutoConfig.from_pretrained(default_model_path).vocab_size
-        cfg = tiny_config("qwen2", vocab)
-        cfg.num_key_value_heads = 1
-        return Path(save_random_model(cfg, tmp_path_factory.mktemp("mqa"), default_model_path))
+        cfg = tiny_config(arch, vocab)
+        cfg.num_key_value_heads = kv
+        return Path(save_random_model(cfg, tmp_path_factory.mktemp(name), default_model_path))
 
     return build
 
@@ -148,6 +155,7 @@ def _split(model: Path | str, **args: Any) -> Iterator[LLM]:
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 INT4 = {"quantization": "int4", "quantization_method": "rtn", "quantization_group_size": 32}
+AWQ_INT4 = {"quantization": "int4", "quantization_group_size": 32}  # awq: the default method
 
 
 @pytest.mark.parametrize(
@@ -170,6 +178,36 @@ def test_greedy_output_split_over_two_ranks_is_one_ranks(
     expected = _tokens(LLM(str(path), kv_cache_memory="64Mi", **args), PROMPTS, GREEDY)
     for llm in _split(path, **args):
         assert _tokens(llm, PROMPTS, GREEDY) == expected
+
+
+def test_awq_clips_that_a_rank_would_cut_mid_group_are_refused_by_name() -> None:
+    """Rank 1 of the default model's shape (9 query heads over 3 KV heads, here of 8 dims)
+    holds O's input columns 24..72, which groups of 32 cannot start at."""
+    cfg = _config(9, 3)
+    layout = shard_layout(cfg, 2, 1)
+    whole = Calibration(
+        scales={(0, "o_proj"): torch.ones(cfg.q_size)},
+        clips={(0, "o_proj"): torch.ones(cfg.hidden_size, cfg.q_size // 8)},
+    )
+    assert whole.shard(layout, cfg, 8).scales[(0, "o_proj")].shape == (48,)
+    with pytest.raises(ConfigError, match="quantization_group_size 32 does not divide"):
+        whole.shard(layout, cfg, 32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-mha"])
+def test_awq_split_over_two_ranks_is_one_ranks_from_one_calibration(
+    tiny: Callable[[str], Path], arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AWQ calibrates on the whole model, which no rank holds: the first rank to load
+    calibrates an unsplit copy, once (the others wait, then read the cache), each takes its
+    slice of the scales and clip ratios, and the greedy output is one rank's."""
+    monkeypatch.setenv("LADLE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LADLE_CALIBRATION_DIR", raising=False)
+    path = tiny(arch)
+    for llm in _split(path, **AWQ_INT4):
+        split = _tokens(llm, PROMPTS, GREEDY)
+    assert len(list((tmp_path / "calibration").glob("awq-*.safetensors"))) == 1
+    assert _tokens(LLM(str(path), kv_cache_memory="64Mi", **AWQ_INT4), PROMPTS, GREEDY) == split
 
 
 def test_the_default_model_split_keeps_every_feature(default_model_path: Path) -> None:
