@@ -396,15 +396,11 @@ def refusal(bp: Blueprint, live: JSON | None, pods: Iterable[PodInfo]) -> str | 
     annotations = ((live or {}).get("metadata") or {}).get("annotations") or {}
     if annotations.get(REFUSED_TEMPLATE_ANNOTATION) == bp.template_hash:
         return str(annotations.get(REFUSAL_ANNOTATION) or "settings refused")
+    said = [p for p in pods if p.refused and p.variant == bp.variant and not p.worker]
+    if not said:
+        return None
     settings = runtime_settings(bp.template)
-    return next(
-        (
-            p.refused
-            for p in pods
-            if p.variant == bp.variant and not p.worker and p.refused and p.settings == settings
-        ),
-        None,
-    )
+    return next((p.refused for p in said if p.settings == settings), None)
 
 
 def children_of(

@@ -221,24 +221,20 @@ class InferenceServiceReconciler:
         asked = split(state, spec.steps if spec else (100,), isvc.requested_replicas)[1]
         return self.pools.grant(isvc, any(p.rolling for p in plan), asked)
 
-    def refusals(self, isvc: InferenceService, plan: list[Planned]) -> dict[str, str | None]:
-        """Each variant whose runtime refused its settings, in its words."""
-        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
-        return {p.name: refusal(p.blueprint, p.live, pods) for p in plan}
-
     def desired(
         self,
         isvc: InferenceService,
         state: RolloutState,
         plan: list[Planned],
         grant: Grant,
+        pods: list[PodInfo],
         refused: Mapping[str, str | None],
     ) -> list[JSON]:
-        """Every child: each variant's, then the Service (and the InferencePool). A variant
-        about to roll out gets the strategy its pool's headroom allows; the others keep the
-        one they have, so that a strategy never changes (and bumps a Deployment) for nothing."""
+        """Every child: each variant's (a group's workers among them), then the Service (and
+        the InferencePool). A variant about to roll out gets the strategy its pool's headroom
+        allows; the others keep the one they have, so that a strategy never changes (and bumps
+        a Deployment) for nothing."""
         replicas = variant_replicas(isvc, state, grant.replicas)
-        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
         objects: list[JSON] = []
         for p in plan:
             children = children_of(
@@ -328,12 +324,13 @@ class InferenceServiceReconciler:
         plan = self._plan(isvc, state, {p.name: p.blueprint for p in planned})
         grant = self._grant(isvc, state, plan)
         blockers = [grant.blocker] if grant.blocker else []
-        refused = self.refusals(isvc, plan)
+        pods: list[PodInfo] = self.store.by_index("Pod", "owner", isvc.key)
+        refused = {p.name: refusal(p.blueprint, p.live, pods) for p in plan}
         result = SyncResult()
         if grant.pool is not None or not isvc.spec.gpu_pool:
             if isvc.spec.parallelism.nodes > 1:
                 await self._group_secret(isvc)
-            desired = self.desired(isvc, state, plan, grant, refused)
+            desired = self.desired(isvc, state, plan, grant, pods, refused)
             result = await self.applier.sync(owner, desired, PRUNED_KINDS)
         blockers += [apply_problem(k, err) for k, err in result.errors]
         await self.canary.follow(isvc, decision)

@@ -124,8 +124,8 @@ class PodInfo:
     deleting: bool = False
     # A group's worker: it serves no API, so it has no base_url.
     worker: bool = False
-    # What its runtime said when it refused its settings (exit EX_CONFIG), and a digest of
-    # those settings (``runtime_settings``): no restart of that template can serve.
+    # What its runtime said when it refused its settings (exit EX_CONFIG), and then a digest
+    # of those settings (``runtime_settings``): no restart of that template can serve.
     refused: str | None = None
     settings: str = ""
 
@@ -141,6 +141,7 @@ class PodInfo:
                     limits[name] = limits.get(name, 0) + quantity_to_int(value)
         deleting = bool(meta.get("deletionTimestamp"))
         worker = LABEL_WORKER_OF in labels
+        refused = _refusal(status)
         return cls(
             namespace=str(meta.get("namespace")),
             name=str(meta.get("name")),
@@ -167,8 +168,8 @@ class PodInfo:
             ip=str(status.get("podIP") or ""),
             deleting=deleting,
             worker=worker,
-            refused=_refusal(status),
-            settings=runtime_settings(pod),
+            refused=refused,
+            settings=runtime_settings(pod) if refused else "",
         )
 
     @property

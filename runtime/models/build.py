@@ -68,7 +68,7 @@ def whole_calibration(args: EngineArgs, cfg: ModelConfig, model_path: Path) -> a
         )  # fmt: skip
         cpu = torch.device("cpu")
         model, _ = build_model(plain, cfg, model_path, cpu, resolve_dtype("auto", cpu))
-        return awq.calibration_for(model, quantization, model_path)
+        return awq.calibrate_and_save(model, quantization, model_path)
 
 
 def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> int:

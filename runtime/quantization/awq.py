@@ -382,8 +382,14 @@ def calibration_for(
     and saved in ``folder``. A pod's cache starts empty, so only a baked one spares it the
     calibration at every start."""
     stored = stored_calibration(model_path, config, folder)
-    if stored is not None:
-        return stored
+    return stored if stored is not None else calibrate_and_save(model, config, model_path, folder)
+
+
+def calibrate_and_save(
+    model: LlamaModel, config: QuantizationConfig, model_path: Path, folder: Path | None = None
+) -> Calibration:
+    """Calibrate the whole ``model`` now, and save the result where ``stored_calibration``
+    finds it."""
     path = _cached_path(model_path, config, folder)
     from transformers import AutoTokenizer
 
