@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -42,6 +42,9 @@ from ladle.operator.rollout_machine import Decision
 from ladle.operator.rollout_state import GateOutcome, QualityVerdict, RolloutState
 from ladle.operator.store import PodInfo, Store
 
+if TYPE_CHECKING:
+    from ladle.runtime.eval.online import Answers
+
 log = logging.getLogger("ladle.operator.canary")
 
 SCRAPE_TIMEOUT_SECONDS = 3.0
@@ -52,6 +55,8 @@ EVAL_GREEDY_TOKENS = 16
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]]
 IntervalKey = tuple[str | None, int, int | None]
+# The stable's answers hold while its revision, the model asked and the prompts do.
+ReferenceKey = tuple[str | None, str, str | None]
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,18 @@ def _quality_numbers(result: Any) -> QualityNumbers:
 
 
 def run_eval(
-    stable_url: str, canary_url: str, model: str, prompts_name: str | None, prompts: str | None
-) -> QualityNumbers:
-    """Online ``ladle eval`` (blocking: run it in a thread). Raises EvalError or
-    PromptFileError with a message that says what went wrong."""
-    from ladle.runtime.eval.online import Endpoint, evaluate_online
+    stable_url: str,
+    canary_url: str,
+    model: str,
+    prompts_name: str | None,
+    prompts: str | None,
+    reference: Answers | None = None,
+) -> tuple[QualityNumbers, Answers]:
+    """Online ``ladle eval`` (blocking: run it in a thread): the canary's numbers, and the
+    stable's answers, which a later step against the same stable passes back as
+    ``reference`` instead of asking the stable again. Raises EvalError or PromptFileError with
+    a message that says what went wrong."""
+    from ladle.runtime.eval.online import Endpoint, collect_pair, compare
     from ladle.runtime.eval.prompts import load_prompts, parse_prompts
 
     if prompts is None:
@@ -115,15 +127,15 @@ def run_eval(
     else:
         # The key's suffix says the format (.json, .jsonl, or one prompt per line).
         loaded = parse_prompts(prompts, Path(prompts_name or "prompts.txt"))
-    result = evaluate_online(
-        Endpoint(stable_url, model=model),
+    stable, canary = collect_pair(
+        reference or Endpoint(stable_url, model=model),
         Endpoint(canary_url, model=model),
         loaded,
         top_k=EVAL_TOP_K,
         greedy_tokens=EVAL_GREEDY_TOKENS,
         timeout=EVAL_TIMEOUT_SECONDS,
     )
-    return _quality_numbers(result)
+    return _quality_numbers(compare(stable, canary, loaded)), stable
 
 
 class CanaryAnalysis:
@@ -140,15 +152,16 @@ class CanaryAnalysis:
         # The action annotation this leader acted on and removed, until the store shows it gone:
         # a reconcile that runs on the status write's event still sees it.
         self._cleared: dict[str, str] = {}
-        # Stands in for the eval library in tests that have no runtime pods to compare.
-        self.evaluate: Callable[[str, str, str, str | None, str | None], QualityNumbers] = run_eval
+        # The stable's answers to the quality gate's prompts, for the steps after the first.
+        self._references: dict[str, dict[ReferenceKey, Answers]] = {}
 
     def start(self, spawn: Spawn, requeue: Callable[[tuple[str, str]], None]) -> None:
         self._spawn = spawn
         self._requeue = requeue
 
     def forget(self, uid: str) -> None:
-        for table in (self._baselines, self._latest, self._running, self._verdicts, self._cleared):
+        tables = (self._baselines, self._latest, self._running, self._verdicts, self._cleared)
+        for table in (*tables, self._references):
             table.pop(uid, None)
 
     # ---- measuring
@@ -292,15 +305,23 @@ class CanaryAnalysis:
         pair = f"{stable[0].name} against {canary[0].name}"
         said: list[str] = []
         verdict: QualityVerdict | None = None
+        references = {
+            k: v
+            for k, v in self._references.get(isvc.meta.uid, {}).items()
+            if k[0] == state.stable_revision
+        }
+        self._references[isvc.meta.uid] = references
         for check in checks:
+            asked = (state.stable_revision, check.model, prompts)
             try:
-                numbers = await asyncio.to_thread(
-                    self.evaluate,
+                numbers, references[asked] = await asyncio.to_thread(
+                    run_eval,
                     f"{stable[0].base_url}/v1",
                     f"{canary[0].base_url}/v1",
                     check.model,
                     prompts_name,
                     prompts,
+                    references.get(asked),
                 )
             except ImportError as err:
                 return inconclusive(f"the eval library is missing: {err}")

@@ -8,6 +8,7 @@ would write it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -28,11 +29,20 @@ if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def free_port(consecutive: int = 1) -> int:
+    """A port free on every address, with the ``consecutive - 1`` ports after it free too (a
+    multi-node rank listens on its master port and the next)."""
+    while True:
+        with contextlib.ExitStack() as stack:
+            first = stack.enter_context(socket.socket())
+            first.bind(("", 0))
+            port: int = first.getsockname()[1]
+            try:
+                for offset in range(1, consecutive):
+                    stack.enter_context(socket.socket()).bind(("", port + offset))
+            except OSError:
+                continue
+            return port
 
 
 def metric_total(text: str, name: str, **labels: str) -> float | None:

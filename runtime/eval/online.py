@@ -9,10 +9,14 @@ For each prompt, each server scores the prompt's own tokens through ``/v1/comple
 
 Both servers must tokenize the text the same way (the same model, quantized differently);
 the actual tokens they report are checked against each other. Greedy agreement compares each
-server's ``temperature: 0`` continuation of ``greedy_tokens`` tokens, as text.
+server's ``temperature: 0`` continuation of ``greedy_tokens`` tokens, as text; with
+``prompt_logprobs`` that continuation comes from the scoring request itself, so each prompt is
+prefilled once per server.
 
-Only httpx and the standard library are imported: the operator's canary analysis calls
-:func:`evaluate_online` directly.
+Each server's :class:`Answers` are collected on their own and then compared: the operator's
+canary analysis keeps the stable's answers for the next step, which compares a new canary
+against the same stable. Only httpx and the standard library are imported, so the operator
+calls this module directly.
 """
 
 from __future__ import annotations
@@ -52,6 +56,22 @@ class _Scored:
     logprobs: list[dict[Hashable, float]]
 
 
+@dataclass(frozen=True)
+class _Answer:
+    scored: _Scored
+    greedy: str
+
+
+@dataclass(frozen=True)
+class Answers:
+    """One server's answers to a prompt set, under the settings that make them comparable."""
+
+    prompts: tuple[str, ...]
+    top_k: int
+    greedy_tokens: int
+    answers: tuple[_Answer, ...]
+
+
 class _Client:
     def __init__(self, endpoint: Endpoint, http: httpx.Client, protocol: Protocol) -> None:
         self.endpoint = endpoint
@@ -73,19 +93,25 @@ class _Client:
         data: dict[str, Any] = response.json()
         return data
 
-    def score(self, text: str, top_k: int) -> _Scored:
+    def answer(self, text: str, top_k: int, greedy_tokens: int) -> _Answer:
         if self.protocol in ("auto", "prompt_logprobs"):
             try:
-                return self._score_prompt_logprobs(text, top_k)
+                return self._answer_prompt_logprobs(text, top_k, greedy_tokens)
             except EvalError:
                 if self.protocol == "prompt_logprobs":
                     raise
             self.protocol = "echo"
-        return self._score_echo(text, top_k)
+        return _Answer(self._score_echo(text, top_k), self.greedy(text, greedy_tokens))
 
-    def _score_prompt_logprobs(self, text: str, top_k: int) -> _Scored:
-        body = {"prompt": text, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": top_k}
-        entries = self._post(body)["choices"][0].get("prompt_logprobs")
+    def _answer_prompt_logprobs(self, text: str, top_k: int, greedy_tokens: int) -> _Answer:
+        body = {
+            "prompt": text,
+            "max_tokens": greedy_tokens,
+            "temperature": 0.0,
+            "prompt_logprobs": top_k,
+        }
+        choice = self._post(body)["choices"][0]
+        entries = choice.get("prompt_logprobs")
         if not entries:
             raise EvalError(f"{self.endpoint.base_url}: the response has no prompt_logprobs")
         actual: list[Hashable] = []
@@ -94,7 +120,7 @@ class _Client:
             tokens: dict[Hashable, float] = {int(t): float(v["logprob"]) for t, v in entry.items()}
             actual.append(next(iter(tokens)))
             logprobs.append(tokens)
-        return _Scored(actual, logprobs)
+        return _Answer(_Scored(actual, logprobs), str(choice["text"]))
 
     def _score_echo(self, text: str, top_k: int) -> _Scored:
         body = {
@@ -135,6 +161,66 @@ def _compare(ref: _Scored, cand: _Scored, where: str, acc: Accumulator) -> None:
         acc.add_position(topk_kld(r, c), top1(r) == top1(c), -r[token], -c[token])
 
 
+def collect(
+    endpoint: Endpoint,
+    prompts: Sequence[Prompt],
+    *,
+    top_k: int = 20,
+    greedy_tokens: int = 16,
+    protocol: Protocol = "auto",
+    timeout: float = 120.0,
+    concurrency: int = 4,
+) -> Answers:
+    """One server's answers to ``prompts``, ``concurrency`` requests at a time. Raises
+    :class:`EvalError`."""
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if not prompts:
+        raise ValueError("no prompts to evaluate")
+    with httpx.Client(timeout=timeout) as http:
+        client = _Client(endpoint, http, protocol)
+
+        def one(prompt: Prompt) -> _Answer:
+            return client.answer(prompt.text, top_k, greedy_tokens)
+
+        # The first prompt settles the server's protocol before the rest run concurrently.
+        answers = [one(prompts[0])]
+        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            answers += pool.map(one, prompts[1:])
+    return Answers(tuple(p.text for p in prompts), top_k, greedy_tokens, tuple(answers))
+
+
+def compare(reference: Answers, candidate: Answers, prompts: Sequence[Prompt]) -> EvalResult:
+    """Candidate against reference, over the top-k both reported (see ``metrics.topk_kld``)."""
+    texts = tuple(p.text for p in prompts)
+    for side in (reference, candidate):
+        if side.prompts != texts:
+            raise ValueError("answers to other prompts than the ones compared")
+    if (reference.top_k, reference.greedy_tokens) != (candidate.top_k, candidate.greedy_tokens):
+        raise ValueError("answers collected with different top_k or greedy_tokens")
+    acc = Accumulator()
+    for prompt, r, c in zip(prompts, reference.answers, candidate.answers, strict=True):
+        _compare(r.scored, c.scored, f"prompt {prompt.id}", acc)
+        acc.add_prompt(r.greedy == c.greedy)
+    return acc.result("online", f"top-{reference.top_k}", reference.greedy_tokens)
+
+
+def collect_pair(
+    reference: Endpoint | Answers,
+    candidate: Endpoint,
+    prompts: Sequence[Prompt],
+    **settings: Any,
+) -> tuple[Answers, Answers]:
+    """Both servers' answers (``settings`` are :func:`collect`'s), collected at once; a
+    reference given as its answers is not asked again."""
+    if isinstance(reference, Answers):
+        return reference, collect(candidate, prompts, **settings)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        ref = pool.submit(collect, reference, prompts, **settings)
+        cand = collect(candidate, prompts, **settings)
+        return ref.result(), cand
+
+
 def evaluate_online(
     reference: Endpoint,
     candidate: Endpoint,
@@ -147,23 +233,15 @@ def evaluate_online(
     concurrency: int = 4,
 ) -> EvalResult:
     """Compare ``candidate`` with ``reference`` on ``prompts``, teacher-forced, over each
-    position's top ``top_k`` (see ``metrics.topk_kld``). Raises :class:`EvalError`."""
-    if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    with httpx.Client(timeout=timeout) as http:
-        ref, cand = _Client(reference, http, protocol), _Client(candidate, http, protocol)
-
-        def one(prompt: Prompt) -> tuple[_Scored, _Scored, bool]:
-            scored = (ref.score(prompt.text, top_k), cand.score(prompt.text, top_k))
-            same = ref.greedy(prompt.text, greedy_tokens) == cand.greedy(prompt.text, greedy_tokens)
-            return (*scored, same)
-
-        # The first prompt settles each server's protocol before the rest run concurrently.
-        results = [one(prompts[0])]
-        with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-            results += pool.map(one, prompts[1:])
-    acc = Accumulator()
-    for prompt, (r, c, same) in zip(prompts, results, strict=True):
-        _compare(r, c, f"prompt {prompt.id}", acc)
-        acc.add_prompt(same)
-    return acc.result("online", f"top-{top_k}", greedy_tokens)
+    position's top ``top_k``. Raises :class:`EvalError`."""
+    pair = collect_pair(
+        reference,
+        candidate,
+        prompts,
+        top_k=top_k,
+        greedy_tokens=greedy_tokens,
+        protocol=protocol,
+        timeout=timeout,
+        concurrency=concurrency,
+    )
+    return compare(*pair, prompts)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+import ladle.operator.canary as canary_module
 from ladle.api import ROLLOUT_ACTION_ANNOTATION, InferenceService, parse_isvc
 from ladle.kube import ApiError
+from ladle.operator.analysis import QualityNumbers
 from ladle.operator.canary import CanaryAnalysis, interval_key
+from ladle.operator.controller import new_store
 from ladle.operator.rollout_state import RolloutState, from_status, to_status
-from ladle.operator.store import Store
+from ladle.operator.store import PodInfo, Store
 
 from .conftest import isvc_object
 
@@ -80,3 +85,47 @@ async def test_an_action_changed_before_its_removal_is_kept_for_the_next_reconci
     promote = with_action("promote")
     await analysis.clear_action(promote)  # the annotation now says abort: 422, not removed
     assert (await analysis.measure(promote, RolloutState(), 0.0)).action == "promote"
+
+
+async def test_later_steps_ask_only_the_canary_until_the_stable_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stable answers the quality gate's prompts once per revision: each later step's
+    canary is compared with those answers, and a new stable revision is asked again."""
+    asked: list[tuple[str, object]] = []
+
+    def evaluate(
+        stable: str, canary: str, model: str, name: str | None, prompts: str | None,
+        reference: object = None,
+    ) -> tuple[QualityNumbers, object]:  # fmt: skip
+        asked.append((stable, reference))
+        return QualityNumbers(1.0, 0.0, 0.0, 1.0, 37, 4768), reference or f"answers of {stable}"
+
+    monkeypatch.setattr(canary_module, "run_eval", evaluate)
+    store = new_store()
+    for variant in ("stable", "canary"):
+        pod = PodInfo(
+            "team-a", f"chat-{variant}-0", "chat", variant, None, {}, True, None,
+            base_url=f"http://{variant}:8000",
+        )  # fmt: skip
+        store.upsert("Pod", ("team-a", pod.name), pod)
+    isvc = parse_isvc(isvc_object(spec={"rollout": {"steps": [25, 50, 100]}}))
+    analysis = CanaryAnalysis(store, PatchRecorder())  # type: ignore[arg-type]
+    template = {"source": {"builtin": {}}, "quantization": "int8"}
+
+    async def step(stable_revision: str, step: int) -> str:
+        state = RolloutState(
+            stable_revision=stable_revision, stable_template={"source": {"builtin": {}}},
+            canary_revision="c1", canary_template=template, step=step,
+        )  # fmt: skip
+        verdict = await analysis._evaluate(isvc, state, ("c1", step))
+        return verdict.result
+
+    assert [await step("s1", n) for n in (1, 2, 3)] == ["Pass"] * 3
+    assert [await step("s2", n) for n in (1, 2)] == ["Pass"] * 2
+    stable = "http://stable:8000/v1"
+    fresh, kept = (stable, None), (stable, f"answers of {stable}")
+    assert asked == [fresh, kept, kept, fresh, kept]
+    analysis.forget(isvc.meta.uid)
+    await step("s2", 3)
+    assert asked[-1] == fresh

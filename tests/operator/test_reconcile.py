@@ -312,12 +312,13 @@ def test_missing_gpus_say_degraded_in_the_schedulers_words(kube: Kube, k8s_names
     pool = f"{k8s_namespace}-none"
     kube.apply(pool_manifest(pool, nodeSelector={}, resourceName="example.com/missing-gpu"))
     kube.apply(isvc_manifest("huge", gpuPool=pool), k8s_namespace)
-    obj = kube.wait_condition(k8s_namespace, "huge", "Degraded", reason="InsufficientGPUs")
-    degraded = kube.condition(obj, "Degraded")["message"]
-    assert degraded.startswith("1 pod of Deployment huge-stable cannot be scheduled: ")
-    assert "Insufficient example.com/missing-gpu" in degraded
-    assert kube.condition(obj, "Ready")["status"] == "False"
-    assert kube.condition(obj, "Ready")["reason"] == "InsufficientGPUs"
+    # Ready, not Degraded, is what to wait for: a status written before the informer saw the
+    # new Service says ServiceNotCreated there, with Degraded already InsufficientGPUs.
+    obj = kube.wait_condition(k8s_namespace, "huge", "Ready", "False", reason="InsufficientGPUs")
+    degraded = kube.condition(obj, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InsufficientGPUs")
+    assert degraded["message"].startswith("1 pod of Deployment huge-stable cannot be scheduled: ")
+    assert "Insufficient example.com/missing-gpu" in degraded["message"]
     kube.wait_event(k8s_namespace, "huge", "Warning", "InsufficientGPUs")
 
     # Asking for what fits (running on CPU) heals it.

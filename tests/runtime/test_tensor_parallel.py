@@ -268,7 +268,7 @@ def test_ranks_on_two_nodes_give_one_ranks_output(
     its rank connecting to node 0 with the shared secret); node 0 is the engine here. When node
     1 dies, its rank dies with it, and node 0 notices while idle."""
     path = tiny("qwen2")
-    port = free_port()
+    port = free_port(consecutive=2)
     monkeypatch.setenv("LADLE_PARALLEL_SECRET", "a secret both nodes hold")
     node = subprocess.Popen(
         [sys.executable, "-m", "ladle.cli", "serve", "--tensor-parallel-size", "2",

@@ -15,7 +15,7 @@ import pytest
 from ladle.api import QualityGateSpec
 from ladle.operator.analysis import quality_outcome, quality_thresholds
 from ladle.operator.canary import run_eval
-from ladle.runtime.eval.online import Endpoint, EvalError, evaluate_online
+from ladle.runtime.eval.online import Answers, Endpoint, EvalError, collect, evaluate_online
 from ladle.runtime.eval.prompts import Prompt, load_prompts
 
 from .conftest import Server, start_server
@@ -58,6 +58,24 @@ def test_a_server_against_itself_and_against_its_int8_variant(
     assert 0.0 < result.kld_mean < 0.05
     assert 0.85 <= result.top1_agreement < 1.0
     assert abs(result.ppl_delta) < 0.05
+
+
+def test_the_scoring_request_carries_the_greedy_continuation_in_either_protocol(
+    server: Server,
+) -> None:
+    """With prompt_logprobs the greedy continuation comes from the scoring request; it must be
+    what a plain greedy request gives, and what the echo protocol's own request gives."""
+    endpoint = Endpoint(f"{server.url}/v1")
+    both = [
+        collect(endpoint, PROMPTS[:2], top_k=5, greedy_tokens=8, protocol=protocol)
+        for protocol in ("prompt_logprobs", "echo")
+    ]
+    for prompt, scored, echoed in zip(PROMPTS[:2], *(b.answers for b in both), strict=True):
+        body = {"prompt": prompt.text, "max_tokens": 8, "temperature": 0.0}
+        plain = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert plain["usage"]["completion_tokens"] == 8
+        assert scored.greedy == echoed.greedy == plain["choices"][0]["text"] != ""
+        assert len(scored.scored.actual) == len(echoed.scored.actual) > 2
 
 
 def test_unreachable_or_mismatched_servers_raise_clear_errors(server: Server) -> None:
@@ -104,6 +122,12 @@ def test_cli_online_writes_json_and_applies_the_gate(
     assert bad.stderr.strip().splitlines()[-1].startswith("ladle eval: give both")
 
 
+@pytest.fixture(scope="module")
+def stable_answers() -> dict[str, Answers]:
+    """The stable's answers once asked, by model, as the canary analysis keeps them."""
+    return {}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "weights", "verdict"),
@@ -120,6 +144,7 @@ def test_cli_online_writes_json_and_applies_the_gate(
 )
 def test_the_default_quality_gates_on_the_embedded_default_model(
     server: Server,
+    stable_answers: dict[str, Answers],
     tmp_path: Path,
     flags: tuple[str, ...],
     weights: str,
@@ -127,11 +152,16 @@ def test_the_default_quality_gates_on_the_embedded_default_model(
 ) -> None:
     """What a canary of the embedded default model meets out of the box: the operator's own
     evaluation (its prompts, top-k and greedy length) against the gate a spec without
-    thresholds gets."""
+    thresholds gets. As in a rollout's later steps, the stable's answers are asked once: after
+    that, the stable is not asked again (its URL answers nothing)."""
     model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
     candidate = start_server(tmp_path, *flags)  # the same model name, as a canary's pods have
+    known = stable_answers.get(model)
+    stable_url = f"{server.url}/v1" if known is None else "http://127.0.0.1:9/v1"
     try:
-        numbers = run_eval(f"{server.url}/v1", f"{candidate.url}/v1", model, None, None)
+        numbers, stable_answers[model] = run_eval(
+            stable_url, f"{candidate.url}/v1", model, None, None, known
+        )
     finally:
         assert candidate.stop() == 0, "\n".join(candidate.log_lines()[-30:])
     outcome = quality_outcome(numbers, quality_thresholds(QualityGateSpec(), weights))
