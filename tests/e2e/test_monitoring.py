@@ -53,6 +53,7 @@ SHORTENED = {
     "kvCacheFor": "10s",
     "autoscalerAtMaxFor": "10s",
     "preemptionsFor": "10s",
+    "breakerOpenFor": "10s",
     "fallbackTrafficFor": "10s",
     "podsUnschedulableFor": "10s",
     "quotaExhaustedFor": "10s",
@@ -286,6 +287,8 @@ def stuck_gateway_replica(system: System) -> dict[str, Any]:
             "nodeName": gateway["spec"]["nodeName"],  # a local node: a real process
             "tolerations": gateway["spec"].get("tolerations", []),
             "securityContext": gateway["spec"].get("securityContext", {}),
+            # Its process, PID 1 without a handler, ignores SIGTERM: no grace to wait out.
+            "terminationGracePeriodSeconds": 0,
             "containers": [
                 {
                     "name": "gateway",
@@ -440,21 +443,21 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
         while not stop.is_set():
             complete(gateway_url, alpha, 300)
 
-    with ThreadPoolExecutor(6) as pool:
-        loops = [pool.submit(saturate) for _ in range(6)]
-        try:
-            wait_until(
-                lambda: all(
-                    prometheus.firing(a, namespace=namespace, inferenceservice="alpha")
-                    for a in saturated
-                ),
-                f"{', '.join(saturated)} to fire for alpha",
-                timeout=300,
-            )
-        finally:
-            stop.set()
-    for loop in loops:
-        loop.result()  # a request that raised fails the test here
+    saturating = ThreadPoolExecutor(6)
+    loops = [saturating.submit(saturate) for _ in range(6)]
+    try:
+        wait_until(
+            lambda: all(
+                prometheus.firing(a, namespace=namespace, inferenceservice="alpha")
+                for a in saturated
+            ),
+            f"{', '.join(saturated)} to fire for alpha",
+            timeout=300,
+        )
+    finally:
+        stop.set()
+        # The streams under way finish during the next phase, which involves no pod.
+        saturating.shutdown(wait=False)
 
     # Capacity: a pool whose quota is smaller than its service asks for, and a pool of a GPU
     # resource no node has. Only the operator and the scheduler are involved (the pods would
@@ -496,6 +499,8 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     finally:
         system.kubectl("delete", "lisvc", "gamma", "delta", "-n", namespace, "--wait=true")
         system.kubectl("delete", "gpupool", *pools, "--wait=false")
+    for loop in loops:
+        loop.result()  # a saturating request that raised fails the test here
 
     # The second fault: a gateway replica is Running but answers nothing, so the autoscaler
     # cannot read alpha's held requests and holds its count; the operator's gauge says so and

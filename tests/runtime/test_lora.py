@@ -21,6 +21,8 @@ from ladle.runtime.lora.adapter import LoRAError
 
 from .conftest import TransformersReference, assert_matches_reference, assert_no_blocks_leaked
 
+# Enough for these prompts; the CPU default (4 GiB) takes seconds to allocate per engine.
+KV = "16Mi"
 NEW_TOKENS = 24
 # Held-out prompts: none of them is the trained adapter's toy prompt.
 PROMPTS = [[1, 50, 60, 70, 80, 90], [1, 500, 600, 700], [1, 42] * 20, [1, 9000, 12, 7, 300]]
@@ -85,7 +87,7 @@ def test_greedy_output_matches_peft(
     base = tiny_model_factory(arch)
     adapter = random_adapter(base, tmp_path / "adapter", seed=11)
     reference = TransformersReference(peft_model(base, adapter))
-    engine = LLM(str(base), enable_lora=True, enforce_eager=eager).engine
+    engine = LLM(str(base), kv_cache_memory=KV, enable_lora=True, enforce_eager=eager).engine
     outputs = run(engine, [(p, lora(0, adapter)) for p in PROMPTS])
     for prompt, ours in zip(PROMPTS, outputs, strict=True):
         assert_matches_reference(ours, reference.greedy(prompt, NEW_TOKENS), match_report, arch)
@@ -98,7 +100,7 @@ def test_every_kind_of_adapter_matches_peft(
     llama: Path, adapters: list[Path], match_report: list[str]
 ) -> None:
     """Ranks 4 to 16, attention-only and MLP-only targets, rsLoRA with a per-module alpha."""
-    engine = LLM(str(llama), enable_lora=True, max_loras=4).engine
+    engine = LLM(str(llama), kv_cache_memory=KV, enable_lora=True, max_loras=4).engine
     for i, adapter in enumerate(adapters):
         reference = TransformersReference(peft_model(llama, adapter))
         outputs = run(engine, [(p, lora(i, adapter)) for p in PROMPTS])
@@ -111,7 +113,7 @@ def test_a_trained_adapter_answers_its_task_where_the_base_model_does_not(
     llama: Path, adapters: list[Path]
 ) -> None:
     trained = adapters[3]
-    llm = LLM(str(llama), enable_lora=True)
+    llm = LLM(str(llama), kv_cache_memory=KV, enable_lora=True)
     prompt = {"prompt_token_ids": TOY_PROMPT}
     params = greedy(len(TOY_ANSWER))
     tuned = llm.generate(prompt, params, use_tqdm=False, lora_request=lora(3, trained))
@@ -129,7 +131,9 @@ def test_a_mixed_batch_gives_each_request_the_output_it_gets_alone(
     llama: Path, adapters: list[Path], eager: bool
 ) -> None:
     """The base model and three adapters in the same steps, prefills and decodes mixed."""
-    engine = LLM(str(llama), enable_lora=True, max_loras=3, enforce_eager=eager).engine
+    engine = LLM(
+        str(llama), kv_cache_memory=KV, enable_lora=True, max_loras=3, enforce_eager=eager
+    ).engine
     requests: list[tuple[list[int], LoRARequest | None]] = [
         (prompt, None if i == 0 else lora(i - 1, adapters[i - 1]))
         for i, prompt in enumerate(PROMPTS)
@@ -148,7 +152,9 @@ def test_more_adapters_than_slots_take_turns(llama: Path, adapters: list[Path]) 
     """Four adapters, two slots, one kept in CPU memory: no step runs more than two, adapters
     are swapped in least recently used first (and read again from disk), and every request
     still gets its own output."""
-    engine = LLM(str(llama), enable_lora=True, max_loras=2, max_cpu_loras=2).engine
+    engine = LLM(
+        str(llama), kv_cache_memory=KV, enable_lora=True, max_loras=2, max_cpu_loras=2
+    ).engine
     requests = [(PROMPTS[i % 2], lora(i % 4, adapters[i % 4])) for i in range(8)]
     alone = [run(engine, [request])[0] for request in requests[:4]]
     assert engine.lora is not None
@@ -171,7 +177,7 @@ def test_more_adapters_than_slots_take_turns(llama: Path, adapters: list[Path]) 
 def test_the_prefix_cache_is_kept_per_adapter(llama: Path, adapters: list[Path]) -> None:
     """A prompt the base model has cached is computed again under an adapter (its KV differs),
     and an adapter's own cached prefix is reused."""
-    engine = LLM(str(llama), enable_lora=True).engine
+    engine = LLM(str(llama), kv_cache_memory=KV, enable_lora=True).engine
     prompt = PROMPTS[2]  # 40 tokens: two full blocks
     reference = TransformersReference(peft_model(llama, adapters[0])).greedy(prompt, NEW_TOKENS)
     run(engine, [(prompt, None)])
@@ -184,7 +190,7 @@ def test_the_prefix_cache_is_kept_per_adapter(llama: Path, adapters: list[Path])
 
 @pytest.fixture
 def served(llama: Path) -> Iterator[LLMEngine]:
-    engine = LLM(str(llama), enable_lora=True, max_lora_rank=8).engine
+    engine = LLM(str(llama), kv_cache_memory=KV, enable_lora=True, max_lora_rank=8).engine
     yield engine
     # Whatever was refused, the base model still serves.
     assert run(engine, [(PROMPTS[0], None)])[0]
@@ -236,7 +242,7 @@ def test_an_adapter_that_cannot_be_served_is_refused_by_name(
 
 
 def test_an_adapter_needs_lora_enabled(llama: Path, adapters: list[Path]) -> None:
-    llm = LLM(str(llama))
+    llm = LLM(str(llama), kv_cache_memory=KV)
     with pytest.raises(RequestError, match="--enable-lora"):
         llm.generate("Hello", greedy(), use_tqdm=False, lora_request=lora(0, adapters[0]))
     assert not llm.engine.has_unfinished_requests()

@@ -140,9 +140,9 @@ def test_every_architecture_gives_the_same_greedy_output(
 ) -> None:
     path = str(tiny_model_factory(arch))
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = _greedy(LLM(path), params)
+    plain = _greedy(LLM(path, kv_cache_memory="16Mi"), params)
     # Random weights seldom repeat two tokens: drafts from one-token matches, mostly rejected.
-    spec = LLM(path, speculative_config={**NGRAM, "prompt_lookup_min": 1})
+    spec = LLM(path, kv_cache_memory="16Mi", speculative_config={**NGRAM, "prompt_lookup_min": 1})
     assert _greedy(spec, params) == plain
     assert spec.engine.stats().spec_decode.drafts > 0
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import re
 import subprocess
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
 T = TypeVar("T")
+_log = logging.getLogger("ladle_dev.wait")
 
 
 def local_namespace_annotations() -> dict[str, str]:
@@ -74,7 +76,8 @@ def wait_until(
     At the deadline the TimeoutError names ``what``, the last value the predicate returned (but
     None) and its last error (chained too): a failure shows where the wait was stuck, not only
     that it was."""
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     returned: T | None = None
     error: Exception | None = None
     while True:
@@ -85,6 +88,8 @@ def wait_until(
         except Exception as err:
             error, result = err, None
         if result:
+            # Where a slow test spends its time (`-o log_cli=true --log-cli-level=INFO`).
+            _log.info("waited %.1f s for %s", time.monotonic() - started, what)
             return result
         if time.monotonic() > deadline:
             details = [] if returned is None else [f"last returned {_short(returned)}"]
