@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import httpx
 
@@ -32,6 +32,16 @@ from ladle.runtime.eval.metrics import Accumulator, EvalResult, top1, topk_kld
 from ladle.runtime.eval.prompts import Prompt
 
 Protocol = Literal["auto", "prompt_logprobs", "echo"]
+
+
+class Settings(TypedDict, total=False):
+    """How :func:`collect` asks (its defaults apply to what is left out)."""
+
+    top_k: int
+    greedy_tokens: int
+    protocol: Protocol
+    timeout: float
+    concurrency: int
 
 
 class EvalError(RuntimeError):
@@ -209,10 +219,10 @@ def collect_pair(
     reference: Endpoint | Answers,
     candidate: Endpoint,
     prompts: Sequence[Prompt],
-    **settings: Any,
+    **settings: Unpack[Settings],
 ) -> tuple[Answers, Answers]:
-    """Both servers' answers (``settings`` are :func:`collect`'s), collected at once; a
-    reference given as its answers is not asked again."""
+    """Both servers' answers, collected at once; a reference given as its answers is not asked
+    again."""
     if isinstance(reference, Answers):
         return reference, collect(candidate, prompts, **settings)
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -225,23 +235,8 @@ def evaluate_online(
     reference: Endpoint,
     candidate: Endpoint,
     prompts: Sequence[Prompt],
-    *,
-    top_k: int = 20,
-    greedy_tokens: int = 16,
-    protocol: Protocol = "auto",
-    timeout: float = 120.0,
-    concurrency: int = 4,
+    **settings: Unpack[Settings],
 ) -> EvalResult:
     """Compare ``candidate`` with ``reference`` on ``prompts``, teacher-forced, over each
-    position's top ``top_k``. Raises :class:`EvalError`."""
-    pair = collect_pair(
-        reference,
-        candidate,
-        prompts,
-        top_k=top_k,
-        greedy_tokens=greedy_tokens,
-        protocol=protocol,
-        timeout=timeout,
-        concurrency=concurrency,
-    )
-    return compare(*pair, prompts)
+    position's top ``top_k`` (20). Raises :class:`EvalError`."""
+    return compare(*collect_pair(reference, candidate, prompts, **settings), prompts)

@@ -222,6 +222,24 @@ def num_warps(head_dim: int, dtype: tl.dtype) -> int:
     return 8 if head_dim >= 128 or dtype == tl.float32 else 4
 
 
+def cache_layout(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    key_cache: torch.Tensor,
+    key_scale: torch.Tensor | None,
+    value_scale: torch.Tensor | None,
+) -> tuple[int, int, int, bool]:
+    """Block size, KV heads, query heads per KV head, and int8, of a cache both kernels read:
+    unit-stride heads, a contiguous cache, and scales exactly when it is int8."""
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    int8 = key_cache.dtype == torch.int8
+    assert q.stride(-1) == 1
+    assert out.stride(-1) == 1
+    assert key_cache.is_contiguous()
+    assert int8 == (key_scale is not None) == (value_scale is not None)
+    return block_size, num_kv_heads, q.shape[1] // num_kv_heads, int8
+
+
 def decode_config(
     q_dtype: torch.dtype,
     head_dim: int,
@@ -280,13 +298,7 @@ def paged_decode_attention(
     holds the per-split partials.
     """
     batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    int8 = key_cache.dtype == torch.int8
-    assert q.stride(-1) == 1
-    assert out.stride(-1) == 1
-    assert key_cache.is_contiguous()
-    assert int8 == (key_scale is not None) == (value_scale is not None)
+    block_size, num_kv_heads, group, int8 = cache_layout(q, out, key_cache, key_scale, value_scale)
     if batch == 0:
         return out
     if num_splits > 1:

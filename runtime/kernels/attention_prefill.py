@@ -11,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ladle.runtime.kernels.attention import LOG2E, dot_setup, load_kv_tile, num_warps
+from ladle.runtime.kernels.attention import (
+    LOG2E,
+    cache_layout,
+    dot_setup,
+    load_kv_tile,
+    num_warps,
+)
 
 
 def prefill_config(
@@ -169,14 +175,8 @@ def paged_prefill_attention(
     keys and values must already be in the cache. ``block_m`` rows per tile are shared between
     query tokens and the query heads of one KV head.
     """
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    int8 = key_cache.dtype == torch.int8
-    assert q.stride(-1) == 1
-    assert out.stride(-1) == 1
-    assert key_cache.is_contiguous()
-    assert int8 == (key_scale is not None) == (value_scale is not None)
+    head_dim = q.shape[2]
+    block_size, num_kv_heads, group, int8 = cache_layout(q, out, key_cache, key_scale, value_scale)
     if num_seqs == 0:
         return out
     config = prefill_config(q.dtype, head_dim, group, block_size, int8, block_m, block_n)
