@@ -38,7 +38,8 @@ from kubernetes.client import ApiClient
 
 from ladle.api import parse_isvc
 from ladle.operator.config import OperatorConfig
-from ladle.operator.desired import desired_children, desired_service
+from ladle.operator.desired import desired_children
+from ladle.operator.service_objects import desired_service
 from ladle_dev.cluster import build
 from ladle_dev.cluster.control_plane import Cluster, Options
 from ladle_dev.pytest_plugin import KubeCluster

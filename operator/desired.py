@@ -18,10 +18,6 @@ from ladle.api import (
     API_VERSION,
     CANARY,
     CONFIG_HASH_ANNOTATION,
-    HTTP_ROUTE_API_VERSION,
-    HTTP_ROUTE_KIND,
-    INFERENCE_POOL_API_VERSION,
-    INFERENCE_POOL_KIND,
     ISVC_KIND,
     JSON,
     LABEL_ISVC,
@@ -31,7 +27,6 @@ from ladle.api import (
     MANAGED_BY,
     PROFILING_ANNOTATION,
     STABLE,
-    GatewayRef,
     GPUPoolSpec,
     InferenceService,
 )
@@ -55,7 +50,6 @@ from ladle.operator.runtime_pod import (
 from ladle.operator.store import PodInfo, runtime_settings
 from ladle.quantity import quantity_to_int
 
-SERVICE_PORT = 80
 # On the Deployment (not its pods): a digest of the pod template it was last given, so that
 # any leader can tell from the live object whether a rollout of the current spec is due.
 TEMPLATE_HASH_ANNOTATION = "ladle.dev/template-hash"
@@ -138,6 +132,17 @@ def owner_reference(isvc: InferenceService) -> JSON:
         "name": isvc.meta.name,
         "uid": isvc.meta.uid,
         "controller": True,
+    }
+
+
+def service_metadata(isvc: InferenceService) -> JSON:
+    """The metadata of the children named after the service itself, not a variant."""
+    name = isvc.meta.name
+    return {
+        "name": name,
+        "namespace": isvc.meta.namespace,
+        "labels": common_labels(name),
+        "ownerReferences": [owner_reference(isvc)],
     }
 
 
@@ -488,7 +493,7 @@ def group_children(bp: Blueprint, pods: Iterable[PodInfo]) -> list[JSON]:
     isvc = bp.source
     name = variant_name(isvc.meta.name, bp.variant)
     service_name = groups.service_name(name)
-    metadata = {**_service_metadata(isvc), "name": service_name}
+    metadata = {**service_metadata(isvc), "name": service_name}
     metadata["labels"] = common_labels(isvc.meta.name, bp.variant)
     out = [groups.headless_service(metadata, name)]
     for pod in sorted(pods, key=lambda p: p.name):
@@ -510,106 +515,3 @@ def group_children(bp: Blueprint, pods: Iterable[PodInfo]) -> list[JSON]:
             )
         )
     return out
-
-
-def group_secret(isvc: InferenceService, value: str) -> JSON:
-    """The Secret every group of the service authenticates its ranks with, made once."""
-    metadata = {**_service_metadata(isvc), "name": groups.secret_name(isvc.meta.name)}
-    return groups.secret(metadata, value)
-
-
-def _service_metadata(isvc: InferenceService) -> JSON:
-    """The metadata of the children named after the service itself, not a variant."""
-    name = isvc.meta.name
-    return {
-        "name": name,
-        "namespace": isvc.meta.namespace,
-        "labels": common_labels(name),
-        "ownerReferences": [owner_reference(isvc)],
-    }
-
-
-def desired_service(isvc: InferenceService) -> JSON:
-    """The Service behind status.url; it selects the pods of every variant."""
-    name = isvc.meta.name
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _service_metadata(isvc),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(name),
-            "ports": [
-                {"name": "http", "port": SERVICE_PORT, "targetPort": "http", "protocol": "TCP"}
-            ],
-        },
-    }
-
-
-def desired_inference_pool(isvc: InferenceService) -> JSON:
-    """The Gateway API Inference Extension's InferencePool for the service: the Service's
-    selector (every variant's pods) on the runtime's port, and the endpoint picker that a GAIE
-    gateway asks which of them serves each request."""
-    name = isvc.meta.name
-    picker = isvc.spec.inference_pool.endpoint_picker
-    return {
-        "apiVersion": INFERENCE_POOL_API_VERSION,
-        "kind": INFERENCE_POOL_KIND,
-        "metadata": _service_metadata(isvc),
-        "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
-            "targetPorts": [{"number": HTTP_PORT}],
-            "endpointPickerRef": {
-                "name": picker.name or f"{name}-epp",
-                "port": {"number": picker.port},
-                "failureMode": picker.failure_mode,
-            },
-        },
-    }
-
-
-# The header that GAIE's body-based router sets from a request's ``model``: how one Gateway
-# sends each model to its own pool.
-MODEL_HEADER = "X-Gateway-Model-Name"
-
-
-def desired_http_route(isvc: InferenceService, gateway: GatewayRef) -> JSON:
-    """The HTTPRoute from ``gateway`` to the service's InferencePool, for requests whose model
-    (the header GAIE's body-based router sets) is the service's."""
-    name = isvc.meta.name
-    parent: JSON = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway.name}
-    if gateway.namespace:
-        parent["namespace"] = gateway.namespace
-    if gateway.section_name:
-        parent["sectionName"] = gateway.section_name
-    return {
-        "apiVersion": HTTP_ROUTE_API_VERSION,
-        "kind": HTTP_ROUTE_KIND,
-        "metadata": _service_metadata(isvc),
-        "spec": {
-            "parentRefs": [parent],
-            "rules": [
-                {
-                    "matches": [
-                        {
-                            "path": {"type": "PathPrefix", "value": "/"},
-                            "headers": [
-                                {
-                                    "type": "Exact",
-                                    "name": MODEL_HEADER,
-                                    "value": isvc.spec.served_model_name,
-                                }
-                            ],
-                        }
-                    ],
-                    "backendRefs": [
-                        {
-                            "group": INFERENCE_POOL_API_VERSION.split("/")[0],
-                            "kind": INFERENCE_POOL_KIND,
-                            "name": name,
-                        }
-                    ],
-                }
-            ],
-        },
-    }

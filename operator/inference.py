@@ -42,11 +42,7 @@ from ladle.operator.desired import (
     Blueprint,
     blueprint,
     children_of,
-    desired_http_route,
-    desired_inference_pool,
-    desired_service,
     group_children,
-    group_secret,
     label_selector,
     profiling,
     refusal,
@@ -63,6 +59,12 @@ from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import decide
 from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import RolloutState, from_status, split
+from ladle.operator.service_objects import (
+    desired_http_route,
+    desired_inference_pool,
+    desired_service,
+    group_secret,
+)
 from ladle.operator.status import Problem, VariantObservation, derive_isvc_status, read_rollout
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store

@@ -23,7 +23,6 @@ from ladle.operator.desired import (
     blueprint,
     children_of,
     desired_children,
-    desired_service,
     engine_config,
     group_children,
     object_digest,
@@ -33,6 +32,7 @@ from ladle.operator.desired import (
     render_flags,
     template_hash,
 )
+from ladle.operator.service_objects import desired_service
 from ladle.operator.store import PodInfo
 from ladle.runtime.config import EngineArgs
 
