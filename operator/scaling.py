@@ -30,13 +30,12 @@ These rules come from the field's failures rather than from Knative:
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeGuard
 
+from ladle.operator import load_window
 from ladle.operator.pace import Paces, at_target
 from ladle.words import plural
 
@@ -53,18 +52,6 @@ AT_MAX = "AtMaxReplicas"
 # replicas' targets (HPA's tolerance); a load hovering at a replica boundary would otherwise
 # step the count up and down with every bit of noise.
 TOLERANCE = 0.1
-# How far above the noise the panic window must rise to scale up before the stable window does.
-RISE_DEVIATIONS = 3.0
-# And how far above the mean before it: the stable mean lags a ramp by half a window, so this
-# separates the ramps it cannot follow in time (with the default windows, a load growing by more
-# than about 40% a minute) from the slow ones it can, where an early rise only buys replicas
-# early.
-RISE_OVER_STABLE = 0.2
-# A proven rise is projected one pod start ahead along the trend of this many seconds: a
-# longer one lags the ramp it projects (in the simulated bursts, 20 s waited 8% longer at p99
-# for 1% fewer GPU-hours), and the projection is capped at doubling the load, since a ramp
-# does not go on for ever.
-TREND = 10.0
 # The gateway's backlog is work to finish within this many pod starts (in the simulated
 # bursts, one start cost 1.4% more GPU-hours for 1.7% less wait).
 BACKLOG_STARTS = 2.0
@@ -268,16 +255,8 @@ def _waiting(
     """
     if gateway.slot_seconds is None or _bad(gateway.slot_seconds) or not start_seconds:
         return gateway.held
-    growth = max(0.0, _slope(held)) if len(held) > 1 else 0.0
+    growth = max(0.0, load_window.slope(held)) if len(held) > 1 else 0.0
     return gateway.slot_seconds * scale * (growth + gateway.held / (BACKLOG_STARTS * start_seconds))
-
-
-def _slope(points: Sequence[tuple[float, float]]) -> float:
-    """The least-squares slope of (time, value) samples."""
-    times = [t for t, _ in points]
-    if max(times) == min(times):
-        return 0.0
-    return statistics.linear_regression(times, [y for _, y in points]).slope
 
 
 def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
@@ -323,79 +302,6 @@ def _with_tolerance(
             return min(current, math.ceil(load + noise)) if load < down * current else current
         return min(current, replicas_for(policy, demand / down, kv / down))
     return wanted
-
-
-def _noise(policy: ScalingPolicy, window: Sequence[tuple[float, float, float]]) -> float:
-    """The standard error of a window's mean load, in replicas, from its successive
-    differences (von Neumann's estimate): a trend through the window, such as the fall it is
-    there to follow, is not noise. The window is the earlier ticks', so that the newest
-    sample moves the decision only through the mean, and more load never means fewer
-    replicas."""
-    loads = [load_in_replicas(policy, d, kv) for _, d, kv in window]
-    if len(loads) < 3:
-        return 0.0
-    squares = sum((b - a) ** 2 for a, b in itertools.pairwise(loads))
-    return math.sqrt(squares / (len(loads) - 1) / 2 / len(loads))
-
-
-def _rising(
-    policy: ScalingPolicy,
-    window: Sequence[tuple[float, float, float]],
-    now: float,
-    current: int,
-    start_seconds: float | None,
-) -> int:
-    """The count a rise in the panic window proves before the stable window's mean shows it.
-
-    The stable mean lags a ramp by half a window, and panic waits for twice the capacity, so
-    without this a load that grows by half in a minute would queue for both. The panic window
-    is short and noisy, so it only counts above the current count's tolerance band, more than
-    ``RISE_OVER_STABLE`` above the mean load the stable window saw before it, and beyond
-    ``RISE_DEVIATIONS`` times that load's scatter (``_scatter``). A slower rise is the stable
-    window's to follow. Only the stable window comes back down. Too little history proves
-    nothing.
-
-    A proven rise is projected along its trend over the measured pod start time: the replicas
-    ordered now serve only then, and a ramp goes on meanwhile. Without it, the simulated bursts
-    waited 1.9x what a lag-free fleet does at p99; with it 1.3x, for the same GPU-hours.
-    """
-    earlier = [
-        (t, load_in_replicas(policy, d, kv))
-        for t, d, kv in window
-        if t <= now - policy.panic_window
-    ]
-    recent = [
-        load_in_replicas(policy, d, kv) for t, d, kv in window if t > now - policy.panic_window
-    ]
-    if len(earlier) < 2 or not recent:
-        return 0
-    load = sum(recent) / len(recent)
-    if load <= (1.0 + RISE_OVER_STABLE) * statistics.fmean(y for _, y in earlier):
-        return 0
-    noise = _scatter(earlier)
-    proven = min(load - RISE_DEVIATIONS * noise, load / (1.0 + TOLERANCE))
-    if start_seconds:
-        trend = [(t, load_in_replicas(policy, d, kv)) for t, d, kv in window if t > now - TREND]
-        slope = _slope(trend) if len(trend) > 2 else 0.0
-        if slope > 0:
-            proven += min(slope * start_seconds, load)
-    wanted = math.ceil(proven)
-    return wanted if wanted > current else 0
-
-
-def _scatter(points: Sequence[tuple[float, float]]) -> float:
-    """The standard deviation of (time, load) samples about their least-squares line: the
-    samples' own, not their mean's (successive scrapes of the same requests are correlated),
-    and about the trend, so that a rise already under way when the panic window begins does not
-    count as noise and raise its own bar (in the simulated bursts it held ``Rising`` back 6 s).
-    Fewer than four samples fit no useful line, and give their plain standard deviation."""
-    loads = [y for _, y in points]
-    if len(points) < 4:
-        return statistics.pstdev(loads)
-    times = [t for t, _ in points]
-    slope, intercept = statistics.linear_regression(times, loads)
-    squares = sum((y - intercept - slope * t) ** 2 for t, y in points)
-    return math.sqrt(squares / (len(points) - 2))
 
 
 def _mean(window: Sequence[tuple[float, float, float]], since: float) -> tuple[float, float]:
@@ -464,10 +370,13 @@ def decide(
     window = (*earlier, (now, demand, kv))
     stable_demand, stable_kv = _mean(window, now - policy.stable_window)
     panic_demand, panic_kv = _mean(window, now - policy.panic_window)
-    noise = _noise(policy, earlier) if paced else None
+    loads = [(t, load_in_replicas(policy, d, kv)) for t, d, kv in window]
+    noise = load_window.noise([y for _, y in loads[:-1]]) if paced else None  # earlier ticks'
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
-    rising = _rising(policy, window, now, obs.current_replicas, start_seconds)
+    rising = load_window.rising(
+        loads, now, policy.panic_window, TOLERANCE, obs.current_replicas, start_seconds
+    )
     stable_reason = RISING if rising > stable_wanted else STABLE
     stable_wanted = max(stable_wanted, rising)
     desired_stable = _clamp(stable_wanted, max_down, max_up)
@@ -484,7 +393,7 @@ def decide(
         panic_since, max_panic = None, 0
     if panic_since is not None:
         # Panic keeps its own highest count, not the stable window's: a projected rise
-        # (``_rising``) holds only while the trend does.
+        # (``load_window.rising``) holds only while the trend does.
         max_panic = max(max_panic, desired_panic)
         desired = max(max_panic, desired_stable)
         reason = stable_reason if desired_stable > max_panic else PANIC
