@@ -119,7 +119,8 @@ def test_prompt_files(tmp_path: Path) -> None:
 
 def test_echo_protocol_for_servers_without_prompt_logprobs() -> None:
     """The legacy OpenAI shape (``echo`` + ``logprobs``): token texts as keys, the prompt's
-    own tokens first, then the generated one, which is dropped."""
+    own tokens first, then the generated one, which is dropped; the greedy continuation is a
+    request of its own (echo's text is the prompt's too)."""
     tokens = ["The", " cat", " sat", " down"]
     body = {
         "choices": [
@@ -150,13 +151,16 @@ def test_echo_protocol_for_servers_without_prompt_logprobs() -> None:
 
     with httpx.Client(transport=httpx.MockTransport(handler)) as http:
         client = _Client(Endpoint("http://server/v1", model="m"), http, "auto")
-        scored = client.score("The cat sat", 2)
+        answer = client.answer("The cat sat", 2, 1)
     assert client.protocol == "echo"  # prompt_logprobs was refused, echo answered
-    assert seen[-1]["echo"] is True
-    assert seen[-1]["logprobs"] == 2
-    assert seen[-1]["model"] == "m"
-    assert scored.actual == [" cat", " sat"]
-    assert scored.logprobs == [{" dog": -1.0, " cat": -2.0}, {" sat": -1.5}]
+    refused, echoed, greedy = seen
+    assert refused["prompt_logprobs"] == 2
+    assert (echoed["echo"], echoed["logprobs"], echoed["model"]) == (True, 2, "m")
+    assert "echo" not in greedy
+    assert (greedy["max_tokens"], greedy["temperature"]) == (1, 0.0)
+    assert answer.scored.actual == [" cat", " sat"]
+    assert answer.scored.logprobs == [{" dog": -1.0, " cat": -2.0}, {" sat": -1.5}]
+    assert answer.greedy == "The cat sat down"
 
 
 def test_online_mode_imports_without_torch() -> None:
