@@ -37,6 +37,8 @@ def free_port(consecutive: int = 1) -> int:
             first = stack.enter_context(socket.socket())
             first.bind(("", 0))
             port: int = first.getsockname()[1]
+            if port + consecutive > 65536:
+                continue  # where the local port range reaches the top, the next would not exist
             try:
                 for offset in range(1, consecutive):
                     stack.enter_context(socket.socket()).bind(("", port + offset))
