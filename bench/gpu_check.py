@@ -933,8 +933,9 @@ def ladle_throughput(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
-    """One stream, greedy, with and without n-gram drafts, on a prompt that repeats (a passage
-    of token ids, twice, then its start: a model that copies has its drafts accepted)."""
+    """One stream, greedy, without drafts, with n-gram drafts and with an int4 copy of the
+    model drafting, on a prompt that repeats (a passage of token ids, twice, then its start: a
+    model that copies has its drafts accepted)."""
     from ladle.runtime import SamplingParams
 
     rng = random.Random(0)
@@ -942,12 +943,16 @@ def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
     passage = [rng.randrange(1, spec["vocab"]) for _ in range(16 if smoke else 64)]
     prompt = {"prompt_token_ids": passage * 2 + passage[:8]}
     params = SamplingParams(temperature=0.0, max_tokens=16 if smoke else 128, ignore_eos=True)
-    config = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
-              "prompt_lookup_min": 2}  # fmt: skip
+    configs: dict[str, dict[str, Any]] = {
+        "plain": {},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 2},
+        "draft_model": {"method": "draft_model", "num_speculative_tokens": 4},
+    }  # fmt: skip
     out: dict[str, Any] = {}
     tokens: dict[str, list[int]] = {}
-    for name, extra in (("plain", {}), ("ngram", {"speculative_config": config})):
-        llm = _llm(spec, **extra)
+    for name, config in configs.items():
+        llm = _llm(spec, **({"speculative_config": config} if config else {}))
         llm.generate([prompt], params, use_tqdm=False)  # warm: graphs, kernels
         sync()
         start = time.perf_counter()
@@ -955,9 +960,10 @@ def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
         sync()
         out[f"{name}_tok_s"] = len(result.token_ids) / (time.perf_counter() - start)
         tokens[name] = list(result.token_ids)
-        if name == "ngram":
-            out["acceptance"] = llm.engine.stats().spec_decode.acceptance_rate or 0.0
-    out["identical"] = tokens["plain"] == tokens["ngram"]
+        if config:
+            out[f"{name}_acceptance"] = llm.engine.stats().spec_decode.acceptance_rate or 0.0
+            out[f"{name}_identical"] = tokens[name] == tokens["plain"]
+        llm.engine.shutdown()
     return out
 
 
@@ -1161,14 +1167,15 @@ def engine_checks(report: Report, default: Path, smoke: bool, interpret: bool) -
         report.add(Row("engine", "one stream's decode, graphs", ms, "ms/tok", None, note))
     spec = {**base, "kind": "spec", "label": "speculative decoding"}
     speculative = run_worker(report, spec, 300)
-    if speculative is not None:
-        name = "greedy identical with n-gram drafts"
-        report.add(Row("engine", name, float(speculative["identical"]), "bool",
-                       speculative["identical"], ""))  # fmt: skip
-        ratio = speculative["ngram_tok_s"] / speculative["plain_tok_s"]
-        note = (f"{speculative['ngram_tok_s']:.0f} against {speculative['plain_tok_s']:.0f} tok/s, "
-                f"{speculative['acceptance']:.0%} of draft tokens accepted")  # fmt: skip
-        report.add(Row("engine", "one stream, n-gram drafts / plain", ratio, "x", None, note))
+    for drafter, label in (("ngram", "n-gram drafts"), ("draft_model", "an int4 draft model")):
+        if speculative is None:
+            break
+        same = speculative[f"{drafter}_identical"]
+        report.add(Row("engine", f"greedy identical with {label}", float(same), "bool", same, ""))
+        tok_s, plain = speculative[f"{drafter}_tok_s"], speculative["plain_tok_s"]
+        note = (f"{tok_s:.0f} against {plain:.0f} tok/s, "
+                f"{speculative[f'{drafter}_acceptance']:.0%} of draft tokens accepted")  # fmt: skip
+        report.add(Row("engine", f"one stream, {label} / plain", tok_s / plain, "x", None, note))
 
 
 def parallel_checks(report: Report, models_dir: Path, default: Path, dev: torch.device,

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram prompt lookup) against plain decoding, at batch 1, measured in
-one run on the default model.
+"""Speculative decoding against plain decoding, at batch 1, measured in one run on the default
+model, for each drafter: n-gram prompt lookup, and a copy of the model rounded to int4.
 
-Two engines are built up front, the same but for ``--speculative-config``. Then, in
-interleaved rounds (the order alternates each round, so that the machine's drift lands on both
+The engines are built up front, the same but for ``--speculative-config``. Then, in
+interleaved rounds (the order rotates each round, so that the machine's drift lands on all
 alike), each engine serves the same requests one at a time, greedy, 128 new tokens:
 
 * **rewrite**: "rewrite this passage" over a paragraph of the standard library's own prose:
@@ -11,15 +11,15 @@ alike), each engine serves the same requests one at a time, greedy, 128 new toke
 * **A**: prompts of ``ladle bench throughput``'s workload A (random words), where drafts
   mostly fail.
 
-Every round uses prompts no earlier round used, both engines the same ones (nothing is served
+Every round uses prompts no earlier round used, every engine the same ones (nothing is served
 from the prefix cache of an earlier run). Reported per workload: output tokens per second and
 TPOT (after the first token), medians and spreads over rounds, and the acceptance rate;
 against the targets of issue 38: at least 1.5x tokens/s on rewrite, at least 0.97x on A.
 llama.cpp has no place in this table: its peer is ``ladle bench latency --baseline llama.cpp``,
 without speculation.
 
-    .venv/bin/python bench/spec_decode.py              # about 5 minutes on 2 cores
-    .venv/bin/python bench/spec_decode.py --rounds 2   # a quick look
+    .venv/bin/python bench/spec_decode.py              # about 8 minutes on 2 cores
+    .venv/bin/python bench/spec_decode.py --rounds 2 --drafters draft_model   # a quick look
 """
 
 from __future__ import annotations
@@ -41,8 +41,12 @@ REWRITE_FLOOR = 1.5
 A_FLOOR = 0.97
 OUTPUT_TOKENS = 128
 PER_ROUND = 2  # requests of each workload per round
-CONFIG = {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
-          "prompt_lookup_min": 2}  # fmt: skip
+CONFIGS: dict[str, dict[str, Any]] = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,
+              "prompt_lookup_min": 2},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 7,
+                    "quantization": "int4"},
+}  # fmt: skip
 # Modules whose docstrings are paragraphs of plain English.
 SOURCES = (
     "argparse", "bisect", "calendar", "colorsys", "contextlib", "csv", "difflib", "fnmatch",
@@ -80,6 +84,9 @@ def serve(llm: Any, prompt: str) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--drafters", nargs="+", choices=sorted(CONFIGS), default=list(CONFIGS), metavar="NAME"
+    )
     args = parser.parse_args()
 
     from ladle.runtime import LLM
@@ -90,15 +97,18 @@ def main() -> int:
     if len(texts) < needed:
         parser.error(f"--rounds {args.rounds} needs {needed} passages; there are {len(texts)}")
     flags: dict[str, Any] = {"kv_cache_memory": "1GiB", "max_model_len": 1024}
-    engines = {"plain": LLM(None, **flags), "ngram": LLM(None, speculative_config=CONFIG, **flags)}
+    engines = {"plain": LLM(None, **flags)}
+    for name in args.drafters:
+        engines[name] = LLM(None, speculative_config=CONFIGS[name], **flags)
     workload_a = WORKLOADS["A"]
-    # Warm both engines (first-step costs, the fused kernels' setup) outside every timing.
+    # Warm every engine (first-step costs, the fused kernels' setup) outside every timing.
     for llm in engines.values():
         serve(llm, rewrite_prompt(texts[-1], 0, 0))
         serve(llm, workload_a.prompts(seed=999)[0])
 
     results: dict[str, list[float]] = {}
-    accepted = {"rewrite": [0, 0], "A": [0, 0]}  # accepted, proposed
+    accepted: dict[str, list[int]] = {}  # by workload/drafter: accepted, proposed
+    names = list(engines)
     for r in range(args.rounds):
         prompts = {
             "rewrite": [
@@ -106,7 +116,7 @@ def main() -> int:
             ],
             "A": workload_a.prompts(seed=r + 1)[:PER_ROUND],
         }
-        order = ["plain", "ngram"] if r % 2 == 0 else ["ngram", "plain"]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for workload, batch in prompts.items():
             for who in order:
                 llm = engines[who]
@@ -120,32 +130,34 @@ def main() -> int:
                 results.setdefault(f"{workload}/{who}/tok_s", []).append(statistics.mean(speeds))
                 results.setdefault(f"{workload}/{who}/tpot", []).append(statistics.mean(tpots))
                 after = llm.engine.stats().spec_decode
-                accepted[workload][0] += after.accepted_tokens - counts[0]
-                accepted[workload][1] += after.draft_tokens - counts[1]
+                total = accepted.setdefault(f"{workload}/{who}", [0, 0])
+                total[0] += after.accepted_tokens - counts[0]
+                total[1] += after.draft_tokens - counts[1]
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 
     print()
     verdicts = []
     for workload, floor in (("rewrite", REWRITE_FLOOR), ("A", A_FLOOR)):
-        for who in ("plain", "ngram"):
+        for who in names:
             print(
                 summary(f"{workload}, {who}, output", results[f"{workload}/{who}/tok_s"], "tok/s")
             )
             print(summary(f"{workload}, {who}, TPOT", results[f"{workload}/{who}/tpot"], "ms", 1e3))
-        ratio = statistics.median(results[f"{workload}/ngram/tok_s"]) / statistics.median(
-            results[f"{workload}/plain/tok_s"]
-        )
-        tpot = statistics.median(results[f"{workload}/ngram/tpot"]) / statistics.median(
-            results[f"{workload}/plain/tpot"]
-        )
-        got, proposed = accepted[workload]
-        rate = f"{got / proposed:.0%} of {proposed} draft tokens" if proposed else "no drafts"
-        ok = ratio >= floor
-        verdicts.append(ok)
-        print(
-            f"{workload}: ngram / plain output tok/s {ratio:.3f}x (target >= {floor}x) "
-            f"{'met' if ok else 'MISSED'}; TPOT {tpot:.3f}x; accepted {rate}"
-        )
+        for who in args.drafters:
+            ratio = statistics.median(results[f"{workload}/{who}/tok_s"]) / statistics.median(
+                results[f"{workload}/plain/tok_s"]
+            )
+            tpot = statistics.median(results[f"{workload}/{who}/tpot"]) / statistics.median(
+                results[f"{workload}/plain/tpot"]
+            )
+            got, proposed = accepted[f"{workload}/{who}"]
+            rate = f"{got / proposed:.0%} of {proposed} draft tokens" if proposed else "no drafts"
+            ok = ratio >= floor
+            verdicts.append(ok)
+            print(
+                f"{workload}: {who} / plain output tok/s {ratio:.3f}x (target >= {floor}x) "
+                f"{'met' if ok else 'MISSED'}; TPOT {tpot:.3f}x; accepted {rate}"
+            )
         print()
     return 0 if all(verdicts) else 1
 

@@ -174,6 +174,11 @@ class EngineArgs:
         """What does not run split across ranks yet, refused before anything starts."""
         if self.enable_lora:
             raise ConfigError("enable_lora does not work with tensor_parallel_size > 1 yet")
+        speculative = self.speculative()
+        if speculative is not None and speculative.method == "draft_model":
+            raise ConfigError(
+                "speculative method draft_model does not work with tensor_parallel_size > 1 yet"
+            )
         if quantization.enabled and quantization.uses_gptq:
             raise ConfigError(
                 f"quantization_method {quantization.method} rounds each layer on the whole "
@@ -376,8 +381,11 @@ class EngineArgs:
             default=Default(None, "off"),
             help='vLLM\'s, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts from earlier text of the '
-            "prompt and output, and each step verifies the draft; greedy output is unchanged "
-            "token for token, and sampled output keeps its distribution",
+            'prompt and output; {"method": "draft_model", "num_speculative_tokens": 4, '
+            '"quantization": "int4"} drafts with a copy of the model rounded to int4 (or '
+            '"model": another folder with the same vocabulary). Each step verifies the draft; '
+            "greedy output is unchanged token for token, and sampled output keeps its "
+            "distribution",
         )
 
         parallel = parser.add_argument_group("parallelism")

@@ -21,11 +21,9 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ladle.runtime.attention import AttentionBackend, KVCacheSpec
 from ladle.runtime.config import ConfigError, EngineArgs
-from ladle.runtime.cuda_graphs import DecodeGraphRunner
 from ladle.runtime.errors import RequestError
 from ladle.runtime.forward_pass import ForwardPass
 from ladle.runtime.input_processor import InputProcessor, PromptInput, Request
-from ladle.runtime.kernels import decode_step
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.limits import RequestLimits
 from ladle.runtime.lora.adapter import LoRAAdapter
@@ -46,6 +44,7 @@ from ladle.runtime.scheduler import Scheduler
 from ladle.runtime.scheduler_output import SchedulerOutput
 from ladle.runtime.sequence import Sequence
 from ladle.runtime.spec_decode.counts import SpecDecodeCounts
+from ladle.runtime.spec_decode.draft_model import DraftModel, build_draft
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +147,13 @@ class LLMEngine:
                 self.model.enable_lora(slots)
                 cpu = args.max_cpu_loras or args.max_loras
                 self.lora = LoRAManager(slots, cfg, args.max_lora_rank, cpu)
-            num_blocks = self._num_blocks(spec)
+            speculative = args.speculative()
+            draft = None
+            if speculative is not None and speculative.method == "draft_model":
+                draft = build_draft(
+                    args, speculative, cfg, self.model_path, self.device, self.dtype
+                )
+            num_blocks = self._num_blocks(spec, None if draft is None else draft[1])
         except BaseException:
             self.shutdown()
             raise
@@ -162,7 +167,7 @@ class LLMEngine:
             self.max_model_len,
             self.eos_token_ids,
             args.max_loras if args.enable_lora else None,
-            args.speculative(),
+            speculative,
         )
         forward = ForwardPass(self.model, caches, self.device)
         self.runner = ModelRunner(forward, self.kv)
@@ -170,19 +175,13 @@ class LLMEngine:
         self.runner.peers = self.peers
         # The fast decode paths run the whole model in one call, without the collectives.
         fast = not args.enforce_eager and self.peers is None
-        if self.device.type == "cuda" and self.attention.name == "triton" and fast:
-            forward.graphs = DecodeGraphRunner(
-                self.model,
-                caches,
-                args.max_num_seqs,
-                self.max_model_len,
-                args.block_size,
-                self.device,
-                use_graphs=True,
-            )
-            forward.graphs.capture()
-        if self.attention.name == "cpu" and fast:
-            forward.fused = decode_step.for_model(self.model, caches)
+        if fast:
+            forward.enable_fast_paths(args.max_num_seqs, self.max_model_len, args.block_size)
+        if draft is not None:
+            drafter = ForwardPass(draft[0], draft[0].attention.allocate(num_blocks), self.device)
+            if fast:
+                drafter.enable_fast_paths(args.max_num_seqs, self.max_model_len, args.block_size)
+            self.runner.drafter = DraftModel(drafter, args.block_size)
         self.input_processor = InputProcessor(
             self.tokenizer,
             cfg.vocab_size,
@@ -210,6 +209,7 @@ class LLMEngine:
                 "quantization": args.quantization_config().describe(),
                 "kv_cache_dtype": str(spec.dtype).removeprefix("torch."),
                 "tensor_parallel_size": size,
+                "speculative": None if speculative is None else speculative.method,
                 "num_kv_blocks": num_blocks,
                 "max_model_len": self.max_model_len,
                 "load_seconds": round(time.monotonic() - started, 2),
@@ -242,11 +242,11 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _num_blocks(self, spec: KVCacheSpec) -> int:
+    def _num_blocks(self, spec: KVCacheSpec, draft: KVCacheSpec | None) -> int:
         """Blocks for the KV budget. One sequence of max_model_len tokens must fit (vLLM's
         rule), or a long request could preempt itself for ever: an explicit max_model_len that
         does not fit is an error; the model's own is lowered to what fits."""
-        num_blocks = kv_budget_blocks(self.args, self.model, spec)
+        num_blocks = kv_budget_blocks(self.args, self.model, spec, draft)
         if self.peers is not None:
             num_blocks = self.peers.agree_blocks(num_blocks)
         if num_blocks < 1:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ladle.runtime.forward_pass import ForwardPass, StepPlan
+from ladle.runtime.forward_pass import Chunk, ForwardPass, StepPlan, build_plan
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.lora.batch import LoRABatch
 from ladle.runtime.lora.manager import LoRAManager
@@ -14,6 +14,7 @@ from ladle.runtime.parallel.peers import Peers
 from ladle.runtime.sampler import Sampler, TokenLogprobs, token_logprobs
 from ladle.runtime.scheduler_output import ScheduledSequence, SchedulerOutput
 from ladle.runtime.sequence import Sequence
+from ladle.runtime.spec_decode.draft_model import DraftModel
 
 
 @dataclass
@@ -50,6 +51,8 @@ class ModelRunner:
         self.lora: LoRAManager | None = None
         # Set by the engine with tensor parallelism: the other ranks, which run each plan too.
         self.peers: Peers | None = None
+        # Set by the engine with speculative method draft_model: fills the reserved drafts.
+        self.drafter: DraftModel | None = None
 
     def _plan(
         self, batch: list[ScheduledSequence], block_copies: list[tuple[int, int]]
@@ -57,28 +60,14 @@ class ModelRunner:
         """The step's tensors, and which logits it needs: first the rows each sampling
         sequence samples from (its last, or its draft's and the one after), then the rows
         whose logits score prompt tokens."""
-        token_ids: list[int] = []
-        positions: list[int] = []
-        seq_index: list[int] = []
+        chunks: list[Chunk] = []
         query_start = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        for i, item in enumerate(batch):
+        for item in batch:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
-            token_ids.extend(seq.token_ids[start : start + n - len(item.draft)])
-            token_ids.extend(item.draft)
-            positions.extend(range(start, start + n))
-            seq_index.extend([i] * n)
+            own = seq.token_ids[start : start + n - len(item.draft)]
+            chunks.append(Chunk(own + item.draft, start, self.kv.block_tables[seq.seq_id]))
             query_start.append(query_start[-1] + n)
-            seq_lens.append(start + n)
-            tables.append(self.kv.block_tables[seq.seq_id])
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        rows = torch.tensor(seq_index, dtype=torch.long)
-        slots = block_tables[rows, pos // self.block_size].long() * self.block_size
-        slots += pos % self.block_size
         logit_rows = [
             r
             for i, item in enumerate(batch)
@@ -94,24 +83,14 @@ class ModelRunner:
                 continue
             spans.append(_PromptSpan(seq, start, len(logit_rows), end - start))
             logit_rows.extend(range(query_start[i], query_start[i] + end - start))
-        plan = StepPlan(
-            input_ids=torch.tensor(token_ids, dtype=torch.long),
-            positions=pos,
-            num_decodes=sum(1 for item in batch if item.num_new_tokens == 1),
-            query_start=query_start,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            slot_mapping=slots,
-            max_query_len=max(item.num_new_tokens for item in batch),
-            block_copies=block_copies,
-            logit_rows=logit_rows,
-        )
-        return plan, spans
+        return build_plan(chunks, self.block_size, logit_rows, block_copies), spans
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget per-sequence state (seeded generators) of sequences that ended."""
         for seq_id in seq_ids:
             self.sampler.forget(seq_id)
+        if self.drafter is not None:
+            self.drafter.forget(seq_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -120,6 +99,8 @@ class ModelRunner:
         # Decodes first: the attention backends batch the one-token queries together.
         batch = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
         batch, lora = self._adapters(batch)
+        if self.drafter is not None:
+            self.drafter.propose(batch, self.kv.block_tables, out.block_copies)
         plan, spans = self._plan(batch, out.block_copies)
         if self.peers is not None:
             self.peers.send(plan)

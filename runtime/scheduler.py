@@ -32,6 +32,7 @@ from ladle.runtime.beam_search import BeamCandidates, BeamHypothesis, BeamSearch
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.scheduler_output import (
+    DRAFT_PENDING,
     RequestUpdate,
     ScheduledSequence,
     SchedulerOutput,
@@ -380,6 +381,8 @@ class Scheduler:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         if room <= 0:
             return []
+        if spec.method == "draft_model":
+            return [DRAFT_PENDING] * room
         return propose(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
 
     def _draft_fits(self, seq: Sequence, num_new: int, drafted: int, later: int) -> bool:

@@ -10,6 +10,10 @@ from ladle.runtime.beam_search import BeamHypothesis
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sequence import Sequence
 
+# A draft slot that the model runner's drafter fills before the step runs (speculative method
+# draft_model: the scheduler reserves room for the draft, the draft model writes it).
+DRAFT_PENDING = -1
+
 
 @dataclass
 class ScheduledSequence:

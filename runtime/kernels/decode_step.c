@@ -3,7 +3,7 @@
  * At batch 1 a 135M-parameter model's step is a few milliseconds of weight reads; driving it op
  * by op from Python costs about a dozen torch ops and ctypes calls per layer, each waking the
  * thread team and joining it again. Here the team is woken once per step: one OpenMP parallel
- * region runs the step as a list of ops (seven a layer, eleven with LoRA adapters), each cut
+ * region runs the step as a list of ops (eight a layer, twelve with LoRA adapters), each cut
  * into chunks (a few output panels of a GEMV, one (sequence, KV head) of attention, one row of
  * a norm or of a LoRA shrink).
  *
@@ -373,13 +373,13 @@ static void gate_up_op(op_counter *c, const float *x, const ladle_linear *lin,
     wait_done(c, chunks);
 }
 
-/* Q/K norm, RoPE and the KV store for one (token, KV head), then its query heads' attention. */
-static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, float *q_row,
-                  float *o_row, int64_t position, int64_t slot, const int32_t *table,
-                  int32_t len, int32_t kvh) {
+/* Q/K norm, RoPE and the KV store for one (token, KV head). Every row's store is done before
+ * any row's attention (two ops), so that rows of one sequence (a verifying step's draft
+ * tokens, each a row whose length ends at its own position) see each other causally. */
+static void store(const ladle_decode_model *m, const ladle_decode_layer *L, float *q_row,
+                  int64_t position, int64_t slot, int32_t kvh) {
     const int32_t D = m->head_dim, half = D / 2, group = m->num_heads / m->num_kv_heads;
-    const int32_t h0 = kvh * group, h1 = h0 + group;
-    float *q = q_row + (int64_t)h0 * D;
+    float *q = q_row + (int64_t)kvh * group * D;
     float *k = q_row + (int64_t)(m->num_heads + kvh) * D;
     const float *v = q_row + (int64_t)(m->num_heads + m->num_kv_heads + kvh) * D;
     if (L->q_norm != NULL) {
@@ -394,12 +394,21 @@ static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, floa
     if (L->key_scale == NULL) {
         memcpy((float *)L->key_cache + row * D, k, sizeof(float) * (size_t)D);
         memcpy((float *)L->value_cache + row * D, v, sizeof(float) * (size_t)D);
+    } else {
+        ladle_quantize_kv_row(k, (int8_t *)L->key_cache + row * D, L->key_scale + row, D);
+        ladle_quantize_kv_row(v, (int8_t *)L->value_cache + row * D, L->value_scale + row, D);
+    }
+}
+
+/* One (token, KV head)'s query heads' attention over the token's first ``len`` positions. */
+static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, const float *q_row,
+                  float *o_row, const int32_t *table, int32_t len, int32_t kvh) {
+    const int32_t D = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int32_t h0 = kvh * group, h1 = h0 + group;
+    if (L->key_scale == NULL)
         return ladle_decode_attention_f32_heads(q_row, o_row, L->key_cache, L->value_cache, table,
                                                 len, h0, h1, group, m->num_kv_heads, D,
                                                 m->block_size, m->scale);
-    }
-    ladle_quantize_kv_row(k, (int8_t *)L->key_cache + row * D, L->key_scale + row, D);
-    ladle_quantize_kv_row(v, (int8_t *)L->value_cache + row * D, L->value_scale + row, D);
     return ladle_decode_attention_i8_heads(q_row, o_row, L->key_cache, L->value_cache,
                                            L->key_scale, L->value_scale, table, len, h0, h1,
                                            group, m->num_kv_heads, D, m->block_size, m->scale);
@@ -407,7 +416,7 @@ static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, floa
 
 /* Ops per layer (a LoRA shrink before each of the four projections, used only by steps with
  * adapters); a step has 2 + OPS_PER_LAYER * num_layers (the first input norm, the LM head). */
-#define OPS_PER_LAYER 11
+#define OPS_PER_LAYER 12
 
 /* b->residual [batch, hidden] holds the embeddings on entry and the residual stream on
  * return, b->x the final-normed hidden states, b->logits the LM head's output. Positions and
@@ -436,9 +445,13 @@ int ladle_decode_step(const ladle_decode_model *m, const ladle_decode_buffers *b
             const int tasks = batch * m->num_kv_heads;
             for (int task; (task = claim(op, tasks)) >= 0; finish(op, tasks)) {
                 const int32_t s = task / m->num_kv_heads;
+                store(m, L, b->qkv + s * b->ld_qkv, positions[s], slots[s], task % m->num_kv_heads);
+            }
+            wait_done(op++, tasks);
+            for (int task; (task = claim(op, tasks)) >= 0; finish(op, tasks)) {
+                const int32_t s = task / m->num_kv_heads;
                 if (attend(m, L, b->qkv + s * b->ld_qkv, b->attn + (int64_t)s * q_size,
-                           positions[s], slots[s], block_tables + s * table_stride, seq_lens[s],
-                           task % m->num_kv_heads)) {
+                           block_tables + s * table_stride, seq_lens[s], task % m->num_kv_heads)) {
 #pragma omp atomic write
                     failed = 1;
                 }

@@ -28,7 +28,7 @@ from ladle.runtime.quantization.linear import DenseLinear, Linear, QuantizedLine
 MAX_BATCH = 8
 _DENSE, _INT8, _INT4, _INT8_GROUPS = 0, 1, 2, 3
 # decode_step.c's op list: ops per layer, and the ints of one op's counters.
-_OPS_PER_LAYER, _OP_COUNTER_INTS = 11, 16
+_OPS_PER_LAYER, _OP_COUNTER_INTS = 12, 16
 _P = ctypes.c_void_p
 
 

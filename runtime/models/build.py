@@ -71,10 +71,13 @@ def whole_calibration(args: EngineArgs, cfg: ModelConfig, model_path: Path) -> a
         return awq.calibrate_and_save(model, quantization, model_path)
 
 
-def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> int:
+def kv_budget_blocks(
+    args: EngineArgs, model: LlamaModel, spec: KVCacheSpec, mirror: KVCacheSpec | None = None
+) -> int:
     """KV blocks that fit beside the weights: on a GPU, what its memory leaves after the
     step's activations and logits; on the CPU, ``--kv-cache-memory``, which the ranks of a
-    split model share (they share the host's memory, and a pod's limit)."""
+    split model share (they share the host's memory, and a pod's limit). A draft model's
+    cache (``mirror``) has a block for each of the model's, out of the same budget."""
     if args.num_gpu_blocks_override is not None:
         return args.num_gpu_blocks_override
     device = model.device
@@ -88,4 +91,5 @@ def kv_budget_blocks(args: EngineArgs, model: LlamaModel, spec: KVCacheSpec) -> 
         budget -= activations + logits
     else:
         budget = args.kv_cache_memory // args.tensor_parallel_size
-    return int(budget // spec.bytes_per_block)
+    per_block = spec.bytes_per_block + (0 if mirror is None else mirror.bytes_per_block)
+    return int(budget // per_block)

@@ -106,6 +106,43 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
         "promptLookupMin must not exceed promptLookupMax",
     ),
     (
+        "speculative-lookup-for-a-draft-model",
+        with_spec(
+            VALID_ISVC,
+            engine={
+                "speculative": {
+                    "method": "draft_model",
+                    "numSpeculativeTokens": 4,
+                    "promptLookupMax": 2,
+                }
+            },
+        ),
+        "promptLookupMin and promptLookupMax apply to method ngram only",
+    ),
+    (
+        "speculative-quantization-for-ngram",
+        with_spec(
+            VALID_ISVC,
+            engine={
+                "speculative": {
+                    "method": "ngram",
+                    "numSpeculativeTokens": 4,
+                    "quantization": "int4",
+                }
+            },
+        ),
+        "quantization applies to method draft_model only",
+    ),
+    (
+        "speculative-draft-model-split",
+        with_spec(
+            VALID_ISVC,
+            resources={"gpus": 2},
+            engine={"speculative": {"method": "draft_model", "numSpeculativeTokens": 4}},
+        ),
+        "the draft model does not run split across GPUs yet",
+    ),
+    (
         "lora-slots-without-adapters",
         with_spec(VALID_ISVC, engine={"maxLoras": 4}),
         "only pods with adapters have: set adapters",

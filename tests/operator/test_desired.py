@@ -35,6 +35,7 @@ from ladle.operator.desired import (
 from ladle.operator.service_objects import desired_service
 from ladle.operator.store import PodInfo
 from ladle.runtime.config import EngineArgs
+from ladle.runtime.spec_decode.config import SpeculativeConfig
 
 CONFIG = OperatorConfig(runtime_image="registry.test/ladle-runtime:1")
 Builder = Any
@@ -358,6 +359,13 @@ def test_speculative_decoding_is_vllms_flag_and_a_new_revision(make_isvc: Builde
     # An engine setting like any other: with spec.rollout, a canary.
     assert revision_of(template_of(spec, "img")) != revision_of(
         template_of({"model": {"name": "m"}}, "img")
+    )
+    drafted = {"method": "draft_model", "numSpeculativeTokens": 4, "quantization": "int8"}
+    spec = {"model": {"name": "m"}, "engine": {"speculative": drafted}}
+    flags = render_flags(engine_config(parse_isvc(make_isvc(spec=spec))))
+    config = flags[flags.index("--speculative-config") + 1]
+    assert SpeculativeConfig.parse(config) == SpeculativeConfig(
+        "draft_model", 4, quantization="int8"
     )
 
 

@@ -22,6 +22,7 @@ from lora_adapters import random_adapter
 from ladle.runtime import LLM, LoRARequest, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
 from ladle.runtime.bench.profile import latency_profile
+from ladle.runtime.forward_pass import Chunk, build_plan
 from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.lora.batch import LoRABatch
 
@@ -142,6 +143,58 @@ def test_fused_step_with_quantized_weights(
         quantization_group_size=group,
     )
     assert _compare_decode_steps(llm, threads=[2]) >= STEPS
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_few_tokens_of_several_sequences_run_fused_as_causal_rows(
+    threads: int, tiny_model_factory: Callable[[str], Path]
+) -> None:
+    """Steps of at most ``max_batch`` tokens in chunks of several (short prompts, a draft to
+    verify beside a decode) run as the fused step's rows, each attending up to its own
+    position: the logits are the per-op path's. The step's own slots hold NaN before it runs,
+    so a row that read a slot of its step before it was written would show (the kernel stores
+    every row's keys in one op before any row attends in the next)."""
+    llm = _engine(tiny_model_factory("qwen3"))
+    forward = llm.engine.runner.forward
+    fused = forward.fused
+    assert fused is not None
+    steps = [
+        [Chunk([11], 0, [3]), Chunk([5, 6, 7], 0, [1, 2]), Chunk([8, 9, 10, 12], 0, [4, 5])],
+        [Chunk([13], 1, [3]), Chunk([1, 2, 3], 3, [1, 2]), Chunk([4, 14], 4, [4, 5])],
+        [Chunk([15, 16, 17, 18, 19, 20, 21, 22], 2, [3, 6, 7])],
+    ]
+    runs: list[int] = []
+    run = fused.run
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        runs.append(len(args[0]))
+        return run(*args, **kwargs)
+
+    fused.run = counted  # type: ignore[method-assign]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunks in steps:
+            plan = build_plan(chunks, 4, list(range(sum(len(c.token_ids) for c in chunks))))
+            assert plan.max_query_len > 1
+            assert len(plan.positions) <= fused.max_batch
+            before = [(c.key.clone(), c.value.clone()) for c in forward.caches]
+            for cache in forward.caches:
+                for t in (cache.key, cache.value):
+                    t.view(-1, *t.shape[2:])[plan.slot_mapping] = float("nan")
+            got = forward(plan)
+            for cache, (key, value) in zip(forward.caches, before, strict=True):
+                cache.key.copy_(key)
+                cache.value.copy_(value)
+            forward.fused = None
+            try:
+                expected = forward(plan)
+            finally:
+                forward.fused = fused
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
+    finally:
+        torch.set_num_threads(saved)
+    assert runs == [8, 6, 8]  # every step ran fused, one row per token
 
 
 def test_fused_step_serves_small_decode_batches_only(

@@ -1,7 +1,7 @@
-"""Speculative decoding with n-gram drafts: greedy output token for token the same as without
-it (across prompts, lengths, stop strings, penalties, preemption and every tiny
-architecture), sampled output from the same distribution, the proposer, and the config's
-refusals."""
+"""Speculative decoding with n-gram drafts and with a draft model: greedy output token for token
+the same as without it (across prompts, lengths, stop strings, penalties, preemption, the
+prefix cache and every tiny architecture), sampled output from the same distribution, the
+proposer, and the config's refusals."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from random_weights import TINY_ARCHITECTURES
+from random_weights import TINY_ARCHITECTURES, save_random_model, tiny_config
 
 from ladle.runtime import LLM, SamplingParams
+from ladle.runtime.config import ConfigError
 from ladle.runtime.sampler import Sampler
 from ladle.runtime.sampling_params import SamplingParams as Params
 from ladle.runtime.sequence import Sequence
@@ -22,6 +23,8 @@ from ladle.runtime.spec_decode.ngram import propose
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
          "prompt_lookup_min": 2}  # fmt: skip
+# A copy of the model rounded to int4 drafts.
+DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 4}
 PASSAGE = (
     "The river flows through the old town, past the mill and the church, and under the stone "
     "bridge where the children fish in summer. In winter the river freezes and the people "
@@ -49,7 +52,10 @@ def test_the_proposer_continues_the_latest_longest_match() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram"),
+        (
+            '{"method": "eagle", "num_speculative_tokens": 2}',
+            "method must be one of ngram, draft_model",
+        ),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be 1"),
         ('{"method": "ngram", "num_speculative_tokens": 17}', "1 to 16; got 17"),
         ('{"method": "ngram"}', "num_speculative_tokens must be 1 to 16; got None"),
@@ -59,6 +65,19 @@ def test_the_proposer_continues_the_latest_longest_match() -> None:
             "prompt_lookup_min <= prompt_lookup_max",
         ),
         ('{"method": "ngram", "num_speculative_tokens": 2, "k": 1}', "unknown key 'k'"),
+        (
+            '{"method": "draft_model", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
+            "unknown key 'prompt_lookup_min' for method draft_model",
+        ),
+        (
+            '{"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int3"}',
+            "quantization must be one of int4, int8, none; got 'int3'",
+        ),
+        (
+            '{"method": "draft_model", "num_speculative_tokens": 2, "quantization": "none"}',
+            "quantization none drafts with the model itself",
+        ),
+        ('{"method": "draft_model", "num_speculative_tokens": 2, "model": ""}', "model must be"),
         ("{method: ngram}", "not JSON"),
     ],
 )
@@ -79,14 +98,22 @@ def _greedy(llm: LLM, params: SamplingParams, prompts: list[str] = PROMPTS) -> l
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+SMALL_CACHE: dict[str, Any] = {"kv_cache_memory": "16Mi", "max_num_seqs": 8}
+
+
 @pytest.fixture(scope="module")
-def pair(default_model_path: Path) -> tuple[LLM, LLM]:
-    """The default model with and without drafts, each with a KV cache small enough that the
-    prompts below, run together, preempt one another."""
-    common: dict[str, Any] = {"kv_cache_memory": "16Mi", "max_num_seqs": 8}
-    return LLM(str(default_model_path), **common), LLM(
-        str(default_model_path), speculative_config=NGRAM, **common
-    )
+def plain(default_model_path: Path) -> LLM:
+    """The default model without drafts, with a KV cache small enough that the prompts below,
+    run together, preempt one another."""
+    return LLM(str(default_model_path), **SMALL_CACHE)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def pair(request: pytest.FixtureRequest, default_model_path: Path, plain: LLM) -> tuple[LLM, LLM]:
+    """The model without drafts, and with each drafter (the draft model's cache comes out of
+    the same 16 MiB: fewer blocks, more preemption)."""
+    config = NGRAM if request.param == "ngram" else DRAFT_MODEL
+    return plain, LLM(str(default_model_path), speculative_config=config, **SMALL_CACHE)
 
 
 @pytest.mark.parametrize(
@@ -142,9 +169,65 @@ def test_every_architecture_gives_the_same_greedy_output(
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = _greedy(LLM(path, kv_cache_memory="16Mi"), params)
     # Random weights seldom repeat two tokens: drafts from one-token matches, mostly rejected.
-    spec = LLM(path, kv_cache_memory="16Mi", speculative_config={**NGRAM, "prompt_lookup_min": 1})
-    assert _greedy(spec, params) == plain
-    assert spec.engine.stats().spec_decode.drafts > 0
+    for config in ({**NGRAM, "prompt_lookup_min": 1}, DRAFT_MODEL):
+        spec = LLM(path, kv_cache_memory="16Mi", speculative_config=config)
+        assert _greedy(spec, params) == plain, config["method"]
+        assert spec.engine.stats().spec_decode.drafts > 0
+
+
+def test_another_model_drafts_if_it_shares_the_vocabulary(
+    plain: LLM, tiny_model_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """A random-weight drafter of the same vocabulary: its drafts are mostly wrong, the
+    output is still the model's. One of another vocabulary is refused by name."""
+    drafter = str(tiny_model_factory("qwen2"))
+    config = {**DRAFT_MODEL, "model": drafter, "quantization": "int8"}
+    spec = LLM(plain.engine.args.model, speculative_config=config, **SMALL_CACHE)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert _greedy(spec, params) == _greedy(plain, params)
+    counts = spec.engine.stats().spec_decode
+    assert counts.drafts > 0
+    assert (counts.acceptance_rate or 0) < 0.5
+    other = save_random_model(
+        tiny_config("llama", 1000), tmp_path / "other", Path(plain.engine.args.model or "")
+    )
+    with pytest.raises(ConfigError, match="vocabulary has 1000 tokens and the model's 49152"):
+        LLM(plain.engine.args.model, speculative_config={**DRAFT_MODEL, "model": str(other)})
+
+
+def test_the_model_drafting_for_itself_has_every_draft_accepted(plain: LLM) -> None:
+    """The model's own weights, unrounded, as the draft model: its greedy drafts are the
+    model's greedy tokens, so every one is accepted, over the prompt's cache, drafts fed after
+    a step that accepted them all, and a prompt served again from the prefix cache. One
+    position of the draft's cache missing or stale would show as a rejection."""
+    config = {**DRAFT_MODEL, "model": plain.engine.args.model, "quantization": "none"}
+    spec = LLM(plain.engine.args.model, speculative_config=config, **SMALL_CACHE)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for prompt in [PROMPTS[3], PROMPTS[0], PROMPTS[0]]:
+        out = spec.generate([prompt], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == _greedy(plain, params, [prompt])[0]
+    counts = spec.engine.stats().spec_decode
+    assert out.num_cached_tokens > 0
+    assert counts.draft_tokens > 3 * 40 // 2
+    assert counts.accepted_tokens == counts.draft_tokens, counts
+
+
+def test_a_prompt_from_the_prefix_cache_drafts_as_when_computed(pair: tuple[LLM, LLM]) -> None:
+    """Blocks handed out by the prefix cache hold the draft model's keys and values as well as
+    the model's (computed in the same steps), so a cached prompt drafts as well as a fresh
+    one."""
+    spec = pair[1]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompt = f"Summarise: {PASSAGE} {PASSAGE}"
+    runs = []
+    for _ in range(2):
+        before = spec.engine.stats().spec_decode.accepted_tokens
+        cached = spec.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens
+        runs.append((cached, spec.engine.stats().spec_decode.accepted_tokens - before))
+    (cold, accepted_cold), (warm, accepted_warm) = runs
+    assert cold == 0, runs
+    assert warm > 32, runs
+    assert accepted_warm >= 0.8 * accepted_cold > 0, runs
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

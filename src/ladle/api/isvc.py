@@ -67,13 +67,14 @@ class SpeculativeSpec:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    quantization: str | None = None
 
     def config(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "method": self.method,
             "num_speculative_tokens": self.num_speculative_tokens,
         }
-        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        for key in ("prompt_lookup_min", "prompt_lookup_max", "quantization"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -325,6 +326,7 @@ def parse_speculative(raw: Mapping[str, Any] | None) -> SpeculativeSpec | None:
         int(raw["numSpeculativeTokens"]),
         opt_int(raw.get("promptLookupMin")),
         opt_int(raw.get("promptLookupMax")),
+        raw.get("quantization"),
     )
 
 
