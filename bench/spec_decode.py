@@ -18,7 +18,7 @@ against the targets of issue 38: at least 1.5x tokens/s on rewrite, at least 0.9
 llama.cpp has no place in this table: its peer is ``ladle bench latency --baseline llama.cpp``,
 without speculation.
 
-    .venv/bin/python bench/spec_decode.py              # about 8 minutes on 2 cores
+    .venv/bin/python bench/spec_decode.py              # about 10 minutes on 2 cores
     .venv/bin/python bench/spec_decode.py --rounds 2 --drafters draft_model   # a quick look
 """
 
