@@ -249,10 +249,11 @@ def test_a_collector_that_is_down_costs_requests_nothing_and_drops_are_counted(
             for line in page.splitlines():
                 if line.startswith("ladle:trace_spans_dropped_total "):
                     value = float(line.split()[1])
-                    return value if value > 0 else None
+                    return value if value >= 18 else None
             raise AssertionError("no ladle:trace_spans_dropped_total on /metrics")
 
-        # Three requests of six spans each, lost in the first export (5 s).
-        assert wait_until(dropped, "the dropped spans to be counted", 30) >= 18
+        # Three requests of six spans each, lost in the first export or two (5 s apart, so a
+        # slow machine may send the last request's spans in the second).
+        wait_until(dropped, "the dropped spans of all three requests to be counted", 30)
     finally:
         runtime.stop()
