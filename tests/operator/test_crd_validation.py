@@ -36,6 +36,11 @@ def with_spec(base: dict[str, Any], **spec: Any) -> dict[str, Any]:
     return obj
 
 
+def speculative(fields: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    """A valid service but for its engine.speculative (and ``spec``'s other fields)."""
+    return with_spec(VALID_ISVC, engine={"speculative": fields}, **spec)
+
+
 def adapter(name: str, **source: Any) -> dict[str, Any]:
     return {"name": name, "source": source or {"pvc": {"claimName": "loras", "path": name}}}
 
@@ -71,75 +76,44 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "speculative-unknown-method",
-        with_spec(
-            VALID_ISVC, engine={"speculative": {"method": "eagle", "numSpeculativeTokens": 4}}
-        ),
+        speculative({"method": "eagle", "numSpeculativeTokens": 4}),
         'spec.engine.speculative.method: Unsupported value: "eagle"',
     ),
     (
         "speculative-no-tokens",
-        with_spec(
-            VALID_ISVC, engine={"speculative": {"method": "ngram", "numSpeculativeTokens": 0}}
-        ),
+        speculative({"method": "ngram", "numSpeculativeTokens": 0}),
         "spec.engine.speculative.numSpeculativeTokens: Invalid value: 0",
     ),
     (
         "speculative-too-many-tokens",
-        with_spec(
-            VALID_ISVC, engine={"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}
-        ),
+        speculative({"method": "ngram", "numSpeculativeTokens": 17}),
         "should be less than or equal to 16",
     ),
     (
         "speculative-lookup-inverted",
-        with_spec(
-            VALID_ISVC,
-            engine={
-                "speculative": {
-                    "method": "ngram",
-                    "numSpeculativeTokens": 4,
-                    "promptLookupMin": 5,
-                    "promptLookupMax": 2,
-                }
-            },
+        speculative(
+            {
+                "method": "ngram",
+                "numSpeculativeTokens": 4,
+                "promptLookupMin": 5,
+                "promptLookupMax": 2,
+            }
         ),
         "promptLookupMin must not exceed promptLookupMax",
     ),
     (
         "speculative-lookup-for-a-draft-model",
-        with_spec(
-            VALID_ISVC,
-            engine={
-                "speculative": {
-                    "method": "draft_model",
-                    "numSpeculativeTokens": 4,
-                    "promptLookupMax": 2,
-                }
-            },
-        ),
+        speculative({"method": "draft_model", "numSpeculativeTokens": 4, "promptLookupMax": 2}),
         "promptLookupMin and promptLookupMax apply to method ngram only",
     ),
     (
         "speculative-quantization-for-ngram",
-        with_spec(
-            VALID_ISVC,
-            engine={
-                "speculative": {
-                    "method": "ngram",
-                    "numSpeculativeTokens": 4,
-                    "quantization": "int4",
-                }
-            },
-        ),
+        speculative({"method": "ngram", "numSpeculativeTokens": 4, "quantization": "int4"}),
         "quantization applies to method draft_model only",
     ),
     (
         "speculative-draft-model-split",
-        with_spec(
-            VALID_ISVC,
-            resources={"gpus": 2},
-            engine={"speculative": {"method": "draft_model", "numSpeculativeTokens": 4}},
-        ),
+        speculative({"method": "draft_model", "numSpeculativeTokens": 4}, resources={"gpus": 2}),
         "the draft model does not run split across GPUs yet",
     ),
     (
