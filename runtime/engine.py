@@ -385,7 +385,7 @@ class LLMEngine:
             running_loras=_adapter_names((*self.scheduler.running, *self.scheduler.parked)),
             waiting_loras=_adapter_names(self.scheduler.waiting),
             loaded_loras=[] if self.lora is None else self.lora.loaded(),
-            spec_decode=self.scheduler.spec,
+            spec_decode=self.scheduler.drafting.counts,
         )
 
     def check_health(self) -> None:

@@ -28,11 +28,10 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ladle.runtime.beam_search import BeamCandidates, BeamHypothesis, BeamSearch
+from ladle.runtime.beam_search import BeamSearch
 from ladle.runtime.kv_cache.manager import KVCacheManager
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.scheduler_output import (
-    DRAFT_PENDING,
     RequestUpdate,
     ScheduledSequence,
     SchedulerOutput,
@@ -40,8 +39,7 @@ from ladle.runtime.scheduler_output import (
 )
 from ladle.runtime.sequence import Sequence, SequenceGroup, SequenceStatus
 from ladle.runtime.spec_decode.config import SpeculativeConfig
-from ladle.runtime.spec_decode.counts import SpecDecodeCounts
-from ladle.runtime.spec_decode.ngram import propose
+from ladle.runtime.spec_decode.drafting import Drafting
 
 if TYPE_CHECKING:
     from ladle.runtime.input_processor import Request
@@ -52,8 +50,6 @@ log = logging.getLogger(__name__)
 # Schedules a request may be passed over for want of an adapter slot before requests for
 # other adapters wait behind it (tens of milliseconds each on a GPU).
 LORA_MAX_PASSES = 32
-# The most plain decode steps a sequence whose drafts keep failing goes without one.
-MAX_DRAFT_PAUSE = 32
 
 
 class Scheduler:
@@ -69,8 +65,7 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = kv
-        self.speculative = speculative
-        self.spec = SpecDecodeCounts()
+        self.drafting = Drafting(speculative)
         # Distinct adapters that may run at once (the device slots); None without LoRA.
         self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
@@ -219,7 +214,7 @@ class Scheduler:
             self.finish([*live, *strays])
             update = RequestUpdate(rid, finished=True, error=error)
             if group.beam is not None:
-                update.hypotheses = self._beam_results(group, reason)
+                update.hypotheses = group.beam_results(reason)
             else:
                 update.seqs = [
                     SequenceUpdate(
@@ -287,7 +282,8 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # A decode verifies draft tokens in the same step where there is room for them
             # (their blocks included: without, it decodes one token as usual).
-            draft = self._draft(seq, num_new, budget)
+            group = self.groups[seq.request_id]
+            draft = self.drafting.draft(seq, group, num_new, budget, self.max_model_len)
             later = len(self.running) - i - 1
             if (
                 draft
@@ -360,30 +356,6 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         self._stamp(out)
         return out
-
-    def _draft(self, seq: Sequence, num_new: int, budget: int) -> list[int]:
-        """Draft tokens for a decoding sequence of a one-sample request, at most as many as
-        the step's budget, the model's length and the request's ``max_tokens`` leave room for
-        (each accepted one is emitted)."""
-        spec = self.speculative
-        if spec is None or num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
-            return []
-        group = self.groups[seq.request_id]
-        if group.width != 1 or group.beam is not None:
-            return []
-        if seq.draft_pause > 0:
-            seq.draft_pause -= 1
-            return []
-        room = min(spec.num_speculative_tokens, budget - 1)
-        if self.max_model_len is not None:
-            room = min(room, self.max_model_len - seq.num_tokens)
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
-        if room <= 0:
-            return []
-        if spec.method == "draft_model":
-            return [DRAFT_PENDING] * room
-        return propose(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
 
     def _draft_fits(self, seq: Sequence, num_new: int, drafted: int, later: int) -> bool:
         """Whether a draft's KV blocks leave a free block for each running sequence still to
@@ -536,14 +508,7 @@ class Scheduler:
                 break
         self._computed(seq, taken)
         self.progress += taken
-        accepted = 0
-        while accepted < len(draft) and tokens[accepted].token_id == draft[accepted]:
-            accepted += 1
-        self.spec.count(len(draft), accepted)
-        # A verification step costs more than a decode: where drafts keep failing (text that
-        # does not repeat), draft again only after 1, 2, 4 ... 32 plain decodes.
-        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
-        seq.draft_pause = 0 if accepted else min(2 ** (seq.draft_misses - 1), MAX_DRAFT_PAUSE)
+        self.drafting.verified(seq, draft, [t.token_id for t in tokens])
 
     def _append(
         self, group: SequenceGroup, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate
@@ -572,22 +537,10 @@ class Scheduler:
 
         Children share every prompt block copy-on-write and recompute only the last prompt
         token, to draw their own first token (seeded children use ``seed + index``, as vLLM)."""
-        params = parent.params
         for index in range(1, group.width):
-            child = Sequence(
-                parent.request_id,
-                parent.prompt_token_ids,
-                params,
-                parent.arrival_time,
-                parent.priority,
-                index=index,
-                seed=None if params.seed is None else params.seed + index,
-                lora=parent.lora,
-            )
+            child = parent.fork(sample=index)
             self.kv.fork(parent, child)
             child.num_computed_tokens = parent.num_prompt_tokens - 1
-            child.computed_high = parent.computed_high
-            child.num_cached_tokens = parent.num_cached_tokens
             group.seqs.append(child)
             self.add_running(child)
             update.seqs.append(SequenceUpdate(index))
@@ -604,71 +557,15 @@ class Scheduler:
             seq.finish_reason = "length"
 
     def _advance_beams(self, group: SequenceGroup, update: RequestUpdate) -> None:
-        """One beam-search step once every live beam has sampled; the chosen continuations
-        fork their parents' blocks and dropped beams free theirs at once.
-
-        Beams that sampled are parked (keeping their blocks) until the others have too, so
-        that siblings that missed a step (out of token budget, or preempted) catch up without
-        competing with them."""
-        assert group.beam is not None
-        beams = group.live
-        if any(b.seq_id not in group.pending for b in beams):
+        """A beam-search round, once every live beam has sampled: forked beams share their
+        parents' blocks and dropped beams free theirs at once."""
+        beams = group.step_beams()
+        if beams is None:
             return
-        samples = [group.pending.pop(b.seq_id) for b in beams]
-        continuations = group.beam.step(
-            [
-                BeamCandidates(
-                    b.output_token_ids, b.cumulative_logprob, s.top_token_ids, s.top_logprobs
-                )
-                for b, s in zip(beams, samples, strict=True)
-            ]
-        )
-        group.forked = True
-        if group.beam.done:
-            for b in beams:
-                b.finish_reason = "length"
-            self.finish(beams)
-            update.hypotheses = list(group.beam.finished)
-            return
-        survivors: list[Sequence] = []
-        reused: set[int] = set()
-        for c in continuations:
-            parent = beams[c.parent]
-            if c.parent not in reused:
-                reused.add(c.parent)
-                survivors.append(parent)
-                continue
-            child = Sequence(
-                parent.request_id,
-                parent.prompt_token_ids,
-                parent.params,
-                parent.arrival_time,
-                parent.priority,
-                lora=parent.lora,
-            )
-            child.token_ids = list(parent.token_ids)
-            child.output_token_ids = list(parent.output_token_ids)
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.computed_high = parent.computed_high
+        for parent, child in beams.forks:
             self.kv.fork(parent, child)
-            group.seqs.append(child)  # listed at once: an abort from here on frees it too
-            survivors.append(child)
-        for seq, c in zip(survivors, continuations, strict=True):
-            seq.append_token(c.token_id)
-            seq.cumulative_logprob = c.cumulative_logprob
+        for seq in beams.running:
             self.add_running(seq)
-        dropped = [b for i, b in enumerate(beams) if i not in reused]
-        self.finish(dropped)
-        group.seqs = survivors
-
-    @staticmethod
-    def _beam_results(group: SequenceGroup, reason: str) -> list[BeamHypothesis]:
-        """The finished hypotheses, best first; a search that did not finish reports its
-        live beams."""
-        assert group.beam is not None
-        if group.beam.done:
-            return list(group.beam.finished)
-        return [
-            BeamHypothesis(list(b.output_token_ids), b.cumulative_logprob, 0.0, reason)
-            for b in group.seqs
-        ]
+        self.finish(beams.dropped)
+        if beams.done:
+            update.hypotheses = group.beam_results("length")

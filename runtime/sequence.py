@@ -8,11 +8,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ladle.runtime.beam_search import BeamCandidates, BeamHypothesis, BeamSearch
 from ladle.runtime.lora.request import LoRARequest
 from ladle.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ladle.runtime.beam_search import BeamSearch
     from ladle.runtime.sampler import TokenLogprobs
 
 
@@ -87,11 +87,46 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
+    def fork(self, sample: int | None = None) -> Sequence:
+        """A sibling to share this sequence's KV blocks (the caller forks them in the cache).
+
+        With ``sample``, the request's n>1 sample of that index: it starts from the prompt and
+        draws a first token of its own from its own random stream (``seed + index``, as vLLM).
+        Without, a beam that runs on from every token so far."""
+        child = Sequence(
+            self.request_id,
+            self.prompt_token_ids,
+            self.params,
+            self.arrival_time,
+            self.priority,
+            index=sample or 0,
+            seed=None if sample is None or self.params.seed is None else self.params.seed + sample,
+            lora=self.lora,
+        )
+        if sample is None:
+            child.token_ids = list(self.token_ids)
+            child.output_token_ids = list(self.output_token_ids)
+        child.computed_high = self.computed_high
+        child.num_cached_tokens = self.num_cached_tokens
+        return child
+
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: the KV is dropped, the tokens are kept."""
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
+
+
+@dataclass
+class BeamRound:
+    """What one beam-search round changed, for the scheduler to apply to the KV cache and
+    its queues."""
+
+    done: bool
+    dropped: list[Sequence]
+    running: list[Sequence] = field(default_factory=list)
+    # (parent, child): each child shares its parent's blocks.
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -127,3 +162,57 @@ class SequenceGroup:
     def num_unforked(self) -> int:
         """Sequences the request will still fork: seats the scheduler keeps for them."""
         return 0 if self.forked else self.width - 1
+
+    def step_beams(self) -> BeamRound | None:
+        """One beam-search round, or None while a live beam has yet to sample.
+
+        Beams that sampled are parked (keeping their blocks) until the others have too, so
+        that siblings that missed a step (out of token budget, or preempted) catch up without
+        competing with them. A parent chosen more than once runs on itself and forks a
+        child for each other continuation; the group lists the forks at once, so that an
+        abort from here on frees them too."""
+        assert self.beam is not None
+        beams = self.live
+        if any(b.seq_id not in self.pending for b in beams):
+            return None
+        samples = [self.pending.pop(b.seq_id) for b in beams]
+        continuations = self.beam.step(
+            [
+                BeamCandidates(
+                    b.output_token_ids, b.cumulative_logprob, s.top_token_ids, s.top_logprobs
+                )
+                for b, s in zip(beams, samples, strict=True)
+            ]
+        )
+        self.forked = True
+        if self.beam.done:
+            for b in beams:
+                b.finish_reason = "length"
+            return BeamRound(done=True, dropped=beams)
+        running: list[Sequence] = []
+        forks: list[tuple[Sequence, Sequence]] = []
+        for c in continuations:
+            parent = beams[c.parent]
+            if any(seq is parent for seq in running):
+                child = parent.fork()
+                forks.append((parent, child))
+                running.append(child)
+            else:
+                running.append(parent)
+        for seq, c in zip(running, continuations, strict=True):
+            seq.append_token(c.token_id)
+            seq.cumulative_logprob = c.cumulative_logprob
+        self.seqs = running
+        dropped = [b for b in beams if not any(seq is b for seq in running)]
+        return BeamRound(done=False, dropped=dropped, running=running, forks=forks)
+
+    def beam_results(self, reason: str) -> list[BeamHypothesis]:
+        """The finished hypotheses, best first; a search that did not finish (ended by
+        ``reason``) reports its live beams."""
+        assert self.beam is not None
+        if self.beam.done:
+            return list(self.beam.finished)
+        return [
+            BeamHypothesis(list(b.output_token_ids), b.cumulative_logprob, 0.0, reason)
+            for b in self.seqs
+        ]
