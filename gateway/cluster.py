@@ -24,15 +24,16 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ladle.gateway.breaker import Admission, CircuitBreaker, Transition
+from ladle.gateway.breaker import Admission, Transition
 from ladle.gateway.context import Outcome
 from ladle.gateway.errors import GatewayError
-from ladle.gateway.flow import Entry, FlowQueue
+from ladle.gateway.flow import Entry
+from ladle.gateway.inflight import InFlight
 from ladle.gateway.metrics import GatewayMetrics, TenantLabels
-from ladle.gateway.outlier import OutlierDetector
-from ladle.gateway.picker import Candidate, HashRing, pick
+from ladle.gateway.picker import Candidate, pick
 from ladle.gateway.routes import Pod, RouteTable, Service, ServiceKey
 from ladle.gateway.scrape import PodLoad
+from ladle.gateway.service_state import ServiceState, Waiter
 from ladle.gateway.settings import DEFAULT_BANDS
 from ladle.gateway.split import choose_variant
 from ladle.gateway.upstream import Pool
@@ -53,7 +54,7 @@ class Ask:
     a request, since every object the data path allocates is garbage-collector work)."""
 
     band: int
-    level: int  # ``Cluster.arrive``'s: the band, and whether its tenant is under its share
+    level: int  # ``ServiceState.arrive``'s: the band, and whether its tenant is under its share
     tenant: str
     deadline: float
     cost: float  # tokens it is expected to cost its tenant's fair share
@@ -64,61 +65,6 @@ class Ask:
     def expired(self) -> GatewayError:
         """The answer when the deadline passes while the request waits."""
         return GatewayError(504, "the request's deadline passed", "deadline_exceeded")
-
-
-@dataclass(eq=False, slots=True)
-class Waiter:
-    level: int
-    variant: str | None  # chosen by the split on arrival; None while there is no ready pod
-    tried: set[str]
-    sticky: bytes | None
-    prefix: bytes | None
-    future: asyncio.Future[Pod | None]
-    placed: Pod | None = None
-
-
-class ServiceState:
-    """The live routing state of one InferenceService."""
-
-    def __init__(self, service: Service, now: float, bands: int, capacity: int) -> None:
-        self.service = service
-        self.queue: FlowQueue[Waiter] = FlowQueue(bands, capacity)
-        # The mean time a request holds a slot; a guess until the first one is timed.
-        self.slot_seconds = 1.0
-        self.slot_timed = False
-        self.breaker = CircuitBreaker(service.breaker, now)
-        self.outlier = OutlierDetector(service.outlier)
-        self.ready: dict[str, list[Pod]] = {}
-        self.rings: dict[str, HashRing] = {}
-        self.pod_count = 0
-        self.held_since: float | None = None
-        # Requests of each (band, tenant) in the gateway, waiting or in flight: who competes
-        # for the band's slots now.
-        self.present: dict[tuple[int, str], int] = {}
-
-    @property
-    def key(self) -> ServiceKey:
-        return self.service.key
-
-    def configure(self, service: Service, now: float) -> None:
-        old = self.service
-        self.service = service
-        if service.breaker != old.breaker:
-            self.breaker = CircuitBreaker(service.breaker, now)
-        if service.outlier != old.outlier:
-            self.outlier = OutlierDetector(service.outlier)
-
-    def set_pods(self, ready: dict[str, list[Pod]], all_pods: set[str]) -> None:
-        self.ready = ready
-        self.pod_count = sum(len(p) for p in ready.values())
-        for variant, pods in ready.items():
-            names = [p.id for p in pods]
-            ring = self.rings.get(variant)
-            if ring is None or ring.pods != frozenset(names):
-                self.rings[variant] = HashRing(names)
-        for variant in self.rings.keys() - ready.keys():
-            del self.rings[variant]
-        self.outlier.retain(all_pods)
 
 
 @dataclass
@@ -152,10 +98,11 @@ class Cluster:
     rng: random.Random = field(default_factory=random.Random)
     table: RouteTable = field(default_factory=RouteTable)
     states: dict[ServiceKey, ServiceState] = field(default_factory=dict)
-    outstanding: dict[str, int] = field(default_factory=dict)
-    # The same requests by level (``arrive``), per pod: whom a request may displace.
-    leveled: dict[str, list[int]] = field(default_factory=dict)
     tenants: TenantLabels = field(default_factory=TenantLabels)
+
+    def __post_init__(self) -> None:
+        # Levels (``ServiceState.arrive``): two per band.
+        self.in_flight = InFlight(2 * len(self.bands))
 
     # -- table updates and time ----------------------------------------------------------
 
@@ -440,10 +387,10 @@ class Cluster:
         by_id = {}
         for pod in pods:
             load = loads.get(pod.id)
-            own = self.outstanding.get(pod.id, 0)
+            own = self.in_flight(pod.id)
             over = own + (0 if load is None else load.others) - limit
             if limit and over >= 0:
-                if state.service.priority_scheduling and self._displaceable(pod.id, level) > over:
+                if state.service.priority_scheduling and self.in_flight.below(pod.id, level) > over:
                     if displacing is None:
                         displacing = []
                     displacing.append(Candidate(pod.id, own, None, None))
@@ -466,44 +413,6 @@ class Cluster:
             load_factor=state.service.routing.load_factor,
         )
         return None if chosen is None else by_id[chosen.name]
-
-    def _displaceable(self, pod: str, level: int) -> int:
-        """This gateway's requests on ``pod`` of a lower level than ``level``."""
-        counts = self.leveled.get(pod)
-        return sum(counts[level + 1 :]) if counts else 0
-
-    # -- levels: a band, split by fair shares ---------------------------------------------
-
-    def arrive(self, state: ServiceState, band: int, tenant: str) -> int:
-        """Count a request in, and return its level: ``2 * band``, plus one unless its tenant
-        is under its fair share of the service's slots (the slots over the tenants its band
-        has in the gateway, waiting or in flight, with at least one other besides it). A
-        request under its share may displace one over its share in the same band, as a higher
-        band may displace a lower one: so a light tenant beside a heavy one waits for a step,
-        not for one of the heavy one's requests to finish. Alone, a tenant is never under its
-        share, so that its requests are not all raised above the next tenant to come."""
-        level = 2 * band + 1
-        if not tenant:
-            return level
-        present = state.present
-        mine = present.get((band, tenant), 0)
-        present[(band, tenant)] = mine + 1
-        if state.service.priority_scheduling:
-            tenants = sum(1 for b, _ in present if b == band)
-            slots = state.service.concurrency * state.pod_count
-            if tenants > 1 and mine * tenants < slots:
-                level -= 1
-        return level
-
-    def depart(self, state: ServiceState, band: int, tenant: str) -> None:
-        if not tenant:
-            return
-        key = (band, tenant)
-        left = state.present[key] - 1
-        if left:
-            state.present[key] = left
-        else:
-            del state.present[key]
 
     def engine_priority(self, level: int) -> int:
         """vLLM's request ``priority`` for a level: lower runs first, and 0, the engine's
@@ -533,11 +442,7 @@ class Cluster:
     # -- what each attempt at a pod tells -------------------------------------------------
 
     def sent(self, pod: Pod, level: int) -> None:
-        self.outstanding[pod.id] = self.outstanding.get(pod.id, 0) + 1
-        counts = self.leveled.get(pod.id)
-        if counts is None:
-            counts = self.leveled[pod.id] = [0] * (2 * len(self.bands))
-        counts[level] += 1
+        self.in_flight.sent(pod.id, level)
 
     def answered(
         self, state: ServiceState, pod: Pod, level: int, outcome: str, now: float, seconds: float
@@ -568,11 +473,5 @@ class Cluster:
         )
 
     def _release(self, state: ServiceState, pod: Pod, level: int, now: float) -> None:
-        left = self.outstanding[pod.id] - 1
-        if left:
-            self.outstanding[pod.id] = left
-            self.leveled[pod.id][level] -= 1
-        else:
-            del self.outstanding[pod.id]
-            del self.leveled[pod.id]
+        self.in_flight.done(pod.id, level)
         self.pump(state, now)

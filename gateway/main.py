@@ -217,7 +217,7 @@ class Gateway:
         self.cluster.update(build_table(services, pods), asyncio.get_running_loop().time())
 
     def _outstanding(self, pod: str) -> int:
-        return self.cluster.outstanding.get(pod, 0)
+        return self.cluster.in_flight(pod)
 
     def _pods(self) -> list[Pod]:
         return [

@@ -20,8 +20,8 @@ from typing import Any
 
 from ladle.api import API_VERSION, ISVC_KIND, JSON, rfc3339
 from ladle.gateway.breaker import State
-from ladle.gateway.cluster import ServiceState
 from ladle.gateway.routes import Conflict, RouteTable, ServiceKey
+from ladle.gateway.service_state import ServiceState
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient
 
 log = logging.getLogger("ladle.gateway.status")

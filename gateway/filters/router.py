@@ -7,13 +7,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ladle.gateway.cluster import Ask, Cluster, ServiceState
+from ladle.gateway.cluster import Ask, Cluster
 from ladle.gateway.context import ClientRequest, HeaderList, Outcome, Send
 from ladle.gateway.errors import GatewayError
 from ladle.gateway.inbound import Inbound
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.gateway.relay import relay_events, usage_tokens
 from ladle.gateway.routes import Pod, Service
+from ladle.gateway.service_state import ServiceState
 from ladle.gateway.upstream import Pool, Response, UpstreamError, UpstreamTimeout
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class Router:
         loop = asyncio.get_running_loop()
         admitted = self.cluster.admit(req.service, loop.time(), out)
         state = admitted.state
-        level = self.cluster.arrive(state, req.band, req.tenant)
+        level = state.arrive(req.band, req.tenant)
         success: bool | None = None
         try:
             success = await self._serve(state, level, req, send, out)
@@ -87,7 +88,7 @@ class Router:
                 success = False
             raise
         finally:
-            self.cluster.depart(state, req.band, req.tenant)
+            state.depart(req.band, req.tenant)
             self.cluster.finish(admitted, success, loop.time())
 
     async def _serve(
