@@ -44,7 +44,6 @@ from ladle.operator.desired import (
     children_of,
     group_children,
     label_selector,
-    profiling,
     refusal,
     service_url,
     template_hash,
@@ -53,12 +52,13 @@ from ladle.operator.desired import (
     variant_sources,
 )
 from ladle.operator.events import EventRecorder, ObjectRef
-from ladle.operator.pod_problems import PodProblem, start_failure, startup_look
+from ladle.operator.pod_events import PodEvents
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
 from ladle.operator.rollout import decide
 from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import RolloutState, from_status, split
+from ladle.operator.runtime_flags import profiling
 from ladle.operator.service_objects import (
     desired_http_route,
     desired_inference_pool,
@@ -160,6 +160,7 @@ class InferenceServiceReconciler:
         self.config = config
         self.requeue = requeue
         self.canary = CanaryAnalysis(store, client)
+        self.pod_events = PodEvents(client)
         # What the pods last said of their adapters, per service: a reconcile that comes
         # before the recheck is due, for the same pods and adapters, does not ask again.
         self._adapter_reads: dict[str, tuple[float, AdapterAsk, AdaptersObservation]] = {}
@@ -461,7 +462,7 @@ class InferenceServiceReconciler:
         ]
         source = p.blueprint.source
         stable = p.name == STABLE
-        problems, wake_in = await self._pod_problems(isvc.meta.namespace, pods, now)
+        problems, wake_in = await self.pod_events.problems(isvc.meta.namespace, pods, now)
         return VariantObservation(
             name=p.name,
             quantization=source.spec.quantization.label(),
@@ -478,49 +479,3 @@ class InferenceServiceReconciler:
             revision=revision_of(template_of(source.raw_spec, self.config.runtime_image)),
             refused=refused,
         ), wake_in
-
-    async def _pod_problems(
-        self, namespace: str, pods: list[PodInfo], now: float
-    ) -> tuple[list[PodProblem], float | None]:
-        """The pods' own reasons; and when to read the Events of those waiting to start."""
-        problems = [PodProblem(p.name, *p.problem) for p in pods if p.problem is not None]
-        look = startup_look(
-            {p.name: p.starting_since for p in pods if p.starting_since is not None}, now
-        )
-        for pod in look.pods:
-            # A volume or sandbox failure is only in the pod's Events (its status says
-            # ContainerCreating): one small list per waiting pod, filtered by the API server.
-            events = await self.client.list(
-                resource_path("v1", "Event", namespace),
-                {"fieldSelector": f"involvedObject.kind=Pod,involvedObject.name={pod}"},
-            )
-            failure = start_failure(events)
-            if failure is not None:
-                problems.append(PodProblem(pod, *failure))
-        return await self._scheduler_words(namespace, problems), look.wake_in
-
-    async def _scheduler_words(
-        self, namespace: str, problems: list[PodProblem]
-    ) -> list[PodProblem]:
-        """Unschedulable pods in the scheduler's latest words (its reasoning is in Events)."""
-        unschedulable = {p.pod for p in problems if p.reason == "Unschedulable"}
-        if not unschedulable:
-            return problems
-        # The scheduler's FailedScheduling events carry its reasoning; the pod condition
-        # holds the same text and stands in when events have expired.
-        events = await self.client.list(
-            resource_path("v1", "Event", namespace),
-            {"fieldSelector": "involvedObject.kind=Pod,reason=FailedScheduling"},
-        )
-        latest: dict[str, tuple[str, str]] = {}
-        for event in events:
-            pod = str((event.get("involvedObject") or {}).get("name"))
-            when = str(
-                event.get("lastTimestamp") or event.get("eventTime") or event.get("firstTimestamp")
-            )
-            if pod in unschedulable and (pod not in latest or when >= latest[pod][0]):
-                latest[pod] = (when, str(event.get("message") or ""))
-        return [
-            PodProblem(p.pod, p.reason, latest[p.pod][1] or p.message) if p.pod in latest else p
-            for p in problems
-        ]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +31,8 @@ from ladle.api import (
     GPUPoolSpec,
     parse_rfc3339,
 )
+from ladle.operator.pod_problems import pod_problem, refusal, starting_since
 from ladle.quantity import quantity_to_int
-from ladle.words import plural
 
 ObjKey = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped kinds
 Indexer = Callable[[Any], Iterable[Any]]
@@ -43,9 +42,6 @@ Indexer = Callable[[Any], Iterable[Any]]
 GENERATION_KINDS = frozenset(
     {"Deployment", "StatefulSet", "PodDisruptionBudget", INFERENCE_POOL_KIND, HTTP_ROUTE_KIND}
 )
-# Container waiting reasons that are part of a normal start. A pod whose volumes or sandbox
-# cannot be set up also waits in one of them: the kubelet says why only in the pod's Events.
-NORMAL_WAITS = frozenset({"ContainerCreating", "PodInitializing"})
 
 
 @dataclass(frozen=True)
@@ -141,7 +137,7 @@ class PodInfo:
                     limits[name] = limits.get(name, 0) + quantity_to_int(value)
         deleting = bool(meta.get("deletionTimestamp"))
         worker = LABEL_WORKER_OF in labels
-        refused = _refusal(status)
+        refused = refusal(status)
         return cls(
             namespace=str(meta.get("namespace")),
             name=str(meta.get("name")),
@@ -150,8 +146,8 @@ class PodInfo:
             pool=labels.get(LABEL_POOL),
             limits=limits,
             holds=status.get("phase") not in ("Succeeded", "Failed"),
-            problem=None if deleting else _pod_problem(pod),
-            starting_since=None if deleting else _starting_since(pod),
+            problem=None if deleting else pod_problem(pod),
+            starting_since=None if deleting else starting_since(pod),
             base_url=None if deleting or worker else _base_url(pod),
             start_seconds=_start_seconds(pod),
             replica_set=next(
@@ -222,31 +218,6 @@ def _start_seconds(pod: Mapping[str, Any]) -> float | None:
     return ready - created
 
 
-def _pod_problem(pod: Mapping[str, Any]) -> tuple[str, str] | None:
-    status = pod.get("status") or {}
-    if status.get("phase") not in (None, "Pending", "Running"):
-        return None
-    for cond in status.get("conditions") or ():
-        if (
-            cond.get("type") == "PodScheduled"
-            and cond.get("status") == "False"
-            and cond.get("reason") == "Unschedulable"
-        ):
-            return "Unschedulable", str(cond.get("message") or "unschedulable")
-    init = status.get("initContainerStatuses") or ()
-    for container in [*init, *(status.get("containerStatuses") or ())]:
-        state = container.get("state") or {}
-        waiting = state.get("waiting") or {}
-        reason = waiting.get("reason")
-        if _oom_killed(container):
-            return "OOMKilled", _oom_message(pod, container)
-        if reason and reason not in NORMAL_WAITS:
-            return str(reason), _with_refusal(str(waiting.get("message") or reason), container)
-        if _crashed(container, init_container=container in init):
-            return "CrashLoopBackOff", _with_refusal(_crash_message(container), container)
-    return None
-
-
 def runtime_settings(pod_or_template: Mapping[str, Any]) -> str:
     """A digest of what the runtime container is told (image, flags, the ConfigMap's digest),
     the same for a pod template and the pods made from it."""
@@ -259,120 +230,6 @@ def runtime_settings(pod_or_template: Mapping[str, Any]) -> str:
         (meta.get("annotations") or {}).get(CONFIG_HASH_ANNOTATION),
     ]
     return hashlib.sha256(json.dumps(told).encode()).hexdigest()[:16]
-
-
-def _refusal(status: Mapping[str, Any]) -> str | None:
-    """The runtime's own words, if its last run ended refusing its settings."""
-    for container in status.get("containerStatuses") or ():
-        for state in (container.get("state") or {}, container.get("lastState") or {}):
-            terminated = state.get("terminated") or {}
-            if terminated.get("exitCode") == os.EX_CONFIG:
-                return _last_error(str(terminated.get("message") or "")) or "settings refused"
-    return None
-
-
-def _last_error(said: str) -> str | None:
-    """The last error line of Ladle's JSON logs in a termination message."""
-    for line in reversed(said.splitlines()):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("level") == "error":
-            return str(record.get("error") or record.get("message"))
-    return None
-
-
-def _with_refusal(message: str, container: Mapping[str, Any]) -> str:
-    """``message``, and what the container said last before it exited, when that was an error
-    line of Ladle's JSON logs (the runtime refusing a setting: a tensor-parallel size the
-    model's heads do not split into), kept by the kubelet as its termination message."""
-    said = ""
-    for state in (container.get("state") or {}, container.get("lastState") or {}):
-        said = said or str((state.get("terminated") or {}).get("message") or "")
-    error = _last_error(said)
-    return message if error is None else f"{message}: {error}"
-
-
-def _crashed(container: Mapping[str, Any], *, init_container: bool) -> bool:
-    """The container's run ended in a pod that goes on: the kubelet restarts it, after a
-    back-off, and meanwhile (1.37 does) reports it terminated rather than waiting in
-    CrashLoopBackOff. An init container's successful end is its job done."""
-    terminated = (container.get("state") or {}).get("terminated")
-    if terminated is None:
-        return False
-    return not init_container or terminated.get("exitCode") != 0
-
-
-def _crash_message(container: Mapping[str, Any]) -> str:
-    terminated = (container.get("state") or {}).get("terminated") or {}
-    restarts = plural(int(container.get("restartCount") or 0), "restart")
-    why = terminated.get("reason") or "Error"
-    return (
-        f"container {container.get('name')} exited with code {terminated.get('exitCode')} "
-        f"({why}), {restarts} so far"
-    )
-
-
-def _oom_killed(container: Mapping[str, Any]) -> bool:
-    """The kernel killed the container for exceeding its memory limit: its run now, or the
-    last one while the kubelet backs off from restarting it."""
-    state = container.get("state") or {}
-    if (state.get("terminated") or {}).get("reason") == "OOMKilled":
-        return True
-    last = (container.get("lastState") or {}).get("terminated") or {}
-    return (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff" and (
-        last.get("reason") == "OOMKilled"
-    )
-
-
-def _oom_message(pod: Mapping[str, Any], container: Mapping[str, Any]) -> str:
-    """What an OOM loop means for a runtime pod, and what to change: the limit is the service's
-    ``resources.memory``, and the engine's KV cache is most of what it holds."""
-    name = container.get("name")
-    limit = next(
-        (
-            ((spec.get("resources") or {}).get("limits") or {}).get("memory")
-            for spec in (pod.get("spec") or {}).get("containers") or ()
-            if spec.get("name") == name
-        ),
-        None,
-    )
-    within = f"its memory limit ({limit})" if limit else "the node's memory"
-    restarts = plural(int(container.get("restartCount") or 0), "restart")
-    return (
-        f"container {name} was killed by the kernel for exceeding {within}, {restarts} so "
-        "far: raise resources.memory, or lower engine.kvCacheMemory or engine.maxNumSeqs"
-    )
-
-
-def _starting_since(pod: Mapping[str, Any]) -> float | None:
-    """When a pod bound to a node began waiting to start, if no container of it has started
-    (the kubelet's startTime; the binding or creation time before the kubelet reports)."""
-    meta = pod.get("metadata") or {}
-    status = pod.get("status") or {}
-    if not (pod.get("spec") or {}).get("nodeName") or status.get("phase") not in (None, "Pending"):
-        return None
-    for container in [
-        *(status.get("initContainerStatuses") or ()),
-        *(status.get("containerStatuses") or ()),
-    ]:
-        waiting = (container.get("state") or {}).get("waiting")
-        if waiting is None or waiting.get("reason") not in NORMAL_WAITS:
-            return None  # it runs or ran, or waits for another reason (a problem of its own)
-    scheduled = next(
-        (
-            c.get("lastTransitionTime")
-            for c in status.get("conditions") or ()
-            if c.get("type") == "PodScheduled" and c.get("status") == "True"
-        ),
-        None,
-    )
-    for stamp in (status.get("startTime"), scheduled, meta.get("creationTimestamp")):
-        since = parse_rfc3339(stamp)
-        if since is not None:
-            return since
-    return None
 
 
 def child_version(obj: Mapping[str, Any]) -> str:

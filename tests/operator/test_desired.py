@@ -19,18 +19,20 @@ from ladle.operator.config import OperatorConfig
 from ladle.operator.desired import (
     CONFIG_HASH_ANNOTATION,
     TEMPLATE_HASH_ANNOTATION,
-    Profiling,
     blueprint,
     children_of,
     desired_children,
-    engine_config,
     group_children,
     object_digest,
+    refusal,
+    template_hash,
+)
+from ladle.operator.runtime_flags import (
+    Profiling,
+    engine_config,
     operator_settings,
     profiling,
-    refusal,
     render_flags,
-    template_hash,
 )
 from ladle.operator.service_objects import desired_service
 from ladle.operator.store import PodInfo

@@ -252,7 +252,8 @@ def test_every_flag_the_operator_renders_is_a_ladle_serve_flag() -> None:
     render a spec that sets every engine field and check each flag against `ladle serve`."""
     from ladle.api import parse_isvc
     from ladle.operator.config import OperatorConfig
-    from ladle.operator.desired import desired_children, engine_config
+    from ladle.operator.desired import desired_children
+    from ladle.operator.runtime_flags import engine_config
 
     crd = yaml.safe_load((ROOT / "crds" / "ladle.dev_inferenceservices.yaml").read_text())
     spec_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
