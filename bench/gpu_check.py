@@ -942,7 +942,7 @@ def spec_decode(spec: dict[str, Any]) -> dict[str, Any]:
     smoke = spec.get("smoke", False)  # the Triton interpreter runs every kernel: keep it short
     passage = [rng.randrange(1, spec["vocab"]) for _ in range(16 if smoke else 64)]
     prompt = {"prompt_token_ids": passage * 2 + passage[:8]}
-    params = SamplingParams(temperature=0.0, max_tokens=16 if smoke else 128, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8 if smoke else 128, ignore_eos=True)
     configs: dict[str, dict[str, Any]] = {
         "plain": {},
         "ngram": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4,

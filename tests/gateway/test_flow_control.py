@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,19 +312,31 @@ HEAVY = {"x-gateway-inference-fairness-id": "heavy"}
 LIGHT = {"x-gateway-inference-fairness-id": "light"}
 
 
+@pytest.fixture(scope="module", params=["priority", "fcfs"])
+def one_slot_pod(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Any]]:
+    """A real engine with one slot, ordering by ``priority`` or first come first served (one
+    for bands and tenants alike)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp(f"one-slot-{request.param}") / "serve.log"
+    flags = ("--max-num-seqs", "1", "--scheduling-policy", request.param)
+    pod = start_ladle(
+        log, "serve", "--port", str(port), "--served-model-name", "m", *SERVE_FLAGS, *flags,
+        port=port,
+    )  # fmt: skip
+    yield request.param, pod
+    pod.stop()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("policy", "low", "high"),
-    [
-        ("priority", {"x-ladle-priority": "sheddable"}, {"x-ladle-priority": "critical"}),
-        ("priority", HEAVY, LIGHT),
-        ("fcfs", {"x-ladle-priority": "sheddable"}, {"x-ladle-priority": "critical"}),
-        ("fcfs", HEAVY, LIGHT),
-    ],
-    ids=["priority-bands", "priority-tenants", "fcfs-bands", "fcfs-tenants"],
+    ("low", "high"),
+    [({"x-ladle-priority": "sheddable"}, {"x-ladle-priority": "critical"}), (HEAVY, LIGHT)],
+    ids=["bands", "tenants"],
 )
 async def test_a_higher_level_displaces_a_lower_one_where_the_engine_orders_by_priority(
-    run_gateway: Any, tmp_path: Path, policy: str, low: dict[str, str], high: dict[str, str]
+    run_gateway: Any, one_slot_pod: Any, low: dict[str, str], high: dict[str, str]
 ) -> None:
     """One slot, on a real engine. Ordering by priority, a critical request that arrives while
     a sheddable one runs is bound at once, beyond the slot, with its band as vLLM's
@@ -332,50 +345,44 @@ async def test_a_higher_level_displaces_a_lower_one_where_the_engine_orders_by_p
     one is under its fair share of the slot, the heavy one, alone when it came, is not). The
     displaced one still finishes in full. Under fcfs (a static endpoint's default) the
     newcomer waits at the gateway for the slot instead."""
-    port = free_port()
-    flags = ("--max-num-seqs", "1", "--scheduling-policy", policy)
-    pod = await asyncio.to_thread(
-        start_ladle, tmp_path / "serve.log", "serve", "--port", str(port),
-        "--served-model-name", "m", *SERVE_FLAGS, *flags, port=port,
-    )  # fmt: skip
-    try:
-        engine = {"engine": {"schedulingPolicy": "priority"}} if policy == "priority" else {}
-        gw = await run_gateway([service(pod, 1, **engine)])
-        body = {"model": "m", "prompt": "Count to a hundred:", "ignore_eos": True}
-        async with httpx.AsyncClient(timeout=120) as client:
-            low = asyncio.ensure_future(
-                client.post(
-                    gw.url + "/v1/completions",
-                    json={**body, "max_tokens": 160},
-                    headers=low,
-                )
-            )
-            for _ in range(500):
-                page = (await client.get(pod.url + "/metrics")).text
-                if sum(v for _, v in samples(page, (RUNNING,))[RUNNING]) == 1:
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("the first request never ran on the pod")
-            high = await client.post(
+    policy, pod = one_slot_pod
+    engine = {"engine": {"schedulingPolicy": "priority"}} if policy == "priority" else {}
+    gw = await run_gateway([service(pod, 1, **engine)])
+    body = {"model": "m", "prompt": "Count to a hundred:", "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=120) as client:
+        page = (await client.get(pod.url + "/metrics")).text
+        preempted_before = sum(v for _, v in samples(page, (PREEMPTIONS,))[PREEMPTIONS])
+        low = asyncio.ensure_future(
+            client.post(
                 gw.url + "/v1/completions",
-                json={**body, "max_tokens": 4},
-                headers=high,
+                json={**body, "max_tokens": 160},
+                headers=low,
             )
-            first = not low.done()
-            low_answer = await low
+        )
+        for _ in range(500):
             page = (await client.get(pod.url + "/metrics")).text
-        assert (high.status_code, low_answer.status_code) == (200, 200)
-        assert low_answer.json()["usage"]["completion_tokens"] == 160
-        preempted = sum(v for _, v in samples(page, (PREEMPTIONS,))[PREEMPTIONS])
-        if policy == "priority":
-            assert first, "the newcomer waited for the running request"
-            assert preempted >= 1
+            if sum(v for _, v in samples(page, (RUNNING,))[RUNNING]) == 1:
+                break
+            await asyncio.sleep(0.02)
         else:
-            assert not first, "the newcomer overtook a running request under fcfs"
-            assert preempted == 0
-    finally:
-        pod.stop()
+            raise AssertionError("the first request never ran on the pod")
+        high = await client.post(
+            gw.url + "/v1/completions",
+            json={**body, "max_tokens": 4},
+            headers=high,
+        )
+        first = not low.done()
+        low_answer = await low
+        page = (await client.get(pod.url + "/metrics")).text
+    assert (high.status_code, low_answer.status_code) == (200, 200)
+    assert low_answer.json()["usage"]["completion_tokens"] == 160
+    preempted = sum(v for _, v in samples(page, (PREEMPTIONS,))[PREEMPTIONS]) - preempted_before
+    if policy == "priority":
+        assert first, "the newcomer waited for the running request"
+        assert preempted >= 1
+    else:
+        assert not first, "the newcomer overtook a running request under fcfs"
+        assert preempted == 0
 
 
 async def test_the_band_reaches_the_engine_as_its_priority_and_a_clients_own_does_not(

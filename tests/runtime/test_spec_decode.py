@@ -13,7 +13,7 @@ import pytest
 import torch
 from random_weights import TINY_ARCHITECTURES, save_random_model, tiny_config
 
-from ladle.runtime import LLM, SamplingParams
+from ladle.runtime import LLM, RequestOutput, SamplingParams
 from ladle.runtime.config import ConfigError
 from ladle.runtime.sampler import Sampler
 from ladle.runtime.sampling_params import SamplingParams as Params
@@ -108,12 +108,31 @@ def plain(default_model_path: Path) -> LLM:
     return LLM(str(default_model_path), **SMALL_CACHE)
 
 
+PlainOutputs = Callable[[SamplingParams, list[str]], list[RequestOutput]]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain: LLM) -> PlainOutputs:
+    """The model's outputs without drafts, generated once for both drafters."""
+    kept: dict[tuple[str, tuple[str, ...]], list[RequestOutput]] = {}
+
+    def outputs(params: SamplingParams, prompts: list[str]) -> list[RequestOutput]:
+        key = (repr(params), tuple(prompts))
+        if key not in kept:
+            kept[key] = plain.generate(prompts, params, use_tqdm=False)
+        return kept[key]
+
+    return outputs
+
+
 @pytest.fixture(scope="module", params=["ngram", "draft_model"])
-def pair(request: pytest.FixtureRequest, default_model_path: Path, plain: LLM) -> tuple[LLM, LLM]:
+def pair(
+    request: pytest.FixtureRequest, default_model_path: Path, plain_outputs: PlainOutputs
+) -> tuple[PlainOutputs, LLM]:
     """The model without drafts, and with each drafter (the draft model's cache comes out of
     the same 16 MiB: fewer blocks, more preemption)."""
     config = NGRAM if request.param == "ngram" else DRAFT_MODEL
-    return plain, LLM(str(default_model_path), speculative_config=config, **SMALL_CACHE)
+    return plain_outputs, LLM(str(default_model_path), speculative_config=config, **SMALL_CACHE)
 
 
 @pytest.mark.parametrize(
@@ -128,11 +147,11 @@ def pair(request: pytest.FixtureRequest, default_model_path: Path, plain: LLM) -
     ids=["long", "short", "stop-strings", "penalties", "logprobs"],
 )
 def test_greedy_output_is_the_same_token_for_token(
-    pair: tuple[LLM, LLM], params: SamplingParams
+    pair: tuple[PlainOutputs, LLM], params: SamplingParams
 ) -> None:
     plain, spec = pair
     before = spec.engine.stats().spec_decode.accepted_tokens
-    outs = plain.generate(PROMPTS, params, use_tqdm=False)
+    outs = plain(params, PROMPTS)
     specs = spec.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(outs, specs, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
@@ -151,13 +170,14 @@ def test_greedy_output_is_the_same_token_for_token(
 
 
 def test_preempted_sequences_that_speculate_still_give_the_same_output(
-    pair: tuple[LLM, LLM],
+    pair: tuple[PlainOutputs, LLM],
 ) -> None:
     plain, spec = pair
     prompts = [p + f" {i}" for i in range(2) for p in PROMPTS]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     preempted = spec.engine.stats().num_preemptions
-    assert _greedy(spec, params, prompts) == _greedy(plain, params, prompts)
+    expected = [list(o.outputs[0].token_ids) for o in plain(params, prompts)]
+    assert _greedy(spec, params, prompts) == expected
     assert spec.engine.stats().num_preemptions > preempted, "nothing was preempted"
 
 
@@ -212,7 +232,9 @@ def test_the_model_drafting_for_itself_has_every_draft_accepted(plain: LLM) -> N
     assert counts.accepted_tokens == counts.draft_tokens, counts
 
 
-def test_a_prompt_from_the_prefix_cache_drafts_as_when_computed(pair: tuple[LLM, LLM]) -> None:
+def test_a_prompt_from_the_prefix_cache_drafts_as_when_computed(
+    pair: tuple[PlainOutputs, LLM],
+) -> None:
     """Blocks handed out by the prefix cache hold the draft model's keys and values as well as
     the model's (computed in the same steps), so a cached prompt drafts as well as a fresh
     one."""
