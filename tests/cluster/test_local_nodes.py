@@ -44,7 +44,8 @@ NODE = "ladle-local-0"
 
 # Gathers what a container sees (reading its own pod through the API, as in-cluster clients
 # do), prints it as one JSON line and serves HTTP on 0.0.0.0:8080; becomes ready (an exec probe
-# reads /tmp/ready) a second after that.
+# reads /tmp/ready) four seconds after that, so that the kubelet's readiness probe (every
+# second) fails at least once: with one second, a fast machine's first probe came after it.
 INSPECTOR = r"""
 import errno, http.server, json, os, pathlib, socket, ssl, time, urllib.request
 
@@ -88,7 +89,7 @@ facts = {
     "api_node": read_own_pod()["spec"]["nodeName"],
 }
 print(json.dumps(facts), flush=True)
-time.sleep(1)
+time.sleep(4)
 pathlib.Path("/tmp/ready").write_text("yes")
 server.serve_forever()
 """
