@@ -53,6 +53,8 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ladle-engine", daemon=True)
         self.error: BaseException | None = None
+        # Called from the engine thread once the loop died (after every stream was failed).
+        self.on_death: Callable[[BaseException], None] = lambda exc: None
         self.last_heartbeat = time.monotonic()
         self._thread.start()
 
@@ -99,6 +101,7 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.put(EngineDeadError(f"engine loop died: {exc!r}"))
             self._streams.clear()
+            self.on_death(exc)
 
     @staticmethod
     def _run_command(command: Callable[[], None]) -> None:

@@ -113,6 +113,15 @@ class ServerState:
         self.llm = llm
         self.metrics = metrics
         self.ready = True
+        loop = asyncio.get_running_loop()
+
+        def died(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(self._engine_died, exc)
+
+        llm.on_death = died
+        if llm.error is not None:  # died before it could say so
+            self._engine_died(llm.error)
+            return
         s = self.settings
         # Loaded with the engine already; the thread count is what OMP_NUM_THREADS decided.
         import torch
@@ -125,6 +134,15 @@ class ServerState:
                 "threads": torch.get_num_threads(),
             },
         )
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """No request can complete any more: exit now (as vLLM's server does), so that the
+        container restarts at once instead of after the liveness probe's failures. Open
+        requests have been answered 503 ``engine_dead`` already."""
+        log.error("the engine loop died; exiting so that the replica restarts",
+                  extra={"error": repr(exc)})  # fmt: skip
+        self.exit_code = 1
+        self.request_exit()
 
     async def _load_adapters(self, llm: AsyncLLM) -> None:
         """--lora-modules, each read and checked before the server turns ready (one it

@@ -451,8 +451,9 @@ def test_settings_the_runtime_refuses_stop_at_zero_replicas_in_its_words(
 def test_killing_the_worker_restarts_the_group_which_serves_again(
     ladle_system: System, services: dict[str, dict[str, Any]], gateway_url: str, plain: Any
 ) -> None:
-    """The leader notices its rank is gone and turns unready; its liveness probe restarts it,
-    the StatefulSet makes a new worker, they meet again, and the replica serves."""
+    """The leader notices its rank is gone: its engine dies and its server exits, so the
+    kubelet restarts it, the StatefulSet makes a new worker, they meet again, and the replica
+    serves."""
     system = ladle_system
     leader, worker = whole_group(system)
     name = leader["metadata"]["name"]

@@ -1,18 +1,22 @@
 """Failures a healthy process cannot show: an unexpected exception (500 with the request id,
-and the server keeps serving), one request failing inside the engine (500 for it alone), and
-an engine loop that hangs, spins without progress or dies (liveness fails).
+and the server keeps serving), one request failing inside the engine (500 for it alone), an
+engine loop that hangs, spins without progress or dies (liveness fails), and a dying engine
+taking the server process with it.
 
 The app runs in this process under uvicorn, around an engine whose methods the tests break.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from ladle.runtime import EngineArgs
@@ -20,7 +24,7 @@ from ladle.runtime.engine import LLMEngine
 from ladle.runtime.scheduler_output import SchedulerOutput
 from ladle.runtime.sequence import Sequence
 
-from .conftest import serve_in_thread
+from .conftest import serve_in_thread, start_server
 
 BODY = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
 
@@ -159,3 +163,24 @@ def test_dead_engine_loop_fails_liveness_and_refuses_requests(
         refused = httpx.post(f"{url}/v1/completions", json=BODY)
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_a_server_whose_engine_dies_exits_so_that_it_restarts_at_once(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A rank of a model split over two processes is killed: the engine loop dies, and
+    ``ladle serve`` exits 1 by itself (as vLLM's server does) with one error line saying why,
+    instead of waiting for the liveness probe's failures to restart it."""
+    server = start_server(tmp_path, "--model", str(tiny_model_path), "--tensor-parallel-size", "2")
+    try:
+        ranks = psutil.Process(server.proc.pid).children(recursive=True)
+        assert ranks, "the second rank runs in a process of its own"
+        for rank in ranks:
+            rank.kill()
+        assert server.proc.wait(timeout=60) == 1
+    finally:
+        server.stop()
+    errors = [json.loads(line) for line in server.log_lines() if '"level": "error"' in line]
+    died = [e for e in errors if e["message"].startswith("the engine loop died")]
+    assert len(died) == 1, errors
+    assert "rank 1 exited" in died[0]["error"], died
