@@ -59,6 +59,8 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
         ctypes.c_int,
         [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
     ),
+    "ladle_dequantize_i8": (None, [_P, _P, _P, _I32, _I32, _I32]),
+    "ladle_dequantize_groups": (None, [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32]),
     "ladle_decode_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I32, _I32, _P]),
     "ladle_store_kv_i8": (None, [_P, _I64, _P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32]),
     "ladle_paged_decode_attention_i8": (
@@ -290,6 +292,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+# Rows from which a product dequantizes the whole weight to fp32 and multiplies with torch's
+# GEMM (prefill, and the evaluation's scoring requests); below, our tiles and GEMVs, which read
+# the weight's codes once. On the default model's shapes (``bench/quant_gemm.py``, AVX-512, two
+# threads) the two tie at 128 rows and the GEMM is 1.15-1.3x faster at 256, 1.4-1.5x at 512.
+DEQUANTIZE_ROWS = 192
+
+
 def linear(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -300,13 +309,18 @@ def linear(
     ``ladle.runtime.quantization.formats``."""
     rows = _rows(x)
     n, k = weight.shape
-    panels = weight.qweight.shape[0]
     assert x.dtype == torch.float32
     assert rows.shape[1] == k
     for t in weight.tensors():
         assert t.is_contiguous()
     if bias is not None:
         assert bias.dtype == torch.float32
+    if rows.shape[0] >= DEQUANTIZE_ROWS:
+        dense = dequantize(lib, weight)[:, :n]
+        out = rows @ dense if bias is None else torch.addmm(bias, rows, dense)
+        return out.reshape(*x.shape[:-1], n)
+    panels = weight.qweight.shape[0]
+    if bias is not None:
         # The kernels write whole panels; a partial last one needs a padded bias.
         bias = torch.nn.functional.pad(bias, (0, panels * PANEL - n)).contiguous()
     out = x.new_empty((rows.shape[0], panels * PANEL))
@@ -338,6 +352,33 @@ def linear(
     if failed:
         raise MemoryError("the quantized GEMM could not allocate its buffers")
     return out[:, :n].reshape(*x.shape[:-1], n)
+
+
+def dequantize(lib: ctypes.CDLL, weight: Int8Weight | GroupWeight) -> torch.Tensor:
+    """The weight in fp32 as [K, 16 P] (transposed, padded channels zero), for one product:
+    a transient copy, so the model's resident weights stay quantized."""
+    panels = weight.qweight.shape[0]
+    k = weight.shape[1]
+    out = torch.empty((k, panels * PANEL), dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if isinstance(weight, Int8Weight):
+        lib.ladle_dequantize_i8(
+            weight.qweight.data_ptr(), weight.scale.data_ptr(), out.data_ptr(), panels, k, threads
+        )
+    else:
+        check_group_size(weight.group_size)
+        lib.ladle_dequantize_groups(
+            weight.qweight.data_ptr(),
+            weight.scale.data_ptr(),
+            weight.offset.data_ptr(),
+            out.data_ptr(),
+            panels,
+            k,
+            weight.group_size,
+            weight.bits,
+            threads,
+        )
+    return out
 
 
 def store_kv_int8(

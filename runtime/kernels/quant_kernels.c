@@ -527,6 +527,57 @@ static int gemm(const float *x, int64_t ldx, const qweight *q, const float *bias
     return failed;
 }
 
+/* The whole weight as fp32, transposed: out[k * 16 P + n] is weight (n, k), scales applied.
+ * Prefill-sized products multiply it with the BLAS GEMM, which is faster at such sizes than
+ * the tiles above; writing it costs a pass over N K floats, each row of panels contiguous. */
+static void dequantize_kn(const qweight *q, float *out, int32_t P, int32_t K, int32_t num_threads) {
+    const int64_t ld = (int64_t)P * PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int32_t p = 0; p < P; p++) {
+        float *dst = out + (int64_t)p * PANEL;
+        if (q->groups == 0) {
+            const int8_t *w = panel_i8(q, p, K);
+            vf s[VPP];
+            for (int h = 0; h < VPP; h++) s[h] = vload(q->scale + (int64_t)p * PANEL + h * VW);
+            for (int k = 0; k < K; k++) {
+                vf wv[VPP];
+                from_i8(w + (int64_t)k * PANEL, 0, wv);
+                for (int h = 0; h < VPP; h++) vstore(dst + k * ld + h * VW, wv[h] * s[h]);
+            }
+            continue;
+        }
+        const uint8_t *w = panel_groups(q, p, K);
+        const float *sc = q->scale + (int64_t)p * q->groups * PANEL;
+        const float *of = q->offset + (int64_t)p * q->groups * PANEL;
+        for (int k = 0; k < K; k += 2) {
+            const int g = k / q->group_size; /* even k, even group size: k + 1 in the same */
+            vf wv[2][VPP];
+            if (k + 1 < K)
+                from_pair(w, k, q->bits, 0, wv[0], wv[1]);
+            else
+                from_one(w, k, q->bits, 0, wv[0]);
+            for (int e = 0; e < 2 && k + e < K; e++)
+                for (int h = 0; h < VPP; h++) {
+                    const vf sv = vload(sc + g * PANEL + h * VW), ov = vload(of + g * PANEL + h * VW);
+                    vstore(dst + (k + e) * ld + h * VW, wv[e][h] * sv + ov);
+                }
+        }
+    }
+}
+
+void ladle_dequantize_i8(const int8_t *w, const float *scale, float *out, int32_t P, int32_t K,
+                         int32_t num_threads) {
+    const qweight q = {w, scale, NULL, 0, 0, 8};
+    dequantize_kn(&q, out, P, K, num_threads);
+}
+
+void ladle_dequantize_groups(const uint8_t *w, const float *scale, const float *offset,
+                             float *out, int32_t P, int32_t K, int32_t group_size, int32_t bits,
+                             int32_t num_threads) {
+    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, bits};
+    dequantize_kn(&q, out, P, K, num_threads);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Entry points. x rows are ldx floats apart; y is [M, ldy] with ldy >= 16 P (the padded
  * outputs are written too); bias, padded to 16 P, may be NULL; a group size is a positive

@@ -30,8 +30,9 @@ BUILDS = {
     "avx2": ("-mno-avx512f",),
     "portable": ("-mno-avx2", "-mno-avx512f", "-mno-fma"),
 }
-# (rows of x, N, K, group size): GEMV (up to 4 rows) and GEMM (more), K off every vector width
-# and past one dequantized chunk, partial last groups, N off the panel and register tiles.
+# (rows of x, N, K, group size): GEMV (up to 4 rows), GEMM (more) and the dequantized weight
+# through torch's GEMM (from DEQUANTIZE_ROWS), K off every vector width and past one
+# dequantized chunk, partial last groups, N off the panel and register tiles.
 SHAPES = [
     (1, 7, 100, 64),
     (3, 33, 576, 64),
@@ -39,7 +40,9 @@ SHAPES = [
     (5, 17, 31, 32),
     (37, 70, 2050, 96),
     (8, 960, 576, 64),
-    (300, 40, 96, 32),  # more rows than one pass over the tiles takes
+    (cpu_kernels.DEQUANTIZE_ROWS - 1, 40, 96, 32),
+    (cpu_kernels.DEQUANTIZE_ROWS, 33, 2050, 96),
+    (300, 17, 31, 32),
 ]
 
 
