@@ -318,8 +318,11 @@ def test_prometheus_scrapes_the_pods_answers_every_rule_and_panel_and_fires_on_f
     alpha, beta = f"alpha-{namespace}", f"beta-{namespace}"
     documents = [
         # Autoscaled, within bounds that keep it at one replica: the autoscaler's series exist.
+        # Saturated below, a waiting stream's first token can take longer than the default
+        # minute on two loaded cores, and those 504s count against its breaker (a full run saw
+        # it open there, 100% of 4 calls failed, and the saturation alerts never fired).
         service(
-            "alpha", alpha, circuitBreaker=breaker,
+            "alpha", alpha, circuitBreaker=breaker, timeouts={"firstTokenSeconds": 600},
             minReplicas=1, maxReplicas=1, autoscaling={"targetConcurrency": 16},
         ),
         service(

@@ -113,7 +113,13 @@ def test_a_missing_api_key_secret_volume_reads_as_the_pods_own_failed_mount(
     started = time.monotonic()
     obj = kube.wait_condition(ns, "nokey", "Degraded", "True", "FailedMount", timeout=30)
     print(f"FailedMount surfaced {time.monotonic() - started:.1f}s after scheduling")
-    waiting = kube.core.read_namespaced_pod(pod, ns).status.container_statuses[0].state.waiting
+    # The kubelet may post the Event before it first reports the pod's containers.
+    containers = wait_until(
+        lambda: kube.core.read_namespaced_pod(pod, ns).status.container_statuses,
+        "the kubelet to report the pod's containers",
+        timeout=30,
+    )
+    waiting = containers[0].state.waiting
     assert waiting.reason == "ContainerCreating"  # the pod's status says no more than that
     kubelet = next(m for t, r, m in kube.events(ns, pod) if (t, r) == ("Warning", "FailedMount"))
     assert 'secret "nokey-key" not found' in kubelet
