@@ -191,19 +191,21 @@ class SequenceGroup:
             return BeamRound(done=True, dropped=beams)
         running: list[Sequence] = []
         forks: list[tuple[Sequence, Sequence]] = []
+        chosen: set[int] = set()
         for c in continuations:
             parent = beams[c.parent]
-            if any(seq is parent for seq in running):
+            if c.parent in chosen:
                 child = parent.fork()
                 forks.append((parent, child))
                 running.append(child)
             else:
+                chosen.add(c.parent)
                 running.append(parent)
         for seq, c in zip(running, continuations, strict=True):
             seq.append_token(c.token_id)
             seq.cumulative_logprob = c.cumulative_logprob
         self.seqs = running
-        dropped = [b for b in beams if not any(seq is b for seq in running)]
+        dropped = [b for i, b in enumerate(beams) if i not in chosen]
         return BeamRound(done=False, dropped=dropped, running=running, forks=forks)
 
     def beam_results(self, reason: str) -> list[BeamHypothesis]:
