@@ -39,6 +39,8 @@ from ladle.api import (
     INFERENCE_POOL_API_VERSION,
     INFERENCE_POOL_KIND,
     JSON,
+    MODEL_REWRITE_API_VERSION,
+    MODEL_REWRITE_KIND,
 )
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.desired import object_digest
@@ -64,6 +66,7 @@ API_VERSIONS = {
     "PodDisruptionBudget": "policy/v1",
     INFERENCE_POOL_KIND: INFERENCE_POOL_API_VERSION,
     HTTP_ROUTE_KIND: HTTP_ROUTE_API_VERSION,
+    MODEL_REWRITE_KIND: MODEL_REWRITE_API_VERSION,
 }
 
 

@@ -31,6 +31,7 @@ from ladle.api import (
     HTTP_ROUTE_KIND,
     INFERENCE_POOL_KIND,
     ISVC_KIND,
+    MODEL_REWRITE_KIND,
     POOL_KIND,
     GPUPool,
     InferenceService,
@@ -95,9 +96,15 @@ def _held_since(isvc: InferenceService) -> bool:
     return bool((isvc.status.get("gateway") or {}).get("heldSince"))
 
 
+def _fallback_key(isvc: InferenceService) -> list[ObjKey]:
+    name = isvc.spec.traffic.fallback
+    return [(isvc.meta.namespace, name)] if name else []
+
+
 def new_store() -> Store:
     store = Store()
     store.add_indexer(ISVC_KIND, "pool", lambda i: [i.spec.gpu_pool] if i.spec.gpu_pool else [])
+    store.add_indexer(ISVC_KIND, "fallback", _fallback_key)
     for kind in CHILD_KINDS:
         store.add_indexer(kind, "owner", owner_of)
     store.add_indexer("Pod", "owner", lambda p: [(p.namespace, p.owner)])
@@ -244,6 +251,10 @@ class Controller:
             for isvc in (old, new):
                 if isvc is not None and isvc.spec.gpu_pool:
                     self.pools.invalidate(isvc.spec.gpu_pool)
+        if spec_changed:
+            # The services that fall back to this one route to it by what it is.
+            for other in self.store.by_index(ISVC_KIND, "fallback", key):
+                self.queue.add(WorkKey("isvc", *other.key))
         if new is None:
             assert old is not None
             self.inference.deleted(key, old.meta.uid)
@@ -313,8 +324,10 @@ class Controller:
         service as recovered, or an existing Service as missing). ``served``: the kinds that
         kopf watches, and so the kinds listed."""
         self.served = served
-        self.inference.inference_pools = any(w.kind == INFERENCE_POOL_KIND for w in served)
-        self.inference.http_routes = any(w.kind == HTTP_ROUTE_KIND for w in served)
+        gaie = self.inference.gaie
+        gaie.inference_pools = any(w.kind == INFERENCE_POOL_KIND for w in served)
+        gaie.http_routes = any(w.kind == HTTP_ROUTE_KIND for w in served)
+        gaie.model_rewrites = any(w.kind == MODEL_REWRITE_KIND for w in served)
         await self.sweep()
         self._primed = True
         log.info(

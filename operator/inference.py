@@ -52,6 +52,7 @@ from ladle.operator.desired import (
     variant_sources,
 )
 from ladle.operator.events import EventRecorder, ObjectRef
+from ladle.operator.gaie import GaieChildren
 from ladle.operator.pod_events import PodEvents
 from ladle.operator.pools import Grant, PoolReconciler
 from ladle.operator.revisions import revision_of, template_of
@@ -59,12 +60,7 @@ from ladle.operator.rollout import decide
 from ladle.operator.rollout_machine import Decision, Observation
 from ladle.operator.rollout_state import RolloutState, from_status, split
 from ladle.operator.runtime_flags import profiling
-from ladle.operator.service_objects import (
-    desired_http_route,
-    desired_inference_pool,
-    desired_service,
-    group_secret,
-)
+from ladle.operator.service_objects import desired_service, group_secret
 from ladle.operator.status import Problem, VariantObservation, derive_isvc_status, read_rollout
 from ladle.operator.status_writer import StatusWriter
 from ladle.operator.store import PodInfo, Store
@@ -169,11 +165,7 @@ class InferenceServiceReconciler:
         self._profiling_said: dict[str, tuple[str, str] | None] = {}
         # Services whose groups' Secret exists (by uid): created once, by the first reconcile.
         self._group_secrets: set[str] = set()
-        # Whether the cluster has GAIE's InferencePool CRD and the Gateway API's HTTPRoute (the
-        # controller finds out as its term starts): each service then gets a pool, and a route
-        # to it from the Gateway its spec (or the operator) names.
-        self.inference_pools = False
-        self.http_routes = False
+        self.gaie = GaieChildren(store, config)
         # Services deleted since their last reconcile, by key: their uid, forgotten by the
         # next reconcile of the key, which the work queue runs after any one in flight (that
         # one would otherwise export the series of a deleted service again).
@@ -248,12 +240,9 @@ class InferenceServiceReconciler:
                 refused=refused[p.name],
             )
             objects += [*children.all(), *group_children(p.blueprint, pods)]
-        gaie: list[JSON] = []
-        if self.inference_pools:
-            gaie.append(desired_inference_pool(isvc))
-            gateway = isvc.spec.inference_pool.gateway or self.config.inference_gateway
-            if self.http_routes and gateway is not None:
-                gaie.append(desired_http_route(isvc, gateway))
+        weights = [(p.name, p.weight) for p in plan]
+        available = sum(read_rollout(p.live, 0).available for p in plan)
+        gaie = self.gaie.desired(isvc, weights, available)
         return [*objects, desired_service(isvc), *gaie]
 
     def _observation(
@@ -334,7 +323,9 @@ class InferenceServiceReconciler:
             if isvc.spec.parallelism.nodes > 1:
                 await self._group_secret(isvc)
             desired = self.desired(isvc, state, plan, grant, pods, refused)
-            result = await self.applier.sync(owner, desired, PRUNED_KINDS)
+            result = await self.applier.sync(
+                owner, desired, (*PRUNED_KINDS, *self.gaie.pruned_kinds)
+            )
         blockers += [apply_problem(k, err) for k, err in result.errors]
         await self.canary.follow(isvc, decision)
 

@@ -1,8 +1,13 @@
 """The children named after the InferenceService itself rather than a variant: the Service
-behind status.url, the Gateway API Inference Extension's InferencePool and HTTPRoute, and the
-Secret its replica groups authenticate with. Pure, like ``desired``."""
+behind status.url, the Gateway API Inference Extension's InferencePools, HTTPRoute and the
+model rewrite its fallback needs, and the Secret its replica groups authenticate with. Pure,
+like ``desired``."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ladle.api import (
     HTTP_ROUTE_API_VERSION,
@@ -10,6 +15,8 @@ from ladle.api import (
     INFERENCE_POOL_API_VERSION,
     INFERENCE_POOL_KIND,
     JSON,
+    MODEL_REWRITE_API_VERSION,
+    MODEL_REWRITE_KIND,
     GatewayRef,
     InferenceService,
 )
@@ -18,6 +25,25 @@ from ladle.operator.desired import selector_labels, service_metadata
 from ladle.operator.runtime_pod import HTTP_PORT
 
 SERVICE_PORT = 80
+POOL_GROUP = INFERENCE_POOL_API_VERSION.split("/")[0]
+# The response header that says which service answered for another (Ladle's gateway's too).
+FALLBACK_HEADER = "x-ladle-fallback"
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """The service a route falls back to: its pool, and the model it serves under."""
+
+    service: str
+    model: str
+
+
+def route_fallback(fallback: Fallback | None, available: int) -> Fallback | None:
+    """Where the route sends the service's model instead, if anywhere: to the fallback's pool
+    while none of the service's replicas is available (scaled to zero, crash-looping,
+    evicted). A GAIE gateway has no breaker, so the operator moves the route; it moves at the
+    pace of the pods' readiness, and never for failures of pods that are ready."""
+    return fallback if available == 0 else None
 
 
 def group_secret(isvc: InferenceService, value: str) -> JSON:
@@ -43,26 +69,48 @@ def desired_service(isvc: InferenceService) -> JSON:
     }
 
 
-def desired_inference_pool(isvc: InferenceService) -> JSON:
-    """The Gateway API Inference Extension's InferencePool for the service: the Service's
-    selector (every variant's pods) on the runtime's port, and the endpoint picker that a GAIE
-    gateway asks which of them serves each request."""
+def desired_inference_pools(isvc: InferenceService, variants: Sequence[str]) -> list[JSON]:
+    """The Gateway API Inference Extension's InferencePools for the service: one of the
+    Service's selector (every variant's pods) on the runtime's port, naming the endpoint picker
+    that a GAIE gateway asks which of them serves each request; with ``perVariant``, one more
+    for each of ``variants`` (``<name>-<variant>``), of its pods only, with its own picker."""
     name = isvc.meta.name
-    picker = isvc.spec.inference_pool.endpoint_picker
+    picker = isvc.spec.inference_pool.endpoint_picker.name or f"{name}-epp"
+    pools = [_pool(isvc, service_metadata(isvc), selector_labels(name), picker)]
+    if isvc.spec.inference_pool.per_variant:
+        for variant in variants:
+            metadata = {**service_metadata(isvc), "name": variant_pool_name(name, variant)}
+            labels = selector_labels(name, variant)
+            pools.append(_pool(isvc, metadata, labels, f"{picker}-{variant}"))
+    return pools
+
+
+def variant_pool_name(isvc_name: str, variant: str) -> str:
+    return f"{isvc_name}-{variant}"
+
+
+def _pool(isvc: InferenceService, metadata: JSON, labels: dict[str, str], picker: str) -> JSON:
+    options = isvc.spec.inference_pool.endpoint_picker
     return {
         "apiVersion": INFERENCE_POOL_API_VERSION,
         "kind": INFERENCE_POOL_KIND,
-        "metadata": service_metadata(isvc),
+        "metadata": metadata,
         "spec": {
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": labels},
             "targetPorts": [{"number": HTTP_PORT}],
             "endpointPickerRef": {
-                "name": picker.name or f"{name}-epp",
-                "port": {"number": picker.port},
-                "failureMode": picker.failure_mode,
+                "name": picker,
+                "port": {"number": options.port},
+                "failureMode": options.failure_mode,
             },
         },
     }
+
+
+def _pool_ref(pool: str, **fields: Any) -> JSON:
+    """A reference to an InferencePool, as a route's backend (with ``fields``) or a rewrite's
+    pool."""
+    return {"group": POOL_GROUP, "kind": INFERENCE_POOL_KIND, "name": pool, **fields}
 
 
 # The header that GAIE's body-based router sets from a request's ``model``: how one Gateway
@@ -70,10 +118,29 @@ def desired_inference_pool(isvc: InferenceService) -> JSON:
 MODEL_HEADER = "X-Gateway-Model-Name"
 
 
-def desired_http_route(isvc: InferenceService, gateway: GatewayRef) -> JSON:
+def desired_http_route(
+    isvc: InferenceService,
+    gateway: GatewayRef,
+    weights: Sequence[tuple[str, int]],
+    fallback: Fallback | None = None,
+) -> JSON:
     """The HTTPRoute from ``gateway`` to the service's InferencePool, for requests whose model
-    (the header GAIE's body-based router sets) is the service's."""
+    (the header GAIE's body-based router sets) is the service's. With ``perVariant`` it goes to
+    the variants' pools instead, at their ``weights`` (the rollout's, by variant): how the
+    Gateway API splits traffic between backends, as in GAIE's conformance test of weights
+    across two pools. Falling back, it goes to the fallback's pool alone, whose answers say
+    so in a header as Ladle's gateway's do."""
     name = isvc.meta.name
+    backends = [_pool_ref(name)]
+    if fallback is not None:
+        header = {"name": FALLBACK_HEADER, "value": fallback.service}
+        modifier = {"type": "ResponseHeaderModifier", "responseHeaderModifier": {"set": [header]}}
+        backends = [_pool_ref(fallback.service, filters=[modifier])]
+    elif isvc.spec.inference_pool.per_variant:
+        backends = [
+            _pool_ref(variant_pool_name(name, variant), weight=weight)
+            for variant, weight in weights
+        ]
     parent: JSON = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gateway.name}
     if gateway.namespace:
         parent["namespace"] = gateway.namespace
@@ -99,13 +166,27 @@ def desired_http_route(isvc: InferenceService, gateway: GatewayRef) -> JSON:
                             ],
                         }
                     ],
-                    "backendRefs": [
-                        {
-                            "group": INFERENCE_POOL_API_VERSION.split("/")[0],
-                            "kind": INFERENCE_POOL_KIND,
-                            "name": name,
-                        }
-                    ],
+                    "backendRefs": backends,
+                }
+            ],
+        },
+    }
+
+
+def desired_model_rewrite(isvc: InferenceService, fallback: Fallback) -> JSON:
+    """GAIE's rewrite, in the fallback's pool, of the service's model to the fallback's: its
+    pods serve only their own model name, and the fallback's picker rewrites the body when the
+    route falls back to it (Ladle's gateway rewrites it itself)."""
+    return {
+        "apiVersion": MODEL_REWRITE_API_VERSION,
+        "kind": MODEL_REWRITE_KIND,
+        "metadata": {**service_metadata(isvc), "name": f"{isvc.meta.name}-fallback"},
+        "spec": {
+            "poolRef": _pool_ref(fallback.service),
+            "rules": [
+                {
+                    "matches": [{"model": {"type": "Exact", "value": isvc.spec.served_model_name}}],
+                    "targets": [{"modelRewrite": fallback.model}],
                 }
             ],
         },

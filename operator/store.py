@@ -27,6 +27,7 @@ from ladle.api import (
     LABEL_POOL,
     LABEL_VARIANT,
     LABEL_WORKER_OF,
+    MODEL_REWRITE_KIND,
     STABLE,
     GPUPoolSpec,
     parse_rfc3339,
@@ -40,7 +41,14 @@ Indexer = Callable[[Any], Iterable[Any]]
 # Kinds whose metadata.generation moves only when their spec does (a GAIE gateway writes an
 # InferencePool's or an HTTPRoute's status: that is not a change to revert).
 GENERATION_KINDS = frozenset(
-    {"Deployment", "StatefulSet", "PodDisruptionBudget", INFERENCE_POOL_KIND, HTTP_ROUTE_KIND}
+    {
+        "Deployment",
+        "StatefulSet",
+        "PodDisruptionBudget",
+        INFERENCE_POOL_KIND,
+        HTTP_ROUTE_KIND,
+        MODEL_REWRITE_KIND,
+    }
 )
 
 

@@ -26,6 +26,9 @@ from ladle.api import (
     ISVC_KIND,
     ISVC_PLURAL,
     MANAGED_SELECTOR,
+    MODEL_REWRITE_API_VERSION,
+    MODEL_REWRITE_KIND,
+    MODEL_REWRITE_PLURAL,
     POOL_KIND,
     POOL_PLURAL,
 )
@@ -71,6 +74,13 @@ WATCHED = (
     Watched(
         HTTP_ROUTE_KIND, HTTP_ROUTE_API_VERSION, HTTP_ROUTE_PLURAL, MANAGED_SELECTOR, optional=True
     ),
+    Watched(
+        MODEL_REWRITE_KIND,
+        MODEL_REWRITE_API_VERSION,
+        MODEL_REWRITE_PLURAL,
+        MANAGED_SELECTOR,
+        optional=True,
+    ),
     Watched("Pod", "v1", "pods", MANAGED_SELECTOR),
     Watched(ISVC_KIND, API_VERSION, ISVC_PLURAL),
 )
@@ -83,6 +93,7 @@ CHILD_KINDS = frozenset(
         "ConfigMap",
         INFERENCE_POOL_KIND,
         HTTP_ROUTE_KIND,
+        MODEL_REWRITE_KIND,
     }
 )
 

@@ -32,6 +32,9 @@ from ladle.api import (
     INFERENCE_POOL_PLURAL,
     ISVC_KIND,
     JSON,
+    MODEL_REWRITE_API_VERSION,
+    MODEL_REWRITE_KIND,
+    MODEL_REWRITE_PLURAL,
     POOL_KIND,
 )
 from ladle.flag_types import yaml_problem
@@ -52,6 +55,7 @@ RESOURCES: dict[tuple[str, str], tuple[str, bool]] = {
     (API_VERSION, POOL_KIND): ("gpupools", False),
     (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND): (INFERENCE_POOL_PLURAL, True),
     (HTTP_ROUTE_API_VERSION, HTTP_ROUTE_KIND): (HTTP_ROUTE_PLURAL, True),
+    (MODEL_REWRITE_API_VERSION, MODEL_REWRITE_KIND): (MODEL_REWRITE_PLURAL, True),
 }
 
 APPLY_PATCH = "application/apply-patch+yaml"

@@ -188,22 +188,27 @@ def ladle_system(
 ) -> Iterator[System]:
     """The chart installed with its defaults (two operator replicas, leader election), its
     operator running as pods on the local nodes; and the GPUPool from examples/. The cluster
-    has the Gateway API Inference Extension's InferencePool CRD before the operator starts,
-    as a cluster whose admins run a GAIE gateway does, so every service gets a pool."""
+    has the Gateway API Inference Extension's InferencePool and InferenceModelRewrite CRDs and
+    the Gateway API's HTTPRoute before the operator starts, as a cluster whose admins run a
+    GAIE gateway does, so every service gets a pool (and a route where it names a Gateway)."""
     system_namespace = _namespace(k8s_api, "ladle-e2e-system")
     namespace = _namespace(k8s_api, "e2e")
     system = System(k8s_cluster, k8s_api, system_namespace, namespace)
     request.config.stash[_SYSTEM_KEY] = system
-    crd = system.kubectl("apply", "-f", str(gaie.module_dir() / gaie.POOL_CRD))
-    assert crd.returncode == 0, crd.stderr
+    crds = (gaie.module_dir() / gaie.POOL_CRD, gaie.module_dir() / gaie.MODEL_REWRITE_CRD)
+    for path in (*crds, gaie.http_route_crd()):
+        crd = system.kubectl("apply", "--server-side", "-f", str(path))
+        assert crd.returncode == 0, crd.stderr
     # kubectl wait errs rather than waits while a new CRD has no conditions yet.
     wait_until(
         lambda: system.kubectl(
             "wait", "--for=condition=Established",
-            "crd/inferencepools.inference.networking.k8s.io", "--timeout=5s",
+            "crd/inferencepools.inference.networking.k8s.io",
+            "crd/inferencemodelrewrites.inference.networking.x-k8s.io",
+            "crd/httproutes.gateway.networking.k8s.io", "--timeout=5s",
         ).returncode
         == 0,
-        "the InferencePool CRD to be Established",
+        "the GAIE and HTTPRoute CRDs to be Established",
         60,
     )  # fmt: skip
     started = time.monotonic()

@@ -9,10 +9,8 @@ request there; which proves what any GAIE gateway (Istio, kgateway, Envoy Gatewa
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 
 from ladle.runtime_metrics import PROTOCOL_GAUGES, WAITING, samples
 from ladle_dev.cluster import gaie
+from ladle_dev.cluster.control_plane import free_ports
 from ladle_dev.pytest_plugin import wait_until
 
 from .conftest import Load, System, cpu_service
@@ -39,16 +38,6 @@ MODEL = "picked-model"
 DESTINATION = "x-gateway-destination-endpoint"
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct free ports: each socket stays bound until all are chosen (ports asked for
-    one at a time may repeat, and the picker then fails to bind its second server)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-
-
 class Picker:
     """GAIE's endpoint picker for one pool, as a process on the host (which reaches pods by
     route), and an ext_proc client that asks it for an endpoint as Envoy would."""
@@ -57,7 +46,7 @@ class Picker:
         binary = gaie.TOOLSET.bin_dir() / "epp"
         if not binary.is_file():
             pytest.fail("the endpoint picker is not built: run `make cluster-build`")
-        self.port, health, metrics = _free_ports(3)
+        self.port, health, metrics = free_ports(3)
         self.log = log
         env = {**os.environ, "KUBECONFIG": str(system.cluster.kubeconfig)}
         self.proc = subprocess.Popen(
@@ -74,6 +63,11 @@ class Picker:
 
     def pick(self, body: dict[str, Any]) -> str:
         """The endpoint the picker chooses for one completion request (``ip:port``)."""
+        return self.route(body)[0]
+
+    def route(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """The endpoint the picker chooses for one completion request (``ip:port``), and the
+        body as it has the gateway send it there (a model rewrite changes it)."""
         raw = json.dumps(body).encode()
         headers = {
             ":method": "POST",
@@ -98,6 +92,7 @@ class Picker:
                 request_body=ext_proc.HttpBody(body=raw, end_of_stream=True)
             ),
         ]
+        endpoint, sent = None, b""
         for response in self.stub.Process(iter(messages), timeout=10):
             if response.HasField("immediate_response"):
                 raise AssertionError(f"the picker refused: {response.immediate_response}")
@@ -106,8 +101,12 @@ class Picker:
                 for option in mutation.set_headers:
                     if option.header.key == DESTINATION:
                         value = option.header.raw_value or option.header.value.encode()
-                        return value.decode()
-        raise AssertionError(f"the picker named no endpoint:\n{self.log.read_text()[-3000:]}")
+                        endpoint = value.decode()
+            if response.HasField("request_body"):
+                sent += response.request_body.response.body_mutation.streamed_response.body
+        if endpoint is None:
+            raise AssertionError(f"the picker named no endpoint:\n{self.log.read_text()[-3000:]}")
+        return endpoint, json.loads(sent) if sent else body
 
     def close(self) -> None:
         self.channel.close()
@@ -119,27 +118,39 @@ class Picker:
             self.proc.wait()
 
 
+# With a pool per variant, and a canary rollout that holds at its first step (the quality gate
+# off: the test reads where requests go, not what they answer).
+SPEC: dict[str, Any] = {
+    "replicas": 2,
+    "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512, "maxNumSeqs": 1},
+    "inferencePool": {"perVariant": True},
+    "rollout": {
+        "steps": [50, 100],
+        "intervalSeconds": 3600,
+        "progressDeadlineSeconds": 7200,
+        "analysis": {"quality": {"enabled": False}},
+    },
+}
+
+
+def ready_pods(system: System, variant: str | None = None) -> dict[str, str]:
+    """The service's Ready pods (of one variant, if given): their IP by pod name."""
+    return {
+        p["metadata"]["name"]: p["status"]["podIP"]
+        for p in system.pods(NAME)
+        if system.condition(p, "Ready") == "True"
+        and not p["metadata"].get("deletionTimestamp")
+        and variant in (None, p["metadata"]["labels"].get("ladle.dev/variant"))
+    }
+
+
 @pytest.fixture(scope="module")
 def pods(ladle_system: System) -> Iterator[dict[str, str]]:
     """Two Ready runtime pods of one service, one slot each: their IP by pod name."""
-    ladle_system.apply(
-        [
-            cpu_service(
-                NAME,
-                MODEL,
-                replicas=2,
-                engine={"kvCacheMemory": "64Mi", "maxModelLen": 512, "maxNumSeqs": 1},
-            )
-        ]
-    )
+    ladle_system.apply([cpu_service(NAME, MODEL, **SPEC)])
 
     def ready() -> dict[str, str] | None:
-        found = {
-            p["metadata"]["name"]: p["status"]["podIP"]
-            for p in ladle_system.pods(NAME)
-            if ladle_system.condition(p, "Ready") == "True"
-            and not p["metadata"].get("deletionTimestamp")
-        }
+        found = ready_pods(ladle_system)
         return found if len(found) == 2 else None
 
     yield wait_until(ready, "two Ready pods", 300)
@@ -201,3 +212,94 @@ def test_the_reference_picker_routes_to_ladle_pods_and_away_from_a_growing_queue
         assert picks == [f"{idle_ip}:8000"] * 10, picks
     finally:
         picker.close()
+
+
+def test_a_service_without_replicas_falls_back_through_the_fallbacks_picker(
+    ladle_system: System, pods: dict[str, str], tmp_path: Path
+) -> None:
+    """Behind a GAIE gateway the operator routes a service with no available replica to its
+    fallback's pool, where GAIE's model rewrite has the fallback's picker rename the requests
+    to the model its pods serve: the reference picker does that rename, and the pod it picks
+    answers the renamed request."""
+    asker = cpu_service(
+        "asker",
+        "asker-model",
+        replicas=0,
+        minReplicas=0,
+        fallback=NAME,
+        inferencePool={"gateway": {"name": "inference"}},
+    )
+    ladle_system.apply([asker])
+
+    def routed() -> list[str] | None:
+        shown = ladle_system.kubectl(
+            "get", "httproute", "asker", "-n", ladle_system.namespace, "-o", "json"
+        )
+        if shown.returncode != 0:
+            return None
+        (rule,) = json.loads(shown.stdout)["spec"]["rules"]
+        return [b["name"] for b in rule["backendRefs"]]
+
+    assert wait_until(routed, "the route of a service at zero", 60) == [NAME]
+    picker = Picker(ladle_system, NAME, tmp_path / "epp-fallback.log")
+    try:
+
+        def renamed() -> tuple[str, dict[str, Any]] | None:
+            try:
+                chosen = picker.route({"model": "asker-model", "prompt": "Hello", "max_tokens": 4})
+            except (grpc.RpcError, AssertionError):
+                return None  # not serving yet
+            return chosen if chosen[1]["model"] == MODEL else None  # the rewrite not read yet
+
+        endpoint, body = wait_until(renamed, "the picker to rename the model", 120)
+    finally:
+        picker.close()
+    ladle_system.kubectl("delete", "lisvc", "asker", "-n", ladle_system.namespace)
+    assert endpoint in {f"{ip}:8000" for ip in ready_pods(ladle_system).values()}
+    assert body == {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    answer = httpx.post(f"http://{endpoint}/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == MODEL
+
+
+def test_each_variants_picker_picks_only_its_pods_during_a_canary(
+    ladle_system: System, pods: dict[str, str], tmp_path: Path
+) -> None:
+    """Behind a GAIE gateway a canary's weights hold by the route's weighted backends, one pool
+    per variant (tests/operator/test_inference_pool.py follows the weights through a rollout);
+    what that needs of the pickers is that each chooses among its own variant's pods only."""
+    ladle_system.apply([cpu_service(NAME, MODEL, **SPEC, quantization={"weights": "int8"})])
+
+    def at_first_step() -> dict[str, str] | None:
+        rollout = (ladle_system.isvc(NAME).get("status") or {}).get("rollout") or {}
+        canary = ready_pods(ladle_system, "canary")
+        return canary if rollout.get("step") == 1 and canary else None
+
+    canary = wait_until(at_first_step, "the canary's first step on a Ready pod", 300)
+    stable = ready_pods(ladle_system, "stable")
+    assert stable
+    assert not set(stable) & set(canary)
+    for variant, members in (("stable", stable), ("canary", canary)):
+        picker = Picker(ladle_system, f"{NAME}-{variant}", tmp_path / f"epp-{variant}.log")
+        try:
+
+            def first_pick(picker: Picker = picker) -> str | None:
+                try:
+                    return picker.pick({"model": MODEL, "prompt": "Hello", "max_tokens": 4})
+                except (grpc.RpcError, AssertionError):
+                    return None
+
+            picks = [wait_until(first_pick, f"the {variant} picker to name an endpoint", 120)]
+            picks += [
+                picker.pick({"model": MODEL, "prompt": f"Question {i}:", "max_tokens": 4})
+                for i in range(6)
+            ]
+        finally:
+            picker.close()
+        assert set(picks) <= {f"{ip}:8000" for ip in members.values()}, (variant, picks)
+        answer = httpx.post(
+            f"http://{picks[0]}/v1/completions",
+            json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text

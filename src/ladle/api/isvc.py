@@ -215,10 +215,13 @@ class GatewayRef:
 @dataclass(frozen=True)
 class InferencePoolSpec:
     """How a service's InferencePool is reached: its endpoint picker, and the Gateway whose
-    HTTPRoute sends the service's model there (None: the operator's default, if any)."""
+    HTTPRoute sends the service's model there (None: the operator's default, if any).
+    ``per_variant`` adds a pool for each variant, so that a GAIE gateway splits a canary
+    rollout by its weights (a picker chooses by load within one pool, never by weight)."""
 
     endpoint_picker: EndpointPicker = EndpointPicker()
     gateway: GatewayRef | None = None
+    per_variant: bool = False
 
 
 @dataclass(frozen=True)
@@ -435,6 +438,7 @@ def parse_inference_pool(raw: Mapping[str, Any] | None) -> InferencePoolSpec:
             if gateway
             else None
         ),
+        per_variant=bool(raw.get("perVariant", False)),
     )
 
 

@@ -20,6 +20,11 @@ INFERENCE_POOL_PLURAL = "inferencepools"
 HTTP_ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 HTTP_ROUTE_KIND = "HTTPRoute"
 HTTP_ROUTE_PLURAL = "httproutes"
+# GAIE's rewrite of a request's model within a pool, which takes a service's model to the
+# fallback's when the route falls back.
+MODEL_REWRITE_API_VERSION = "inference.networking.x-k8s.io/v1alpha2"
+MODEL_REWRITE_KIND = "InferenceModelRewrite"
+MODEL_REWRITE_PLURAL = "inferencemodelrewrites"
 
 # Labels on every child; the first two are also the Deployment/Service selectors.
 LABEL_ISVC = "ladle.dev/inferenceservice"

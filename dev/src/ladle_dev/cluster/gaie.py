@@ -19,6 +19,7 @@ from ladle_dev.cluster.build import Tool
 MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 TOOLSET = build.ToolSet("gaie", (Tool("epp", "gaie", f"{MODULE}/cmd/epp", MODULE),))
 POOL_CRD = "config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+MODEL_REWRITE_CRD = "config/crd/bases/inference.networking.x-k8s.io_inferencemodelrewrites.yaml"
 PROTOCOL_DOC = "docs/proposals/003-model-server-protocol/README.md"
 # The Gateway API (``hack/k8s/gateway-api``), for the HTTPRoute CRD.
 GATEWAY_API = "sigs.k8s.io/gateway-api"
