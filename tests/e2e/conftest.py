@@ -20,13 +20,15 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client import ApiClient
 
-from ladle_dev.cluster import gaie
+from ladle_dev.cluster import gaie, jaeger
+from ladle_dev.cluster.jaeger import Jaeger
 from ladle_dev.cluster.node import LocalNode
 from ladle_dev.pytest_plugin import KubeCluster, local_namespace_annotations, wait_until
 
@@ -180,14 +182,33 @@ def default_model() -> Path:
 
 
 @pytest.fixture(scope="package")
+def collector(
+    k8s_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Jaeger]:
+    """Jaeger on the host, taking OTLP at the cluster's host address, where pods reach it."""
+    host = urlsplit(k8s_cluster.server).hostname
+    assert host is not None
+    try:
+        found = jaeger.start(tmp_path_factory.mktemp("jaeger"), otlp_host=host)
+    except FileNotFoundError as err:
+        pytest.fail(str(err))
+    yield found
+    found.stop()
+
+
+@pytest.fixture(scope="package")
 def ladle_system(
     request: pytest.FixtureRequest,
     k8s_cluster: KubeCluster,
     k8s_api: ApiClient,
     k8s_local_nodes: list[LocalNode],
+    collector: Jaeger,
 ) -> Iterator[System]:
-    """The chart installed with its defaults (two operator replicas, leader election), its
-    operator running as pods on the local nodes; and the GPUPool from examples/. The cluster
+    """The chart installed with its defaults (two operator replicas, leader election) but for
+    tracing, its operator running as pods on the local nodes; and the GPUPool from examples/.
+    The gateway and every runtime pod export traces to ``collector`` at a sampling ratio of 0:
+    only the requests whose client samples them (a ``traceparent`` flagged so) are traced, as a
+    team does that traces a few requests on purpose. The cluster
     has the Gateway API Inference Extension's InferencePool and InferenceModelRewrite CRDs and
     the Gateway API's HTTPRoute before the operator starts, as a cluster whose admins run a
     GAIE gateway does, so every service gets a pool (and a route where it names a Gateway)."""
@@ -216,6 +237,7 @@ def ladle_system(
         [
             str(k8s_cluster.helm), "upgrade", "--install", RELEASE, str(CHART),
             "--namespace", system_namespace, "--wait", "--timeout", "180s",
+            "--set", f"tracing.endpoint={collector.otlp}", "--set", "tracing.samplingRatio=0",
         ],
         env=k8s_cluster.env(),
         capture_output=True,

@@ -16,6 +16,7 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -27,6 +28,7 @@ import pytest
 from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
+from ladle_dev.cluster.jaeger import Jaeger
 from ladle_dev.pytest_plugin import wait_until
 
 from .conftest import cpu_service, greedy
@@ -214,6 +216,54 @@ def test_examples_serve_the_openai_client_from_their_pod_ip(
     assert reply.choices[0].message.content
     assert reply.usage is not None
     assert reply.usage.completion_tokens > 0
+
+
+def test_a_sampled_request_through_the_charts_gateway_is_one_trace_across_pods(
+    ladle_system: System,
+    services: dict[str, dict[str, Any]],
+    gateway_url: str,
+    collector: Jaeger,
+) -> None:
+    """The chart traces at a ratio of 0 here (conftest.py), so only a request whose client
+    samples it is traced: its streamed chat completion is one trace from the gateway's pod to
+    the runtime's, exported by each pod to Jaeger on the host, and the gateway's span is what
+    the client measured."""
+    ladle_system.ready_pod("smollm2-cpu")
+    trace_id = uuid.uuid4().hex
+    llm = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    started = time.monotonic()
+    stream = llm.chat.completions.create(
+        model=model_name(services, "smollm2-cpu"),
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=8,
+        stream=True,
+        extra_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    measured = time.monotonic() - started
+
+    def whole() -> list[dict[str, Any]] | None:
+        spans = collector.trace(trace_id)
+        services = {s["service"] for s in spans or ()}
+        done = spans and {"engine.decode", "upstream"} <= {s["operationName"] for s in spans}
+        return spans if done and services == {"ladle-gateway", "ladle-runtime"} else None
+
+    # Each pod exports every 5 s.
+    spans = wait_until(whole, "the trace from both pods in Jaeger", 60)
+    shown = [(s["service"], s["operationName"], s["spanID"], s["parent"]) for s in spans]
+
+    def one(service: str, name: str) -> dict[str, Any]:
+        found = [s for s in spans if (s["service"], s["operationName"]) == (service, name)]
+        assert len(found) == 1, (service, name, shown)
+        return found[0]
+
+    root = one("ladle-gateway", "POST /v1/chat/completions")
+    upstream = one("ladle-gateway", "upstream")
+    served = one("ladle-runtime", "POST /v1/chat/completions")
+    assert root["parent"] == "00f067aa0ba902b7", shown
+    assert upstream["parent"] == root["spanID"]
+    assert served["parent"] == upstream["spanID"]
+    assert abs(root["duration"] / 1e6 - measured) <= 0.1 * measured, (root["duration"], measured)
 
 
 def test_a_pod_is_ready_only_after_health_ready_answers(

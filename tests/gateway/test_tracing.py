@@ -8,10 +8,8 @@ one runtime, and the client is the ``openai`` package."""
 from __future__ import annotations
 
 import itertools
-import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pytest
 import yaml
 
 from ladle_dev.cluster import jaeger
+from ladle_dev.cluster.jaeger import Jaeger
 from ladle_dev.pytest_plugin import wait_until
 
 from .conftest import SERVE_FLAGS, Process, free_port, start_ladle
@@ -31,79 +30,14 @@ MODEL = "traced"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
-@dataclass
-class Jaeger:
-    proc: subprocess.Popen[bytes]
-    otlp: str
-    query: str
-
-    def trace(self, trace_id: str) -> list[dict[str, Any]] | None:
-        """The trace's spans once Jaeger has them, each with its service and its tags as a
-        dict; None before."""
-        got = httpx.get(f"{self.query}/api/traces/{trace_id}", timeout=5)
-        if got.status_code != 200 or not got.json().get("data"):
-            return None
-        (data,) = got.json()["data"]
-        services = {pid: p["serviceName"] for pid, p in data["processes"].items()}
-        return [
-            {
-                **span,
-                "service": services[span["processID"]],
-                "tags": {t["key"]: t["value"] for t in span["tags"]},
-                "parent": next(
-                    (r["spanID"] for r in span["references"] if r["refType"] == "CHILD_OF"), None
-                ),
-            }
-            for span in data["spans"]
-        ]
-
-
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jaeger]:
-    binary = jaeger.TOOLSET.bin_dir() / "jaeger"
-    if not binary.is_file():
-        pytest.fail("Jaeger is not built: run `make cluster-build`")
-    folder = tmp_path_factory.mktemp("jaeger")
-    otlp, query, grpc = free_port(), free_port(), free_port()
-    config = {
-        "service": {
-            "extensions": ["jaeger_storage", "jaeger_query"],
-            "pipelines": {
-                "traces": {"receivers": ["otlp"], "exporters": ["jaeger_storage_exporter"]}
-            },
-            "telemetry": {"metrics": {"level": "none"}, "logs": {"level": "warn"}},
-        },
-        "extensions": {
-            "jaeger_query": {
-                "storage": {"traces": "memory"},
-                "http": {"endpoint": f"127.0.0.1:{query}"},
-                "grpc": {"endpoint": f"127.0.0.1:{grpc}"},
-            },
-            "jaeger_storage": {"backends": {"memory": {"memory": {"max_traces": 1000}}}},
-        },
-        "receivers": {"otlp": {"protocols": {"http": {"endpoint": f"127.0.0.1:{otlp}"}}}},
-        "exporters": {"jaeger_storage_exporter": {"trace_storage": "memory"}},
-    }
-    path = folder / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = folder / "jaeger.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(binary), "--config", str(path)], stdout=out, stderr=subprocess.STDOUT
-        )
-    found = Jaeger(proc, f"http://127.0.0.1:{otlp}", f"http://127.0.0.1:{query}")
-
-    def up() -> bool:
-        assert proc.poll() is None, log.read_text()
-        try:
-            return httpx.get(f"{found.query}/api/services", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(up, "Jaeger's query API", 60)
+    try:
+        found = jaeger.start(tmp_path_factory.mktemp("jaeger"))
+    except FileNotFoundError as err:
+        pytest.fail(str(err))
     yield found
-    proc.terminate()
-    proc.wait(30)
+    found.stop()
 
 
 @pytest.fixture(scope="module")

@@ -110,13 +110,13 @@ def local_node_specs(opts: Options, net: network.Plan) -> list[NodeSpec]:
     ]
 
 
-def free_ports(count: int) -> list[int]:
+def free_ports(count: int, host: str = HOST) -> list[int]:
     """Distinct ports the kernel considers free right now (all held open until all are chosen)."""
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(count):
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((HOST, 0))
+            sock.bind((host, 0))
             ports.append(int(sock.getsockname()[1]))
         return ports
 
