@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ladle.runtime.bench.serve_args import parse_slos
+from ladle.runtime.bench.serve_args import parse_slos, request_headers
 
 
 @dataclass
@@ -234,7 +234,7 @@ async def run_load(
     import numpy as np
 
     url = args.base_url + args.endpoint
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = request_headers(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     rng = np.random.default_rng(args.seed)
@@ -329,7 +329,7 @@ def served_model(args: argparse.Namespace) -> str:
     if args.model is not None:
         return str(args.model)
     url = args.base_url + "/v1/models"
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = request_headers(args)
     try:
         listing = httpx.get(url, headers=headers, timeout=30)
     except httpx.HTTPError as exc:

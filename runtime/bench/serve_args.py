@@ -46,6 +46,13 @@ def _slo(text: str) -> str:
     return text
 
 
+def _header(text: str) -> str:
+    name, sep, _ = text.partition("=")
+    if not sep or not name.strip() or any(c.isspace() for c in name):
+        raise Invalid("expected KEY=VALUE, such as x-ladle-priority=sheddable")
+    return text
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     from ladle.runtime.bench.workloads import WORKLOADS
 
@@ -75,6 +82,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     target.add_argument(
         "--timeout", type=seconds(above=0), default=3600.0, help="per request, seconds"
+    )
+    target.add_argument(
+        "--header",
+        nargs="+",
+        action="extend",
+        type=_header,
+        default=Default([], "none"),
+        metavar="KEY=VALUE",
+        help="headers sent with every request, e.g. x-ladle-priority=sheddable",
     )
 
     data = parser.add_argument_group("requests")
@@ -153,6 +169,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument(
         "--kv-cache-memory", type=memory, default="4Gi", help="the KV cache for --offline"
     )
+
+
+def request_headers(args: argparse.Namespace) -> dict[str, str]:
+    """What every request carries: ``--header``'s, and the bearer key."""
+    headers = dict(item.partition("=")[::2] for item in args.header)
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    return headers
 
 
 def parse_slos(items: list[str]) -> dict[str, float]:

@@ -195,6 +195,9 @@ MISTAKES: dict[str, Mistake] = {
     "bench: URL without scheme": Mistake(
         ("bench", "serve", "--base-url", "localhost:8000"), ("expected an http://",)
     ),
+    "bench: header without a value": Mistake(
+        ("bench", "serve", "--header", "x-ladle-priority"), ("--header", "expected KEY=VALUE")
+    ),
     "cluster up: negative nodes": Mistake(("cluster", "up", "--nodes", "-1"), (">= 0",)),
     "cluster status: no cluster": Mistake(
         ("cluster", "status", "--state-dir", "{tmp}/none"), ("no cluster in", "ladle cluster up"),

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,7 +310,7 @@ class Load:
     Without ``rate`` it keeps ``concurrency`` requests in flight, back to back, which holds a
     core busy for as long as it runs; with one it sends ``rate`` requests a second (Poisson),
     still at most ``concurrency`` at once: enough traffic to judge and to lose, on a machine
-    that the rest of the suite shares."""
+    that the rest of the suite shares. ``headers`` go with every request (a priority band)."""
 
     def __init__(
         self,
@@ -319,15 +319,18 @@ class Load:
         concurrency: int,
         output_len: int,
         rate: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="ladle-load-"))
         self.result_file = self.folder / "result.json"
-        pace = ("--request-rate", str(rate)) if rate else ()
+        extra = ["--request-rate", str(rate)] if rate else []
+        if headers:
+            extra += ["--header", *(f"{k}={v}" for k, v in headers.items())]
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "ladle.cli", "bench", "serve",
                 "--base-url", gateway_url, "--model", model,
-                "--num-prompts", "100000", "--max-concurrency", str(concurrency), *pace,
+                "--num-prompts", "100000", "--max-concurrency", str(concurrency), *extra,
                 "--input-len", "16", "--output-len", str(output_len), "--ignore-eos",
                 "--result-file", str(self.result_file),
             ],
