@@ -7,14 +7,13 @@ are the dataclasses' defaults, which must equal the CRD's (a test applies the CR
 and compares), so that objects stored before a default existed still reconcile.
 """
 
+from ladle.api.inference_pool import GatewayRef, InferencePoolSpec
 from ladle.api.isvc import (
     DEFAULT_MAX_NUM_SEQS,
     AdapterSpec,
     AutoscalingSpec,
     ConfigMapKeyRef,
     EngineSettings,
-    GatewayRef,
-    InferencePoolSpec,
     InferenceService,
     InferenceServiceSpec,
     ModelSource,

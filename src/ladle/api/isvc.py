@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ladle.api.inference_pool import InferencePoolSpec, parse_inference_pool
 from ladle.api.meta import ObjectMeta, opt_float, opt_int, opt_str, parse_meta
 from ladle.api.names import JSON
 from ladle.api.traffic import TrafficSpec, parse_traffic
@@ -189,41 +190,6 @@ class RolloutSpec:
 
 
 # The endpoint picker's ext_proc port in GAIE's own chart.
-DEFAULT_PICKER_PORT = 9002
-
-
-@dataclass(frozen=True)
-class EndpointPicker:
-    """The Service of the endpoint picker that a service's InferencePool names; None as the
-    name means ``<service>-epp``."""
-
-    name: str | None = None
-    port: int = DEFAULT_PICKER_PORT
-    failure_mode: str = "FailClose"
-
-
-@dataclass(frozen=True)
-class GatewayRef:
-    """A Gateway (Gateway API) that routes to a service's InferencePool through an HTTPRoute;
-    None as the namespace means the service's own."""
-
-    name: str
-    namespace: str | None = None
-    section_name: str | None = None
-
-
-@dataclass(frozen=True)
-class InferencePoolSpec:
-    """How a service's InferencePool is reached: its endpoint picker, and the Gateway whose
-    HTTPRoute sends the service's model there (None: the operator's default, if any).
-    ``per_variant`` adds a pool for each variant, so that a GAIE gateway splits a canary
-    rollout by its weights (a picker chooses by load within one pool, never by weight)."""
-
-    endpoint_picker: EndpointPicker = EndpointPicker()
-    gateway: GatewayRef | None = None
-    per_variant: bool = False
-
-
 @dataclass(frozen=True)
 class TracingSpec:
     """Where a service's pods send traces; None: the operator's (the chart's) setting."""
@@ -249,7 +215,7 @@ class InferenceServiceSpec:
     autoscaling: AutoscalingSpec | None = None
     rollout: RolloutSpec | None = None
     traffic: TrafficSpec = field(default_factory=TrafficSpec)
-    inference_pool: InferencePoolSpec = InferencePoolSpec()
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
     tracing: TracingSpec = TracingSpec()
     # None: LoRA off. A list, even empty: the pods run --enable-lora and follow it.
     adapters: tuple[AdapterSpec, ...] | None = None
@@ -416,29 +382,6 @@ def parse_rollout(raw: Mapping[str, Any] | None) -> RolloutSpec | None:
             max_ttft_p95_ratio=float(slo.get("maxTTFTP95Ratio", 1.5)),
             max_tpot_p95_ratio=float(slo.get("maxTPOTP95Ratio", 1.5)),
         ),
-    )
-
-
-def parse_inference_pool(raw: Mapping[str, Any] | None) -> InferencePoolSpec:
-    raw = raw or {}
-    picker = raw.get("endpointPicker") or {}
-    gateway = raw.get("gateway")
-    return InferencePoolSpec(
-        endpoint_picker=EndpointPicker(
-            name=opt_str(picker.get("name")),
-            port=int(picker.get("port", DEFAULT_PICKER_PORT)),
-            failure_mode=str(picker.get("failureMode", "FailClose")),
-        ),
-        gateway=(
-            GatewayRef(
-                str(gateway["name"]),
-                opt_str(gateway.get("namespace")),
-                opt_str(gateway.get("sectionName")),
-            )
-            if gateway
-            else None
-        ),
-        per_variant=bool(raw.get("perVariant", False)),
     )
 
 
