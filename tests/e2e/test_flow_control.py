@@ -140,7 +140,8 @@ def test_a_critical_request_displaces_a_sheddable_one_on_the_full_pod(
     before = preemptions(metrics_url(pod))
     sampler = Sampler(metrics_url(pod), gateway_url)
     sheddable = {"x-ladle-priority": "sheddable"}
-    load = Load(gateway_url, MODEL, concurrency=CONCURRENCY, output_len=32, headers=sheddable)
+    # Short requests: stopping the load waits for the ones in flight.
+    load = Load(gateway_url, MODEL, concurrency=CONCURRENCY, output_len=12, headers=sheddable)
     try:
         wait_until(
             lambda: any(held >= CONCURRENCY - SLOTS for _, _, held in sampler.rows),
@@ -154,12 +155,12 @@ def test_a_critical_request_displaces_a_sheddable_one_on_the_full_pod(
                 headers={"x-ladle-priority": "critical"},
                 timeout=120,
             )
-            for i in range(3)
+            for i in range(2)
         ]
     finally:
         result = load.stop()
         sampler.stop()
-    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert [a.status_code for a in answers] == [200] * 2, [a.text for a in answers]
     # Displaced at least once (a critical request arriving as a slot frees takes it instead).
     assert preemptions(metrics_url(pod)) > before
     assert result.clean, result

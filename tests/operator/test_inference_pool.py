@@ -194,32 +194,32 @@ def test_pools_per_variant_carry_a_canary_rollouts_weights_in_the_route(
     kube.wait_condition(k8s_namespace, "split", "Ready")
     stable = [("split-stable", 100)]
     wait_until(lambda: backends(kube, k8s_namespace, "split") == stable, "the stable route")
-    made = pool(kube, k8s_namespace, "split-stable")
-    assert made is not None
+    # The pools are applied beside the route, in no set order.
+    made = wait_until(lambda: pool(kube, k8s_namespace, "split-stable"), "the stable's pool")
     assert made["spec"]["selector"]["matchLabels"] == {
         "ladle.dev/inferenceservice": "split",
         "ladle.dev/variant": "stable",
     }
     assert made["spec"]["endpointPickerRef"]["name"] == "split-epp-stable"
-    assert pool(kube, k8s_namespace, "split") is not None, "the service's own pool stays"
+    wait_until(lambda: pool(kube, k8s_namespace, "split"), "the service's own pool, kept too")
     assert gone(kube, "-n", k8s_namespace, "inferencepool/split-canary")
 
     kube.apply(isvc_manifest("split", quantization={"weights": "int8"}, **spec), k8s_namespace)
     split = [("split-stable", 75), ("split-canary", 25)]
     wait_until(lambda: backends(kube, k8s_namespace, "split") == split, "the route at 25%", 120)
-    canary = pool(kube, k8s_namespace, "split-canary")
-    assert canary is not None
+    canary = wait_until(lambda: pool(kube, k8s_namespace, "split-canary"), "the canary's pool")
     labels = canary["spec"]["selector"]["matchLabels"]
     assert labels["ladle.dev/variant"] == "canary"
     assert canary["spec"]["endpointPickerRef"]["name"] == "split-epp-canary"
     selector = ",".join(f"{k}={v}" for k, v in labels.items())
     pods = kube.core.list_namespaced_pod(k8s_namespace, label_selector=selector).items
     assert [p.metadata.labels["ladle.dev/variant"] for p in pods] == ["canary"]
-    status = kube.isvc(k8s_namespace, "split")["status"]["rollout"]
-    assert status["weights"] == [
-        {"variant": "stable", "weight": 75},
-        {"variant": "canary", "weight": 25},
-    ]
+    # Status is written after the children are applied.
+    weights = [{"variant": "stable", "weight": 75}, {"variant": "canary", "weight": 25}]
+    wait_until(
+        lambda: kube.isvc(k8s_namespace, "split")["status"]["rollout"].get("weights") == weights,
+        "the weights in status",
+    )
 
     # Rolled back: the canary's pool goes with its pods, and the route is all stable's again.
     annotated = kube.kubectl(
@@ -256,11 +256,15 @@ def test_a_service_with_no_replica_available_routes_to_its_fallback_under_its_mo
     kube.wait_condition(k8s_namespace, "primary", "Ready")
     own = [("primary", None)]
     wait_until(lambda: targets(kube, k8s_namespace, "primary") == own, "the route to its pool")
-    shown = kube.kubectl(
-        "get", "-n", k8s_namespace, "inferencemodelrewrite", "primary-fallback", "-o", "json"
-    )
-    assert shown.returncode == 0, shown.stderr
-    rewrite = json.loads(shown.stdout)["spec"]
+
+    def rewrite_spec() -> dict[str, Any] | None:
+        shown = kube.kubectl(
+            "get", "-n", k8s_namespace, "inferencemodelrewrite", "primary-fallback", "-o", "json"
+        )
+        return json.loads(shown.stdout)["spec"] if shown.returncode == 0 else None
+
+    # Made once the operator knows the fallback, which may come after the first reconcile.
+    rewrite = wait_until(rewrite_spec, "the model rewrite")
     assert rewrite["poolRef"]["name"] == "backup"
     (rule,) = rewrite["rules"]
     assert rule["matches"] == [{"model": {"type": "Exact", "value": "smollm2"}}]
