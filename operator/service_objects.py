@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ladle.api import (
+    FALLBACK_HEADER,
     HTTP_ROUTE_API_VERSION,
     HTTP_ROUTE_KIND,
     INFERENCE_POOL_API_VERSION,
@@ -26,8 +27,6 @@ from ladle.operator.runtime_pod import HTTP_PORT
 
 SERVICE_PORT = 80
 POOL_GROUP = INFERENCE_POOL_API_VERSION.split("/")[0]
-# The response header that says which service answered for another (Ladle's gateway's too).
-FALLBACK_HEADER = "x-ladle-fallback"
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ladle.api import FALLBACK_HEADER
 from ladle.gateway.cluster import Ask, Cluster
 from ladle.gateway.context import ClientRequest, HeaderList, Outcome, Send
 from ladle.gateway.errors import GatewayError
@@ -304,7 +305,7 @@ class Router:
 def _gateway_headers(req: ClientRequest, variant: str, out: Outcome) -> HeaderList:
     headers = [(b"x-request-id", req.request_id.encode()), (b"x-ladle-variant", variant.encode())]
     if out.fallback_from is not None and out.service is not None:
-        headers.append((b"x-ladle-fallback", out.service.name.encode()))
+        headers.append((FALLBACK_HEADER.encode(), out.service.name.encode()))
     if out.cache is not None:
         headers.append((b"x-ladle-cache", out.cache.encode()))
     return headers

@@ -57,6 +57,9 @@ DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 # The variants of an InferenceService: the revision that serves, and the one on trial.
 STABLE = "stable"
 CANARY = "canary"
+# The response header naming the service that answered for another one: its fallback
+# (Ladle's gateway sets it, and so does the HTTPRoute a GAIE gateway follows).
+FALLBACK_HEADER = "x-ladle-fallback"
 # One-shot rollout commands (promote, abort, retry): the operator acts, then removes it.
 ROLLOUT_ACTION_ANNOTATION = "ladle.dev/rollout-action"
 ROLLOUT_ACTIONS = ("promote", "abort", "retry")
