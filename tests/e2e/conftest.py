@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 from kubernetes import client
@@ -283,6 +284,22 @@ def gateway_url(ladle_system: System) -> str:
 
     url: str = wait_until(find, "a Ready gateway pod", 180)
     return url
+
+
+def wait_routed(gateway_url: str, model: str, timeout: float = 120) -> None:
+    """Until the gateway answers a request for ``model``: a pod being Ready is not enough, as
+    the gateway learns of it by its watch, and a breaker opened while no pod was ready stays
+    open for its ``openSeconds``."""
+
+    def routed() -> bool:
+        body = {"model": model, "prompt": "Hi", "max_tokens": 1}
+        try:
+            reply = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError:
+            return False
+        return reply.is_success
+
+    wait_until(routed, f"the gateway to route {model}", timeout)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import pytest
 from ladle.runtime_metrics import RUNNING, WAITING, samples
 from ladle_dev.pytest_plugin import wait_until
 
-from .conftest import Load, System, cpu_service
+from .conftest import Load, System, cpu_service, wait_routed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -78,16 +78,7 @@ def pod(ladle_system: System, gateway_url: str) -> Iterator[dict[str, Any]]:
     ladle_system.apply([service()])
     try:
         ready = ladle_system.ready_pod(NAME)
-
-        def routed() -> bool:
-            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
-            try:
-                reply = httpx.post(f"{gateway_url}/v1/completions", json=body, timeout=60)
-            except httpx.HTTPError:
-                return False
-            return reply.is_success
-
-        wait_until(routed, "the gateway to route the model", 120)
+        wait_routed(gateway_url, MODEL)
         yield ready
     finally:
         ladle_system.kubectl("delete", "lisvc", NAME, "-n", ladle_system.namespace, "--wait=false")

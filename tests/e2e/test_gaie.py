@@ -123,7 +123,7 @@ class Picker:
 SPEC: dict[str, Any] = {
     "replicas": 2,
     "engine": {"kvCacheMemory": "64Mi", "maxModelLen": 512, "maxNumSeqs": 1},
-    "inferencePool": {"perVariant": True},
+    "inferencePool": {"perVariant": True, "gateway": {"name": "inference"}},
     "rollout": {
         "steps": [50, 100],
         "intervalSeconds": 3600,
@@ -214,6 +214,15 @@ def test_the_reference_picker_routes_to_ladle_pods_and_away_from_a_growing_queue
         picker.close()
 
 
+def backends(system: System, name: str) -> list[tuple[str, int]] | None:
+    """The pools a service's HTTPRoute sends its model to, with their weights."""
+    shown = system.kubectl("get", "httproute", name, "-n", system.namespace, "-o", "json")
+    if shown.returncode != 0:
+        return None
+    (rule,) = json.loads(shown.stdout)["spec"]["rules"]
+    return [(b["name"], b["weight"]) for b in rule["backendRefs"]]
+
+
 def test_a_service_without_replicas_falls_back_through_the_fallbacks_picker(
     ladle_system: System, pods: dict[str, str], tmp_path: Path
 ) -> None:
@@ -231,16 +240,9 @@ def test_a_service_without_replicas_falls_back_through_the_fallbacks_picker(
     )
     ladle_system.apply([asker])
 
-    def routed() -> list[str] | None:
-        shown = ladle_system.kubectl(
-            "get", "httproute", "asker", "-n", ladle_system.namespace, "-o", "json"
-        )
-        if shown.returncode != 0:
-            return None
-        (rule,) = json.loads(shown.stdout)["spec"]["rules"]
-        return [b["name"] for b in rule["backendRefs"]]
-
-    assert wait_until(routed, "the route of a service at zero", 60) == [NAME]
+    # The route's one backend, the fallback's pool (the CRD defaults its weight to 1).
+    fallen = [(NAME, 1)]
+    wait_until(lambda: backends(ladle_system, "asker") == fallen, "the route at zero", 60)
     picker = Picker(ladle_system, NAME, tmp_path / "epp-fallback.log")
     try:
 
@@ -276,6 +278,9 @@ def test_each_variants_picker_picks_only_its_pods_during_a_canary(
         return canary if rollout.get("step") == 1 and canary else None
 
     canary = wait_until(at_first_step, "the canary's first step on a Ready pod", 300)
+    # A GAIE gateway would split the model between the variants' pools by the step's weights.
+    split = [(f"{NAME}-stable", 50), (f"{NAME}-canary", 50)]
+    wait_until(lambda: backends(ladle_system, NAME) == split, "the route at 50/50", 60)
     stable = ready_pods(ladle_system, "stable")
     assert stable
     assert not set(stable) & set(canary)

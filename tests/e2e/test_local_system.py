@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ladle_dev.cluster.jaeger import Jaeger
 from ladle_dev.pytest_plugin import wait_until
 
-from .conftest import cpu_service, greedy
+from .conftest import cpu_service, greedy, wait_routed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -228,12 +228,17 @@ def test_a_sampled_request_through_the_charts_gateway_is_one_trace_across_pods(
     samples it is traced: its streamed chat completion is one trace from the gateway's pod to
     the runtime's, exported by each pod to Jaeger on the host, and the gateway's span is what
     the client measured."""
-    ladle_system.ready_pod("smollm2-cpu")
+    # Both examples serve this model, and the gateway routes it to the older one (the other
+    # is marked ModelNameConflict): wait for both, then until it answers, untraced.
+    for name in ("smollm2-cpu", "smollm2"):
+        ladle_system.ready_pod(name)
+    model = model_name(services, "smollm2-cpu")
+    wait_routed(gateway_url, model)
     trace_id = uuid.uuid4().hex
     llm = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", timeout=120, max_retries=0)
     started = time.monotonic()
     stream = llm.chat.completions.create(
-        model=model_name(services, "smollm2-cpu"),
+        model=model,
         messages=[{"role": "user", "content": "Name three colours."}],
         max_tokens=8,
         stream=True,
