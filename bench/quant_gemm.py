@@ -11,8 +11,13 @@ default model, both ways (fresh prompts, no prefix cache): a 512-token prompt's 
 and the canary analysis's scoring requests (prompt logprobs over every position, then a short
 greedy continuation), what a quantized canary's evaluation and a draft model's prompts pay.
 
-    .venv/bin/python bench/quant_gemm.py              # about two minutes, 2 cores
+Last, what a draft model's decode pays where the CPU has VNNI: its int4 GEMVs with weight-only
+fp32 activations against int8 activations (``kernels/a8_kernels.c``) at 1, 4 and 8 rows, and
+the int4 default model's batch-1 TPOT both ways (the drafter's own decode step), in turns.
+
+    .venv/bin/python bench/quant_gemm.py              # about three minutes, 2 cores
     .venv/bin/python bench/quant_gemm.py --rounds 3   # a quick look
+    .venv/bin/python bench/quant_gemm.py --sections drafting
 """
 
 from __future__ import annotations
@@ -132,13 +137,98 @@ def prefill(rounds: int) -> None:
         print(f"int4 default model, {label}: {cells}; dequant + GEMM {tiles / dequant:.2f}x")
 
 
+def spread(label: str, values: list[float], unit: str) -> str:
+    return f"{label} {statistics.median(values):.3f} {unit} ({min(values):.3f}-{max(values):.3f})"
+
+
+def drafting(rounds: int, repeats: int) -> None:
+    """A draft model's decode: int4 GEMVs and whole steps, weight-only against int8
+    activations."""
+    import dataclasses
+
+    from harness import time_alone
+
+    from ladle.runtime import LLM, SamplingParams
+    from ladle.runtime.kernels import decode_step
+    from ladle.runtime.quantization.apply import int8_activations
+    from ladle.runtime.quantization.formats import GroupWeight, pack_a8
+    from ladle.runtime.quantization.linear import QuantizedLinear
+
+    lib = cpu_kernels.load()
+    assert lib is not None, "the CPU kernels did not build"
+    if not cpu_kernels.a8_supported(lib):
+        print("drafting: this CPU has no AVX-512 VNNI; drafts use the weight-only GEMV")
+        return
+    for label, (n, k) in SHAPES.items():
+        plain = quantize_groups(torch.randn(n, k), 32)
+        a8 = dataclasses.replace(plain, a8=pack_a8(plain))
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, k)
+            times: dict[str, list[float]] = {"weight-only": [], "int8 activations": []}
+            for r in range(rounds):
+                order = [("weight-only", plain), ("int8 activations", a8)]
+                for name, q in order if r % 2 == 0 else order[::-1]:
+
+                    def product(q: GroupWeight = q, x: torch.Tensor = x) -> object:
+                        return cpu_kernels.linear(lib, x, q, None)
+
+                    times[name].append(median_ms(product, repeats))
+            ratio = statistics.median(times["weight-only"]) / statistics.median(
+                times["int8 activations"]
+            )
+            cells = ", ".join(spread(name, v, "ms") for name, v in times.items())
+            print(f"draft GEMV {label}, {rows} rows: {cells}; int8 activations {ratio:.2f}x")
+
+    llm = LLM(None, quantization="int4", enable_prefix_caching=False, kv_cache_memory="256Mi")
+    engine = llm.engine
+    forward = engine.runner.forward
+    model = engine.model
+    assert int8_activations(model), "the int4 default model's projections take int8 codes"
+    linears = [
+        linear
+        for layer in model.layers
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        if isinstance(linear, QuantizedLinear)
+    ]
+    coded = [linear.weight for linear in linears]
+
+    def use(codes: bool) -> None:
+        for linear, weight in zip(linears, coded, strict=True):
+            assert isinstance(weight, GroupWeight)
+            linear.weight = weight if codes else dataclasses.replace(weight, a8=None)
+        forward.fused = decode_step.for_model(model, forward.caches)
+
+    vocab = engine.tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    params = SamplingParams(max_tokens=65, temperature=0.0, ignore_eos=True)
+    tpot: dict[str, list[float]] = {"weight-only": [], "int8 activations": []}
+    for r in range(rounds):
+        turns = [("weight-only", False), ("int8 activations", True)]
+        for name, codes in turns if r % 2 == 0 else turns[::-1]:
+            use(codes)
+            prompt = {"prompt_token_ids": torch.randint(100, vocab, (64,), generator=gen).tolist()}
+            tpot[name].append(time_alone(engine, prompt, params)[1] * 1e3)
+    ratio = statistics.median(tpot["weight-only"]) / statistics.median(tpot["int8 activations"])
+    cells = ", ".join(spread(name, v, "ms") for name, v in tpot.items())
+    print(f"int4 default model, batch-1 TPOT (64 in, 65 out): {cells}; int8 activations "
+          f"{ratio:.2f}x faster")  # fmt: skip
+
+
+SECTIONS = ("products", "prefill", "drafting")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per round")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = parser.parse_args()
-    products(args.rounds, args.repeats)
-    prefill(args.rounds)
+    if "products" in args.sections:
+        products(args.rounds, args.repeats)
+    if "prefill" in args.sections:
+        prefill(args.rounds)
+    if "drafting" in args.sections:
+        drafting(args.rounds, args.repeats)
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     ),
     "ladle_linear_groups": (
         ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32, _I32],
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _I64, _I32, _I32, _I32, _I32, _P, _I32],
     ),
+    "ladle_a8_supported": (ctypes.c_int, []),
     "ladle_dequantize_i8": (None, [_P, _P, _P, _I32, _I32, _I32]),
     "ladle_dequantize_groups": (None, [_P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32]),
     "ladle_decode_step": (ctypes.c_int, [_P, _P, _P, _P, _P, _I64, _P, _I32, _I32, _P]),
@@ -286,6 +287,12 @@ def isa(lib: ctypes.CDLL) -> str:
     return ISA_NAMES[int(lib.ladle_quant_isa())]
 
 
+def a8_supported(lib: ctypes.CDLL) -> bool:
+    """Whether this CPU runs products of int4 weights with int8 activations (VNNI), which a
+    draft model's weights may then carry (``formats.pack_a8``)."""
+    return bool(lib.ladle_a8_supported())
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as [M, K] rows with unit column stride (a view when it already is one)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -347,6 +354,7 @@ def linear(
             *tail,
             weight.group_size,
             weight.bits,
+            None if weight.a8 is None else weight.a8.data_ptr(),
             torch.get_num_threads(),
         )
     if failed:

@@ -77,6 +77,7 @@ typedef struct {
      * columns [i * lora_rank, (i + 1) * lora_rank). */
     const float *lora_a, *lora_b;
     int32_t lora_rank, lora_width, lora_end0, lora_end1;
+    const uint8_t *a8; /* INT4 only: NULL, or the codes for int8 activations (a8_kernels.c) */
 } ladle_linear;
 
 typedef struct {
@@ -293,8 +294,10 @@ static void linear_panels(const float *x, int64_t ldx, const ladle_linear *lin, 
     } else {
         const int32_t groups =
             lin->kind == INT8 ? 0 : (lin->k + lin->group_size - 1) / lin->group_size;
-        const ladle_qweight q = {lin->w,       lin->scale, lin->offset, groups, lin->group_size,
-                                 lin->kind == INT4 ? 4 : 8};
+        const ladle_qweight q = {lin->w,          lin->scale,
+                                 lin->offset,     groups,
+                                 lin->group_size, lin->kind == INT4 ? 4 : 8,
+                                 lin->a8};
         ladle_gemv_q_panels(x, ldx, &q, lin->bias, y, ldy, R, (int32_t)p0, (int32_t)p1, lin->k);
     }
     if (lora != NULL && lin->lora_a != NULL) lora_expand(lin, lora, y, ldy, R, p0 * PANEL, n1);

@@ -48,6 +48,7 @@ class _Linear(ctypes.Structure):
         ("lora_width", ctypes.c_int32),
         ("lora_end0", ctypes.c_int32),
         ("lora_end1", ctypes.c_int32),
+        ("a8", _P),
     ]
 
 
@@ -248,7 +249,7 @@ class CpuDecodeStep:
                 _INT8, n, k, 0, weight.qweight.data_ptr(), weight.scale.data_ptr(), None, _ptr(bias)
             )
         assert isinstance(weight, GroupWeight)
-        return _Linear(
+        c = _Linear(
             _INT4 if weight.bits == 4 else _INT8_GROUPS,
             n,
             k,
@@ -258,6 +259,8 @@ class CpuDecodeStep:
             weight.offset.data_ptr(),
             _ptr(bias),
         )
+        c.a8 = _ptr(weight.a8)
+        return c
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return meta.num_decodes == meta.num_seqs <= self.max_batch

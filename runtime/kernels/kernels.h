@@ -12,7 +12,31 @@ typedef struct {
     const float *scale, *offset; /* groups == 0: scale [P * 16]; else [P, groups, 16] each */
     int32_t groups, group_size;  /* groups == 0: int8 per output channel (offset NULL) */
     int32_t bits;                /* of a group format's codes: 4 or 8 */
+    /* NULL, or (4 bits) the codes again for int8 activations (a8_kernels.c): a draft
+     * model's GEMVs use them where the CPU has VNNI. */
+    const uint8_t *a8;
 } ladle_qweight;
+
+/* Whether a8_kernels.c is compiled here (x86-64, GCC or Clang); the CPU decides at run time. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LADLE_HAVE_A8 1
+#else
+#define LADLE_HAVE_A8 0
+#endif
+
+/* Rows up to which a product with int8-activation codes uses them: the fused decode step's
+ * largest batch (decode_step.py's MAX_BATCH). */
+#define LADLE_A8_MAX_ROWS 8
+
+/* 1 when this CPU runs the int8-activation GEMV (AVX-512 VNNI), else 0. */
+int ladle_a8_supported(void);
+
+#if LADLE_HAVE_A8
+/* ladle_gemv_q_panels for a weight with its int8-activation codes (q->a8, K a multiple of 8);
+ * only where ladle_a8_supported(). */
+void ladle_a8_gemv_panels(const float *x, int64_t ldx, const ladle_qweight *q, const float *bias,
+                          float *y, int64_t ldy, int64_t R, int32_t p0, int32_t p1, int32_t K);
+#endif
 
 /* y[r] = x[r] W^T (+ bias) for R rows and the outputs of panels [p0, p1), weights converted in
  * registers and read once for all rows. */

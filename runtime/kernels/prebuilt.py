@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _HERE = Path(__file__).parent
-SOURCES = tuple(_HERE / name for name in ("cpu_kernels.c", "quant_kernels.c", "decode_step.c"))
+SOURCES = tuple(
+    _HERE / name for name in ("cpu_kernels.c", "quant_kernels.c", "a8_kernels.c", "decode_step.c")
+)
 HEADER = _HERE / "kernels.h"
 # Everything but the target; the caller adds -march.
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")

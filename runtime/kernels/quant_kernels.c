@@ -25,11 +25,13 @@
  * code is written on 16-float vectors (GCC/Clang vector extensions), which the compiler maps
  * onto one zmm register with AVX-512, two ymm with AVX2, or whatever the target has; the
  * predefined macros pick the register tiles to match (__AVX512F__: 8 rows x 32 outputs,
- * __AVX2__: 6 x 16, otherwise 2 x 16). VNNI and the bf16 dot products are not used: they
+ * __AVX2__: 6 x 16, otherwise 2 x 16). VNNI and the bf16 dot products are not used here: they
  * multiply int8 or bf16 *activations*, and quantizing activations would change the numerics
- * from those of the weight-only format the quality table measures.
+ * from those of the weight-only format the quality table measures. A draft model, whose
+ * numerics only sway its acceptance, does (a8_kernels.c: a weight with ``a8`` codes).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -377,6 +379,12 @@ static inline void gemv_panel_rows(const float *x, int64_t ldx, const float *xs,
  * K = 16k. */
 void ladle_gemv_q_panels(const float *x, int64_t ldx, const qweight *q, const float *bias,
                          float *y, int64_t ldy, int64_t R, int32_t p0, int32_t p1, int32_t K) {
+#if LADLE_HAVE_A8
+    if (q->a8 != NULL) {
+        ladle_a8_gemv_panels(x, ldx, q, bias, y, ldy, R, p0, p1, K);
+        return;
+    }
+#endif
     float xs[R * q->groups + 1];
     group_sums(x, ldx, q, R, K, xs);
     for (int32_t p = p0; p < p1; p++) gemv_panel_rows(x, ldx, xs, q, bias, y, ldy, R, p, K);
@@ -384,6 +392,18 @@ void ladle_gemv_q_panels(const float *x, int64_t ldx, const qweight *q, const fl
 
 static void gemv(const float *x, int64_t ldx, const qweight *q, const float *bias, float *y,
                  int64_t ldy, int R, int32_t P, int32_t K, int32_t num_threads) {
+#if LADLE_HAVE_A8
+    if (q->a8 != NULL) {
+        /* Contiguous panels per thread: each quantizes x once for its share. */
+#pragma omp parallel num_threads(num_threads) if ((int64_t)P * K >= 4096)
+        {
+            const int t = omp_get_thread_num(), n = omp_get_num_threads();
+            const int32_t p0 = (int32_t)((int64_t)P * t / n), p1 = (int32_t)((int64_t)P * (t + 1) / n);
+            if (p0 < p1) ladle_a8_gemv_panels(x, ldx, q, bias, y, ldy, R, p0, p1, K);
+        }
+        return;
+    }
+#endif
     float xs[R * q->groups + 1];
     group_sums(x, ldx, q, R, K, xs);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)P * K >= 4096)
@@ -596,10 +616,13 @@ int ladle_linear_i8(const float *x, int64_t ldx, const int8_t *w, const float *s
 int ladle_linear_groups(const float *x, int64_t ldx, const uint8_t *w, const float *scale,
                         const float *offset, const float *bias, float *y, int64_t ldy, int64_t M,
                         int32_t P, int32_t K, int32_t group_size, int32_t bits,
-                        int32_t num_threads) {
-    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, bits};
+                        const uint8_t *a8, int32_t num_threads) {
+    const qweight q = {w, scale, offset, (K + group_size - 1) / group_size, group_size, bits, a8};
+    /* Int8-activation codes serve every decode batch the fused step takes, so that both paths
+     * compute the same. */
+    const int64_t gemv_rows = a8 != NULL ? LADLE_A8_MAX_ROWS : GEMV_MAX_ROWS;
     if (M == 0) return 0;
-    if (M > GEMV_MAX_ROWS) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
+    if (M > gemv_rows) return gemm(x, ldx, &q, bias, y, ldy, M, P, K, num_threads);
     gemv(x, ldx, &q, bias, y, ldy, (int)M, P, K, num_threads);
     return 0;
 }

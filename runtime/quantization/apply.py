@@ -10,14 +10,23 @@ are int8 per row; a tied LM head and its embedding share one int8 table.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from ladle.runtime.config import QuantizationConfig
+from ladle.runtime.kernels import cpu_kernels
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.quantization import awq, gptq
-from ladle.runtime.quantization.formats import QuantizedWeight, quantize_groups, quantize_int8
+from ladle.runtime.quantization.formats import (
+    GroupWeight,
+    QuantizedWeight,
+    a8_packable,
+    pack_a8,
+    quantize_groups,
+    quantize_int8,
+)
 from ladle.runtime.quantization.linear import (
     DenseEmbedding,
     DenseLinear,
@@ -102,3 +111,29 @@ def quantize_at_load(
         calibration = awq.calibration_for(model, config, model_path)
     sequences = gptq.calibration_sequences(model_path) if config.uses_gptq else None
     quantize_model(model, config, calibration, sequences)
+
+
+def int8_activations(model: LlamaModel) -> int:
+    """Give the model's 4-bit CPU projections codes for int8 activations (``formats.pack_a8``)
+    where this CPU multiplies int8 natively (AVX-512 VNNI), so that its decode GEMVs round
+    their activations as llama.cpp's do; returns how many it gave them to.
+
+    Not for a served model: its numerics would no longer be those the quality table measures.
+    Larger products (prefill) keep the weight-only kernels, so each weight holds its codes
+    twice (half a byte a weight more)."""
+    packable = [
+        linear
+        for layer in model.layers
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        if isinstance(linear, QuantizedLinear)
+        and linear.kernels == "cpu"
+        and isinstance(linear.weight, GroupWeight)
+        and a8_packable(linear.weight)
+    ]
+    lib = cpu_kernels.load() if packable else None
+    if lib is None or not cpu_kernels.a8_supported(lib):
+        return 0
+    for linear in packable:
+        assert isinstance(linear.weight, GroupWeight)
+        linear.weight = dataclasses.replace(linear.weight, a8=pack_a8(linear.weight))
+    return len(packable)

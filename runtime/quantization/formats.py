@@ -92,13 +92,16 @@ class GroupWeight:
     in_features: int
     group_size: int
     bits: int  # 4 or 8
+    # 4 bits only: the codes again for int8 activations (``pack_a8``), or None.
+    a8: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.qweight, self.scale, self.offset]
+        codes = [self.qweight] if self.a8 is None else [self.qweight, self.a8]
+        return [*codes, self.scale, self.offset]
 
     def codes(self) -> torch.Tensor:
         """q as uint8 [N, K]."""
@@ -116,6 +119,23 @@ class GroupWeight:
 
 
 QuantizedWeight = Int8Weight | GroupWeight
+
+
+def a8_packable(weight: GroupWeight) -> bool:
+    return weight.bits == 4 and weight.in_features % 8 == 0
+
+
+def pack_a8(weight: GroupWeight) -> torch.Tensor:
+    """4-bit codes laid out for products with int8 activations (``kernels/a8_kernels.c``):
+    uint8 ``[P, K / 8, 64]``, byte ``4 j + t`` of row r holding ``q[16 p + j, 8 r + t]`` in
+    its low nibble and ``q[16 p + j, 8 r + 4 + t]`` in its high one, so that each 32-bit lane
+    of a 64-byte row is one channel's 4 consecutive inputs, as VNNI's dot products take them."""
+    assert a8_packable(weight)
+    q = _panels(weight.codes())  # [P, 16, K]
+    p, k = q.shape[0], weight.in_features
+    halves = q.view(p, PANEL, k // 8, 2, 4)  # input 8 r + 4 h + t
+    packed = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [P, 16, K / 8, 4]
+    return packed.permute(0, 2, 1, 3).reshape(p, k // 8, 4 * PANEL).contiguous()
 
 
 def check_group_size(group_size: int) -> None:

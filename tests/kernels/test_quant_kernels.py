@@ -18,6 +18,7 @@ from ladle.runtime.kernels.quant_gemm import quantized_linear
 from ladle.runtime.quantization.formats import (
     GroupWeight,
     Int8Weight,
+    pack_a8,
     quantize_groups,
     quantize_int8,
     quantize_kv_rows,
@@ -82,6 +83,38 @@ def test_cpu_linear_matches_float64(lib: ctypes.CDLL, m: int, n: int, k: int, gr
         y = cpu_kernels.linear(lib, x, q, bias)
         assert y.shape == (m, n)
         assert rel_err(y, reference(x, q, bias)) < 1e-5
+
+
+def rounded_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x with each group of each row rounded to int8 codes times absmax / 127 (to nearest
+    even), in float64."""
+    xg = x.double().unflatten(1, (-1, group))  # K a multiple of the group here
+    step = xg.abs().amax(dim=2, keepdim=True) / 127
+    codes = torch.where(step > 0, torch.round(xg / step.clamp_min(1e-300)), 0.0)
+    return (codes * step).flatten(1)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"), [(1, 7, 96, 32), (3, 33, 576, 64), (4, 40, 960, 96), (8, 17, 64, 32)]
+)
+def test_cpu_int8_activation_gemv_matches_its_reference(
+    lib: ctypes.CDLL, m: int, n: int, k: int, group: int
+) -> None:
+    """A draft model's int4 GEMV with int8 activations (VNNI), on every build: it is chosen
+    at run time, whatever instruction set the rest was built for."""
+    if not cpu_kernels.a8_supported(lib):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    torch.manual_seed(m + n + k)
+    x = torch.randn(2 * m, k + 3)[::2, :k]
+    x[0, :group] = 0.0  # an all-zero group: step 0, codes 0
+    w = quantize_groups(torch.randn(n, k), group)
+    bias = torch.randn(n)
+    a8 = dataclasses.replace(w, a8=pack_a8(w))
+    y = cpu_kernels.linear(lib, x, a8, bias)
+    # The dequantized weights times the rounded activations, to fp32 rounding.
+    assert rel_err(y, reference(rounded_activations(x, group), w, bias)) < 1e-6
+    # Not the weight-only product: rounding the activations moves it, a little.
+    assert 1e-4 < rel_err(y, reference(x, w, bias)) < 1e-2
 
 
 def test_cpu_linear_keeps_leading_dimensions_and_rejects_bad_groups() -> None:

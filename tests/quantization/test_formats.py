@@ -7,7 +7,9 @@ import torch
 
 from ladle.runtime.quantization.formats import (
     PANEL,
+    a8_packable,
     fake_quantize_groups,
+    pack_a8,
     quantize_groups,
     quantize_int8,
     quantize_kv_rows,
@@ -101,6 +103,27 @@ def test_layouts_are_panels_of_16_channels_input_by_input() -> None:
     q8 = quantize_int8(grid - 7.5)
     assert torch.equal(q8.qweight[1, 4, :4], q8.codes()[16:20, 4])  # input 4, channels 16-19
     assert (q8.qweight[1, :, 4:] == 0).all()  # the padded channels of the last panel
+
+
+def test_int8_activation_codes_are_four_inputs_per_channel_lane() -> None:
+    """What VNNI reads (kernels/a8_kernels.c): per panel, rows of 64 bytes for 8 inputs; the
+    32-bit lane j holds channel 16 p + j's inputs 8 r .. 8 r + 3 in its low nibbles and
+    8 r + 4 .. 8 r + 7 in its high ones."""
+    n, k = 20, 40
+    codes = (torch.arange(n)[:, None] * 3 + torch.arange(k)[None, :]).remainder(16).float()
+    for first in (0, 32):  # every group spans 0..15: scale 1, offset 0
+        codes[:, first], codes[:, first + 1] = 0.0, 15.0
+    q4 = quantize_groups(codes, 32)
+    assert torch.equal(q4.codes(), codes.to(torch.uint8))
+    packed = pack_a8(q4)
+    assert packed.shape == (2, k // 8, 64)
+    assert packed.dtype == torch.uint8
+    lane = packed[1, 2, 4 * 3 : 4 * 3 + 4]  # panel 1, inputs 16..23, channel 19
+    assert [int(b) & 0xF for b in lane] == [int(c) for c in codes[19, 16:20]]
+    assert [int(b) >> 4 for b in lane] == [int(c) for c in codes[19, 20:24]]
+    assert (packed[1, :, 16:] == 0).all()  # the padded channels of the last panel
+    assert not a8_packable(quantize_groups(codes[:, :36], 32))  # K off a multiple of 8
+    assert not a8_packable(quantize_groups(codes, 32, bits=8))
 
 
 def test_int4_constant_groups_and_clipping() -> None:

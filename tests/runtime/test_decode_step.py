@@ -4,7 +4,8 @@ Each decode step of a mixed batch (contexts of different lengths, some crossing 
 boundary, block size 4) runs both ways on the same inputs: hidden states must agree to
 rounding, at every batch size from five rows down to one, for every architecture feature the
 fused step handles (tied embeddings, QKV bias, per-head q/k norm with head_dim != hidden /
-heads), both cache dtypes, int8 (per channel and in groups) and int4 weights, LoRA adapters
+heads), both cache dtypes, int8 (per channel and in groups) and int4 weights (and a draft
+model's int4 weights with int8 activations), LoRA adapters
 mixed with the base model in one batch, and 1, 2 and 3 threads (more threads than this
 machine's cores: the barrier's sleeping path).
 """
@@ -23,8 +24,10 @@ from ladle.runtime import LLM, LoRARequest, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
 from ladle.runtime.bench.profile import latency_profile
 from ladle.runtime.forward_pass import Chunk, build_plan
+from ladle.runtime.kernels import cpu_kernels, decode_step
 from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.lora.batch import LoRABatch
+from ladle.runtime.quantization.apply import int8_activations
 
 PROMPTS = [[5], [17, 300, 42], [9, 8, 7, 6], list(range(100, 109)), list(range(200, 217))]
 STEPS = 6
@@ -143,6 +146,25 @@ def test_fused_step_with_quantized_weights(
         quantization_group_size=group,
     )
     assert _compare_decode_steps(llm, threads=[2]) >= STEPS
+
+
+def test_fused_step_with_int8_activations(tiny_model_factory: Callable[[str], Path]) -> None:
+    """A draft model's int4 weights with int8-activation codes (where the CPU has VNNI): the
+    fused step rounds the activations as the per-op path does, at every batch size."""
+    llm = _engine(
+        tiny_model_factory("qwen2"),
+        quantization="int4",
+        quantization_method="rtn",
+        quantization_group_size=32,
+    )
+    lib = cpu_kernels.load()
+    if lib is None or not cpu_kernels.a8_supported(lib):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    engine = llm.engine
+    assert int8_activations(engine.model) == 4 * len(engine.model.layers)
+    forward = engine.runner.forward
+    forward.fused = decode_step.for_model(engine.model, forward.caches)  # sees the new codes
+    assert _compare_decode_steps(llm, threads=[1, 2]) >= STEPS
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

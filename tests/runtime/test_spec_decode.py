@@ -15,6 +15,9 @@ from random_weights import TINY_ARCHITECTURES, save_random_model, tiny_config
 
 from ladle.runtime import LLM, RequestOutput, SamplingParams
 from ladle.runtime.config import ConfigError
+from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.quantization.formats import GroupWeight
+from ladle.runtime.quantization.linear import QuantizedLinear
 from ladle.runtime.sampler import Sampler
 from ladle.runtime.sampling_params import SamplingParams as Params
 from ladle.runtime.sequence import Sequence
@@ -230,6 +233,29 @@ def test_the_model_drafting_for_itself_has_every_draft_accepted(plain: LLM) -> N
     assert out.num_cached_tokens > 0
     assert counts.draft_tokens > 3 * 40 // 2
     assert counts.accepted_tokens == counts.draft_tokens, counts
+
+
+def test_the_int4_drafter_takes_int8_activations_and_keeps_its_acceptance(plain: LLM) -> None:
+    """Where the CPU has VNNI, the rounded copy's decode products also round their activations
+    (kernels/a8_kernels.c); its drafts must still be the model's tokens nearly always. Codes
+    laid out wrong, or scaled wrong, would draft noise: greedy output unchanged, acceptance
+    near zero."""
+    lib = cpu_kernels.load()
+    if lib is None or not cpu_kernels.a8_supported(lib):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    spec = LLM(plain.engine.args.model, speculative_config=DRAFT_MODEL, **SMALL_CACHE)
+    drafter = spec.engine.runner.drafter
+    assert drafter is not None
+    for layer in drafter.forward.model.layers:
+        for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            assert isinstance(linear, QuantizedLinear)
+            assert isinstance(linear.weight, GroupWeight)
+            assert linear.weight.a8 is not None
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    assert _greedy(spec, params, PROMPTS[:2]) == _greedy(plain, params, PROMPTS[:2])
+    counts = spec.engine.stats().spec_decode
+    assert counts.draft_tokens > 16
+    assert (counts.acceptance_rate or 0) > 0.7, counts
 
 
 def test_a_prompt_from_the_prefix_cache_drafts_as_when_computed(
