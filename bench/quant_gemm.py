@@ -3,7 +3,7 @@
 per product and multiplied with torch's GEMM, with fp32's GEMM as the ceiling. Measured in one
 run, interleaved.
 
-``cpu_kernels.linear`` takes the second path from ``DEQUANTIZE_ROWS`` rows on; this prints,
+``quant_ops.linear`` takes the second path from ``DEQUANTIZE_ROWS`` rows on; this prints,
 for the default model's projections and each weight format, the median time of each path per
 row count (spread: min-max over rounds, the path order rotating each round), and which path
 is faster, to check that threshold on the machine at hand. Then whole requests on the int4
@@ -35,7 +35,7 @@ if str(ROOT / "src") not in sys.path:
 
 import torch  # noqa: E402
 
-from ladle.runtime.kernels import cpu_kernels  # noqa: E402
+from ladle.runtime.kernels import cpu_kernels, quant_ops  # noqa: E402
 from ladle.runtime.quantization.formats import quantize_groups, quantize_int8  # noqa: E402
 
 # SmolLM2-135M's projections (N, K): attention's q/o, MLP gate/up and down.
@@ -58,8 +58,8 @@ def products(rounds: int, repeats: int) -> None:
     lib = cpu_kernels.load()
     assert lib is not None, "the CPU kernels did not build"
     torch.manual_seed(0)
-    default = cpu_kernels.DEQUANTIZE_ROWS
-    print(f"threads {torch.get_num_threads()}, ISA {cpu_kernels.isa(lib)}, "
+    default = quant_ops.DEQUANTIZE_ROWS
+    print(f"threads {torch.get_num_threads()}, ISA {quant_ops.isa(lib)}, "
           f"DEQUANTIZE_ROWS {default}")  # fmt: skip
     print(f"{'shape':<18} {'format':<9} {'rows':>5} {'tiles ms':>16} {'dequant+GEMM ms':>18} "
           f"{'fp32 GEMM ms':>14}  faster")  # fmt: skip
@@ -75,12 +75,12 @@ def products(rounds: int, repeats: int) -> None:
                 x = torch.randn(rows, k)
 
                 def tiles(x: torch.Tensor = x, q: object = q) -> object:
-                    cpu_kernels.DEQUANTIZE_ROWS = TILES
-                    return cpu_kernels.linear(lib, x, q, None)  # type: ignore[arg-type]
+                    quant_ops.DEQUANTIZE_ROWS = TILES
+                    return quant_ops.linear(lib, x, q, None)  # type: ignore[arg-type]
 
                 def dequant(x: torch.Tensor = x, q: object = q) -> object:
-                    cpu_kernels.DEQUANTIZE_ROWS = 0
-                    return cpu_kernels.linear(lib, x, q, None)  # type: ignore[arg-type]
+                    quant_ops.DEQUANTIZE_ROWS = 0
+                    return quant_ops.linear(lib, x, q, None)  # type: ignore[arg-type]
 
                 def dense(x: torch.Tensor = x, wt: torch.Tensor = w.T) -> object:
                     return x @ wt
@@ -90,7 +90,7 @@ def products(rounds: int, repeats: int) -> None:
                 for r in range(rounds):
                     for p in paths[r % 3 :] + paths[: r % 3]:
                         times[p.__name__].append(median_ms(p, repeats))
-                cpu_kernels.DEQUANTIZE_ROWS = default
+                quant_ops.DEQUANTIZE_ROWS = default
                 cells = [
                     f"{statistics.median(v):7.3f} ({min(v):.2f}-{max(v):.2f})"
                     for v in times.values()
@@ -115,20 +115,20 @@ def prefill(rounds: int) -> None:
             4, 200, SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=20)
         ),
     }  # fmt: skip
-    default = cpu_kernels.DEQUANTIZE_ROWS
+    default = quant_ops.DEQUANTIZE_ROWS
     gen = torch.Generator().manual_seed(1)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2), use_tqdm=False)
     for label, (count, length, params) in workloads.items():
         times: dict[str, list[float]] = {"tiles": [], "dequant": []}
         for r in range(rounds):
             for path in ("tiles", "dequant") if r % 2 == 0 else ("dequant", "tiles"):
-                cpu_kernels.DEQUANTIZE_ROWS = TILES if path == "tiles" else default
+                quant_ops.DEQUANTIZE_ROWS = TILES if path == "tiles" else default
                 ids = torch.randint(100, vocab, (count, length), generator=gen).tolist()
                 prompts = [{"prompt_token_ids": row} for row in ids]
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 times[path].append(time.perf_counter() - start)
-        cpu_kernels.DEQUANTIZE_ROWS = default
+        quant_ops.DEQUANTIZE_ROWS = default
         tiles, dequant = (statistics.median(times[p]) for p in ("tiles", "dequant"))
         cells = ", ".join(
             f"{path} {statistics.median(v):.3f} s ({min(v):.3f}-{max(v):.3f})"
@@ -156,7 +156,7 @@ def drafting(rounds: int, repeats: int) -> None:
 
     lib = cpu_kernels.load()
     assert lib is not None, "the CPU kernels did not build"
-    if not cpu_kernels.a8_supported(lib):
+    if not quant_ops.a8_supported(lib):
         print("drafting: this CPU has no AVX-512 VNNI; drafts use the weight-only GEMV")
         return
     for label, (n, k) in SHAPES.items():
@@ -170,7 +170,7 @@ def drafting(rounds: int, repeats: int) -> None:
                 for name, q in order if r % 2 == 0 else order[::-1]:
 
                     def product(q: GroupWeight = q, x: torch.Tensor = x) -> object:
-                        return cpu_kernels.linear(lib, x, q, None)
+                        return quant_ops.linear(lib, x, q, None)
 
                     times[name].append(median_ms(product, repeats))
             ratio = statistics.median(times["weight-only"]) / statistics.median(

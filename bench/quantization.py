@@ -99,7 +99,7 @@ def main() -> int:
     import torch
 
     from ladle.runtime import LLM
-    from ladle.runtime.kernels import cpu_kernels
+    from ladle.runtime.kernels import cpu_kernels, quant_ops
 
     configs = ["fp32", *[c for c in args.configs if c != "fp32"]]
     engine_args = {
@@ -114,7 +114,7 @@ def main() -> int:
         print(f"built {name} in {time.monotonic() - started:.1f} s", flush=True)
     lib = cpu_kernels.load()
     print(
-        f"threads {torch.get_num_threads()}, kernels {cpu_kernels.isa(lib) if lib else 'none'}, "
+        f"threads {torch.get_num_threads()}, kernels {quant_ops.isa(lib) if lib else 'none'}, "
         f"{args.rounds} rounds x {args.steps} steps per batch size",
         flush=True,
     )

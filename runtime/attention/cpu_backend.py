@@ -20,7 +20,7 @@ import torch
 from ladle.runtime.attention.backend import AttentionMetadata, KVCacheSpec, LayerKVCache
 from ladle.runtime.attention.torch_backend import TorchAttentionBackend
 from ladle.runtime.config import ConfigError
-from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.kernels import cpu_kernels, quant_ops
 
 
 def cpu_kernel_supports(
@@ -54,7 +54,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if cache.key_scale is None or cache.value_scale is None:
             cpu_kernels.store_kv(self._lib, k, v, cache.key, cache.value, meta.slot_mapping)
             return
-        cpu_kernels.store_kv_int8(
+        quant_ops.store_kv_int8(
             self._lib,
             k,
             v,
@@ -113,7 +113,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         nd = meta.num_decodes
         if cache.key_scale is not None and cache.value_scale is not None:
-            cpu_kernels.paged_decode_attention_int8(
+            quant_ops.paged_decode_attention_int8(
                 self._lib,
                 q[:nd],
                 cache.key,

@@ -13,28 +13,30 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.kernels import cpu_kernels, quant_ops
 from ladle.runtime.llm import LLM
 from ladle.runtime.sampling_params import SamplingParams
 from ladle.words import plural
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
 _ATTENTION = ("scaled_dot_product", "aten::index_select", "aten::index_copy", "aten::bmm")
-# Our C kernels (ctypes calls, invisible to torch.profiler) and the bucket each belongs to.
-_C_KERNELS = {
-    "linear": "gemm",
-    "paged_decode_attention": "attention",
-    "paged_decode_attention_int8": "attention",
-    "store_kv": "attention",
-    "store_kv_int8": "attention",
-    "rms_norm": "other",
-    "rope_": "other",
-    "silu_and_mul": "other",
+# Our C kernels (ctypes calls, invisible to torch.profiler): the module that wraps each, and
+# the bucket it belongs to.
+_C_KERNELS: dict[str, tuple[ModuleType, str]] = {
+    "linear": (quant_ops, "gemm"),
+    "paged_decode_attention": (cpu_kernels, "attention"),
+    "paged_decode_attention_int8": (quant_ops, "attention"),
+    "store_kv": (cpu_kernels, "attention"),
+    "store_kv_int8": (quant_ops, "attention"),
+    "rms_norm": (cpu_kernels, "other"),
+    "rope_": (cpu_kernels, "other"),
+    "silu_and_mul": (cpu_kernels, "other"),
 }
 
 
@@ -99,14 +101,14 @@ def _profiled_steps(llm: LLM, steps: int) -> tuple[Any, float, dict[str, _Timed]
     engine = llm.engine
     runner = engine.runner
     sampler, fused = runner.sampler, runner.forward.fused
-    timers = {name: _Timed(getattr(cpu_kernels, name)) for name in _C_KERNELS}
+    timers = {name: _Timed(getattr(module, name)) for name, (module, _) in _C_KERNELS.items()}
     timers["sampler"] = _Timed(sampler)
     runner.sampler = timers["sampler"]  # type: ignore[assignment]
     if fused is not None:
         timers["fused"] = _Timed(fused.run)
         fused.run = timers["fused"]  # type: ignore[method-assign]
-    for name in _C_KERNELS:
-        setattr(cpu_kernels, name, timers[name])
+    for name, (module, _) in _C_KERNELS.items():
+        setattr(module, name, timers[name])
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             started = time.perf_counter()
@@ -117,8 +119,8 @@ def _profiled_steps(llm: LLM, steps: int) -> tuple[Any, float, dict[str, _Timed]
         runner.sampler = sampler
         if fused is not None:
             del fused.run  # the method again
-        for name in _C_KERNELS:
-            setattr(cpu_kernels, name, timers[name].wrapped)
+        for name, (module, _) in _C_KERNELS.items():
+            setattr(module, name, timers[name].wrapped)
     return prof, wall, timers
 
 
@@ -134,7 +136,7 @@ def _buckets(
             attention += seconds
         elif event.key.startswith("aten::"):
             other += seconds
-    for name, bucket in _C_KERNELS.items():
+    for name, (_, bucket) in _C_KERNELS.items():
         if bucket == "gemm":
             gemm += timers[name].seconds
         elif bucket == "attention":

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ladle.runtime.config import QuantizationConfig
-from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.kernels import cpu_kernels, quant_ops
 from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.quantization import awq, gptq
 from ladle.runtime.quantization.formats import (
@@ -131,7 +131,7 @@ def int8_activations(model: LlamaModel) -> int:
         and a8_packable(linear.weight)
     ]
     lib = cpu_kernels.load() if packable else None
-    if lib is None or not cpu_kernels.a8_supported(lib):
+    if lib is None or not quant_ops.a8_supported(lib):
         return 0
     for linear in packable:
         assert isinstance(linear.weight, GroupWeight)

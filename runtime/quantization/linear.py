@@ -16,7 +16,7 @@ from typing import Literal, Protocol
 import torch
 import torch.nn.functional as F
 
-from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.kernels import cpu_kernels, quant_ops
 from ladle.runtime.quantization.formats import Int8Weight, QuantizedWeight
 
 Kernels = Literal["cpu", "triton", "torch"]
@@ -55,7 +55,7 @@ class QuantizedLinear:
         if self.kernels == "cpu":
             lib = cpu_kernels.load()
             assert lib is not None, "the cpu kernels exist once the cpu backend was chosen"
-            return cpu_kernels.linear(lib, x, self.weight, self.bias)
+            return quant_ops.linear(lib, x, self.weight, self.bias)
         if self.kernels == "triton":
             from ladle.runtime.kernels import quant_gemm
 

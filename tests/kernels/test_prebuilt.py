@@ -78,14 +78,14 @@ def test_the_runtime_loads_a_prebuilt_library_instead_of_compiling(tmp_path: Pat
     assert library.name == prebuilt.library_name("x86-64")
     probe = (
         "import json, torch\n"
-        "from ladle.runtime.kernels import cpu_kernels\n"
+        "from ladle.runtime.kernels import cpu_kernels, quant_ops\n"
         "from ladle.runtime.quantization.formats import quantize_groups\n"
         "lib = cpu_kernels.load()\n"
         "w = torch.randn(20, 64)\n"
         "q = quantize_groups(w, 32)\n"
         "x = torch.randn(3, 64)\n"
-        "err = (cpu_kernels.linear(lib, x, q, None) - x @ q.dequantize().T).abs().max()\n"
-        "print(json.dumps([cpu_kernels.ISA_NAMES[lib.ladle_quant_isa()], float(err)]))\n"
+        "err = (quant_ops.linear(lib, x, q, None) - x @ q.dequantize().T).abs().max()\n"
+        "print(json.dumps([quant_ops.ISA_NAMES[lib.ladle_quant_isa()], float(err)]))\n"
     )
     env = {**os.environ, prebuilt.ENV: str(kernels), "LADLE_CACHE_DIR": str(cache)}
     run = subprocess.run(

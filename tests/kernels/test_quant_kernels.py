@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.kernels import cpu_kernels, quant_ops
 from ladle.runtime.kernels.quant_gemm import quantized_linear
 from ladle.runtime.quantization.formats import (
     GroupWeight,
@@ -41,8 +41,8 @@ SHAPES = [
     (5, 17, 31, 32),
     (37, 70, 2050, 96),
     (8, 960, 576, 64),
-    (cpu_kernels.DEQUANTIZE_ROWS - 1, 40, 96, 32),
-    (cpu_kernels.DEQUANTIZE_ROWS, 33, 2050, 96),
+    (quant_ops.DEQUANTIZE_ROWS - 1, 40, 96, 32),
+    (quant_ops.DEQUANTIZE_ROWS, 33, 2050, 96),
     (300, 17, 31, 32),
 ]
 
@@ -68,7 +68,7 @@ def lib(request: pytest.FixtureRequest) -> ctypes.CDLL:
     assert built is not None, f"the {request.param} build of the CPU kernels failed"
     expected = {"avx2": "avx2", "portable": "portable"}.get(request.param)
     if expected is not None:
-        assert cpu_kernels.isa(built) == expected
+        assert quant_ops.isa(built) == expected
     return built
 
 
@@ -80,7 +80,7 @@ def test_cpu_linear_matches_float64(lib: ctypes.CDLL, m: int, n: int, k: int, gr
     w = torch.randn(n, k)
     bias = torch.randn(n) if m % 2 else None
     for q in (quantize_int8(w), quantize_groups(w, group), quantize_groups(w, group, bits=8)):
-        y = cpu_kernels.linear(lib, x, q, bias)
+        y = quant_ops.linear(lib, x, q, bias)
         assert y.shape == (m, n)
         assert rel_err(y, reference(x, q, bias)) < 1e-5
 
@@ -102,7 +102,7 @@ def test_cpu_int8_activation_gemv_matches_its_reference(
 ) -> None:
     """A draft model's int4 GEMV with int8 activations (VNNI), on every build: it is chosen
     at run time, whatever instruction set the rest was built for."""
-    if not cpu_kernels.a8_supported(lib):
+    if not quant_ops.a8_supported(lib):
         pytest.skip("this CPU has no AVX-512 VNNI")
     torch.manual_seed(m + n + k)
     x = torch.randn(2 * m, k + 3)[::2, :k]
@@ -110,7 +110,7 @@ def test_cpu_int8_activation_gemv_matches_its_reference(
     w = quantize_groups(torch.randn(n, k), group)
     bias = torch.randn(n)
     a8 = dataclasses.replace(w, a8=pack_a8(w))
-    y = cpu_kernels.linear(lib, x, a8, bias)
+    y = quant_ops.linear(lib, x, a8, bias)
     # The dequantized weights times the rounded activations, to fp32 rounding.
     assert rel_err(y, reference(rounded_activations(x, group), w, bias)) < 1e-6
     # Not the weight-only product: rounding the activations moves it, a little.
@@ -122,12 +122,12 @@ def test_cpu_linear_keeps_leading_dimensions_and_rejects_bad_groups() -> None:
     assert lib is not None
     x = torch.randn(2, 3, 64)
     q = quantize_groups(torch.randn(5, 64), 32)
-    y = cpu_kernels.linear(lib, x, q, None)
+    y = quant_ops.linear(lib, x, q, None)
     assert y.shape == (2, 3, 5)
     assert rel_err(y, reference(x, q, None)) < 1e-5
     bad = dataclasses.replace(q, group_size=48)
     with pytest.raises(ValueError, match="multiple of 32"):
-        cpu_kernels.linear(lib, x, bad, None)
+        quant_ops.linear(lib, x, bad, None)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +158,7 @@ def test_cpu_int8_kv_store_writes_the_reference_bytes(lib: ctypes.CDLL) -> None:
     slots = torch.tensor([5, 0, -1, 15, 6, 9, 2])  # -1: a padded token, skipped
     caches = [torch.full((blocks, bs, heads, dim), 7, dtype=torch.int8) for _ in range(2)]
     scales = [torch.full((blocks, bs, heads), -1.0) for _ in range(2)]
-    cpu_kernels.store_kv_int8(lib, k, v, *caches, *scales, slots)
+    quant_ops.store_kv_int8(lib, k, v, *caches, *scales, slots)
     keep = slots >= 0
     for src, cache, scale in ((k, caches[0], scales[0]), (v, caches[1], scales[1])):
         q, s = quantize_kv_rows(src[keep])
@@ -191,7 +191,7 @@ def test_cpu_int8_decode_attention_matches_float64(
     q = torch.randn(len(lens), hq, head_dim)
     out = torch.empty_like(q)
     scale = head_dim**-0.5
-    cpu_kernels.paged_decode_attention_int8(
+    quant_ops.paged_decode_attention_int8(
         lib,
         q,
         key,

@@ -23,6 +23,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from ladle.operator.runtime_pod import RUNTIME_UID
+from ladle.runtime.kernels import prebuilt
 from ladle_dev.cluster import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,8 +161,9 @@ def test_wheel_carries_the_operator_and_the_console_script(wheel: Path) -> None:
     # A namespace package: an __init__ would shadow the stdlib `operator` from the repo root.
     assert "ladle/operator/__init__.py" not in names
     assert "ladle/cli.py" in names
-    # The runtime builds its CPU kernels from this source on first use.
-    assert "ladle/runtime/kernels/cpu_kernels.c" in names
+    # The runtime builds its CPU kernels from these sources on first use.
+    for source in (*prebuilt.SOURCES, prebuilt.HEADER):
+        assert f"ladle/runtime/kernels/{source.name}" in names
 
 
 def test_wheel_holds_no_development_code(wheel: Path) -> None:

@@ -24,7 +24,7 @@ from ladle.runtime import LLM, LoRARequest, SamplingParams
 from ladle.runtime.attention.backend import AttentionMetadata
 from ladle.runtime.bench.profile import latency_profile
 from ladle.runtime.forward_pass import Chunk, build_plan
-from ladle.runtime.kernels import cpu_kernels, decode_step
+from ladle.runtime.kernels import cpu_kernels, decode_step, quant_ops
 from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.lora.batch import LoRABatch
 from ladle.runtime.quantization.apply import int8_activations
@@ -158,7 +158,7 @@ def test_fused_step_with_int8_activations(tiny_model_factory: Callable[[str], Pa
         quantization_group_size=32,
     )
     lib = cpu_kernels.load()
-    if lib is None or not cpu_kernels.a8_supported(lib):
+    if lib is None or not quant_ops.a8_supported(lib):
         pytest.skip("this CPU has no AVX-512 VNNI")
     engine = llm.engine
     assert int8_activations(engine.model) == 4 * len(engine.model.layers)

@@ -15,7 +15,7 @@ from random_weights import TINY_ARCHITECTURES, save_random_model, tiny_config
 
 from ladle.runtime import LLM, RequestOutput, SamplingParams
 from ladle.runtime.config import ConfigError
-from ladle.runtime.kernels import cpu_kernels
+from ladle.runtime.kernels import cpu_kernels, quant_ops
 from ladle.runtime.quantization.formats import GroupWeight
 from ladle.runtime.quantization.linear import QuantizedLinear
 from ladle.runtime.sampler import Sampler
@@ -241,7 +241,7 @@ def test_the_int4_drafter_takes_int8_activations_and_keeps_its_acceptance(plain:
     laid out wrong, or scaled wrong, would draft noise: greedy output unchanged, acceptance
     near zero."""
     lib = cpu_kernels.load()
-    if lib is None or not cpu_kernels.a8_supported(lib):
+    if lib is None or not quant_ops.a8_supported(lib):
         pytest.skip("this CPU has no AVX-512 VNNI")
     spec = LLM(plain.engine.args.model, speculative_config=DRAFT_MODEL, **SMALL_CACHE)
     drafter = spec.engine.runner.drafter
