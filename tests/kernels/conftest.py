@@ -19,6 +19,13 @@ from ladle.runtime.models.loader import resolve_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INTERPRET = DEVICE.type == "cpu"
+# The C kernels' instruction-set paths, each built on this machine: the native build (AVX-512
+# where the CPU has it), the AVX2 path, and the portable C.
+BUILDS = {
+    "native": (),
+    "avx2": ("-mno-avx512f",),
+    "portable": ("-mno-avx2", "-mno-avx512f", "-mno-fma"),
+}
 
 
 def _import_kernels() -> None:

@@ -24,13 +24,8 @@ from ladle.runtime.quantization.formats import (
     quantize_kv_rows,
 )
 
-from .conftest import DEVICE
+from .conftest import BUILDS, DEVICE
 
-BUILDS = {
-    "native": (),
-    "avx2": ("-mno-avx512f",),
-    "portable": ("-mno-avx2", "-mno-avx512f", "-mno-fma"),
-}
 # (rows of x, N, K, group size): GEMV (up to 4 rows), GEMM (more) and the dequantized weight
 # through torch's GEMM (from DEQUANTIZE_ROWS), K off every vector width and past one
 # dequantized chunk, partial last groups, N off the panel and register tiles.
