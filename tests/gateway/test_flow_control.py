@@ -347,9 +347,12 @@ async def test_a_higher_level_displaces_a_lower_one_where_the_engine_orders_by_p
     newcomer waits at the gateway for the slot instead."""
     policy, pod = one_slot_pod
     engine = {"engine": {"schedulingPolicy": "priority"}} if policy == "priority" else {}
-    gw = await run_gateway([service(pod, 1, **engine)])
+    # The displaced request's whole answer is its first byte (it does not stream): on a loaded
+    # machine, 160 tokens after a preemption can outlast the default 60 s.
+    timeouts = {"timeouts": {"firstTokenSeconds": 200}}
+    gw = await run_gateway([service(pod, 1, **engine, **timeouts)])
     body = {"model": "m", "prompt": "Count to a hundred:", "ignore_eos": True}
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=210) as client:
         page = (await client.get(pod.url + "/metrics")).text
         preempted_before = sum(v for _, v in samples(page, (PREEMPTIONS,))[PREEMPTIONS])
         low = asyncio.ensure_future(
