@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""CPU decode attention over the paged cache: this checkout's C kernel against the one of an
+earlier commit, built from that commit's sources with the same flags, in interleaved rounds.
+
+The batch is what workload B's decode steps hold: 128 sequences of 40 to 270 tokens over
+shuffled blocks of 16, with SmolLM2-135M's heads (9 query, 3 KV, 64 wide). Reported: the
+median time a layer (spread: min-max over rounds, the order alternating) for each kernel, the
+ratio, and the rate at which the new one reads the KV cache.
+
+    .venv/bin/python bench/attention.py --baseline-rev 88dd438
+    .venv/bin/python bench/attention.py --baseline-rev 88dd438 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from ladle.runtime.kernels import cpu_kernels, prebuilt  # noqa: E402
+
+SEQS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 128, 9, 3, 64, 16
+
+
+def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
+    """The kernels of ``rev``, built with this checkout's flags, their signatures set as now
+    (the attention entry point's has not changed)."""
+    for source in (*prebuilt.SOURCES, prebuilt.HEADER):
+        relative = source.relative_to(ROOT / "src" / "ladle").as_posix()
+        shown = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{relative}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if shown.returncode == 0:  # a source added since is left out
+            (folder / source.name).write_text(shown.stdout)
+    sources = list(folder.glob("*.c"))
+    target = folder / "baseline.so"
+    cc = cpu_kernels.compiler()
+    assert cc is not None, "no C compiler"
+    subprocess.run(
+        [cc, *cpu_kernels.FLAGS, "-o", str(target), *map(str, sources), "-lm"],
+        check=True,
+        capture_output=True,
+    )
+    lib = ctypes.CDLL(str(target))
+    name = "ladle_paged_decode_attention_f32"
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = cpu_kernels._SIGNATURES[name]
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline-rev", required=True, help="the commit to compare with")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    new = cpu_kernels.load()
+    assert new is not None, "the CPU kernels did not build"
+    torch.manual_seed(0)
+    lens = torch.randint(40, 270, (SEQS,), dtype=torch.int32)
+    per_seq = (lens + BLOCK - 1) // BLOCK
+    blocks = int(per_seq.sum())
+    key = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    value = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    order = torch.randperm(blocks).to(torch.int32).tolist()
+    tables = torch.zeros(SEQS, int(per_seq.max()), dtype=torch.int32)
+    for s in range(SEQS):
+        for j in range(int(per_seq[s])):
+            tables[s, j] = order.pop()
+    q = torch.randn(SEQS, Q_HEADS, HEAD_DIM)
+    outs = {"baseline": torch.empty_like(q), "this checkout": torch.empty_like(q)}
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"baseline": baseline_library(args.baseline_rev, Path(tmp)), "this checkout": new}
+        times: dict[str, list[float]] = {name: [] for name in libs}
+        for r in range(args.rounds):
+            for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
+
+                def layer(name: str = name) -> None:
+                    cpu_kernels.paged_decode_attention(
+                        libs[name], q, key, value, tables, lens, HEAD_DIM**-0.5, outs[name]
+                    )
+
+                layer()
+                start = time.perf_counter()
+                for _ in range(10):
+                    layer()
+                times[name].append((time.perf_counter() - start) / 10 * 1e3)
+    torch.testing.assert_close(outs["this checkout"], outs["baseline"], rtol=1e-4, atol=1e-5)
+    kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 4
+    print(f"decode attention, {SEQS} sequences of {int(lens.min())}-{int(lens.max())} tokens, "
+          f"{Q_HEADS}/{KV_HEADS} heads of {HEAD_DIM}, {args.threads} threads, "
+          f"{kv_bytes / 1e6:.1f} MB of KV a layer")  # fmt: skip
+    for name, values in times.items():
+        print(f"  {name:<14} {statistics.median(values):.3f} ms a layer "
+              f"({min(values):.3f}-{max(values):.3f})")  # fmt: skip
+    ratio = statistics.median(times["baseline"]) / statistics.median(times["this checkout"])
+    rate = kv_bytes / statistics.median(times["this checkout"]) / 1e6
+    print(f"  this checkout {ratio:.2f}x the baseline; reads the KV cache at {rate:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
