@@ -198,6 +198,19 @@ static float softmax_row(float *row, int32_t len) {
 }
 
 #ifdef __AVX512F__
+/* A sequence's cache rows in order: block and slot stepped rather than divided out per row. */
+typedef struct {
+    const int32_t *table;
+    int32_t block_size, blk, off;
+    int64_t block_stride, token_stride;
+} row_walk;
+
+static inline int64_t next_row(row_walk *w) {
+    const int64_t at = (int64_t)w->table[w->blk] * w->block_stride + (int64_t)w->off * w->token_stride;
+    if (++w->off == w->block_size) w->off = 0, w->blk++;
+    return at;
+}
+
 /* The AVX-512 walk, for head_dim a multiple of 16 up to 128: the cache's rows are visited in
  * order, with their addresses stepped block by block rather than divided out per row.
  * Scores: per sixteen tokens, every head's sixteen dot products, reduced together while the
@@ -209,14 +222,12 @@ static void attention_avx512(const float *qs, float *os, const float *key_cache,
                              int32_t block_size, int64_t block_stride, int64_t token_stride,
                              float scale, float *scores, float *inv_sum) {
     const int nv = head_dim / 16;
-    int blk = 0, off = 0;
+    const row_walk start = {table, block_size, 0, 0, block_stride, token_stride};
+    row_walk keys = start;
     for (int t = 0; t < len; t += 16) {
         const int n = len - t < 16 ? len - t : 16;
         const float *rows[16];
-        for (int j = 0; j < n; j++) {
-            rows[j] = key_cache + (int64_t)table[blk] * block_stride + (int64_t)off * token_stride;
-            if (++off == block_size) off = 0, blk++;
-        }
+        for (int j = 0; j < n; j++) rows[j] = key_cache + next_row(&keys);
         for (int head = h0; head < h1; head++) {
             const float *qh = qs + (int64_t)head * head_dim;
             const int64_t kv = (int64_t)(head / group) * head_dim;
@@ -247,11 +258,9 @@ static void attention_avx512(const float *qs, float *os, const float *key_cache,
         const int64_t kv = (int64_t)kv_head * head_dim;
         __m512 acc[16];
         for (int i = 0; i < count * nv; i++) acc[i] = _mm512_setzero_ps();
-        blk = 0, off = 0;
+        row_walk values = start;
         for (int t = 0; t < len; t++) {
-            const float *v =
-                value_cache + (int64_t)table[blk] * block_stride + (int64_t)off * token_stride + kv;
-            if (++off == block_size) off = 0, blk++;
+            const float *v = value_cache + next_row(&values) + kv;
             __m512 rowv[8];
             for (int c = 0; c < nv; c++) rowv[c] = _mm512_loadu_ps(v + 16 * c);
             for (int g = 0; g < count; g++) {
