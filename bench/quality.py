@@ -43,6 +43,7 @@ ROWS: list[tuple[str, dict[str, Any], str]] = [
     *(_int8(method, 32) for method in ("rtn", "awq")),
     *(_int4(method, group) for group in (32, 64, 128) for method in ("rtn", "awq")),
     *(_int4("awq-gptq", group) for group in (64, 128)),
+    ("fp16 KV cache", {"kv_cache_dtype": "float16"}, "int8"),
     ("int8 KV cache", {"kv_cache_dtype": "int8"}, "int8"),
     ("int8 AWQ + int8 KV", {"quantization": "int8", "kv_cache_dtype": "int8"}, "int8"),
     (

@@ -14,7 +14,7 @@ from ladle.settings import Default, SettingError
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "float16", "int8")
 WEIGHT_QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_METHODS = ("rtn", "awq", "gptq", "awq-gptq")
 # int4 group size when none is given: llama.cpp's block size, and the best quality per byte in
@@ -323,8 +323,9 @@ class EngineArgs:
             "--kv-cache-dtype",
             choices=KV_CACHE_DTYPES,
             default=defaults.kv_cache_dtype,
-            help="auto: the model's dtype; int8: per-token, per-head scales (a quarter of fp32's "
-            "memory, half of bf16's)",
+            help="auto: the model's dtype; float16: half of fp32's memory (llama.cpp's default "
+            "cache type); int8: per-token, per-head scales (a quarter of fp32's memory, half of "
+            "bf16's)",
         )
         group.add_argument(
             "--quantization",

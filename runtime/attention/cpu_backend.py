@@ -6,9 +6,11 @@ three times; the C kernel (``kernels/cpu_kernels.c``) reads it once. Prefill chu
 C call for the whole step as well (varlen, straight from the cache), instead of one SDPA call
 per sequence.
 
-With an int8 cache (per-(token, head) scales, the Triton backend's format) the C kernels
-quantize on store and read int8 in decode: a quarter of fp32's memory and traffic. Its prefills
-take the torch path, which dequantizes the blocks they read (there is no int8 C prefill yet).
+An fp16 cache (``--kv-cache-dtype float16``, llama.cpp's default cache type) is rounded on store
+and widened on read by the same kernels: half fp32's memory and traffic. With an int8 cache
+(per-(token, head) scales, the Triton backend's format) the C kernels quantize on store and read
+int8 in decode: a quarter of fp32's. Its prefills take the torch path, which dequantizes the
+blocks they read (there is no int8 C prefill yet).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from ladle.runtime.kernels import cpu_kernels, quant_ops
 def cpu_kernel_supports(
     kv_dtype: torch.dtype, device: torch.device, dtype: torch.dtype = torch.float32
 ) -> bool:
-    """The C kernels take fp32 activations and an fp32 or int8 cache."""
+    """The C kernels take fp32 activations and an fp32, fp16 or int8 cache."""
     return (
-        device.type == "cpu" and dtype == torch.float32 and kv_dtype in (torch.float32, torch.int8)
+        device.type == "cpu"
+        and dtype == torch.float32
+        and kv_dtype in (*cpu_kernels.KV_DTYPES, torch.int8)
     )
 
 
@@ -38,7 +42,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, spec: KVCacheSpec, device: torch.device) -> None:
         if not cpu_kernel_supports(spec.dtype, device):
             raise ConfigError(
-                f"attention backend 'cpu' needs an fp32 or int8 KV cache on the CPU, not "
+                f"attention backend 'cpu' needs an fp32, fp16 or int8 KV cache on the CPU, not "
                 f"{spec.dtype} on {device.type}"
             )
         lib = cpu_kernels.load()

@@ -41,13 +41,13 @@ def select_backend(
     name: str, device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype = torch.float32
 ) -> type[AttentionBackend]:
     """``auto`` means the Triton kernels on CUDA when Triton is installed, the C kernels on CPU
-    when they build (fp32 activations, fp32 or int8 caches), the torch path otherwise.
+    when they build (fp32 activations, fp32, fp16 or int8 caches), the torch path otherwise.
     ``triton`` on CPU needs ``TRITON_INTERPRET=1`` (slow; for tests)."""
     if name == "auto":
         name = _auto(device, kv_dtype, dtype)
     if name == CpuAttentionBackend.name and not cpu_kernel_supports(kv_dtype, device, dtype):
         raise ConfigError(
-            f"attention backend 'cpu' runs fp32 models on the CPU (with an fp32 or int8 KV "
+            f"attention backend 'cpu' runs fp32 models on the CPU (with an fp32, fp16 or int8 KV "
             f"cache), not {str(dtype).removeprefix('torch.')} on {device.type}"
         )
     if name in BACKENDS:

@@ -5,9 +5,10 @@ workspace, and the query heads that share a KV head are packed as rows of one qu
 KV is never repeated. Prefill chunks run one SDPA call each, reading any earlier context (prefix
 hits, previous chunks) from the cache.
 
-An int8 cache (per-(token, head) scales, as the kernels write it) is dequantized on read, and
-prefills then always read their keys and values back from the cache, so a prompt attends to
-the same quantized values whether or not its prefix came from the prefix cache.
+A cache of another type than the model's (int8 with per-(token, head) scales, as the kernels
+write it, or fp16 under an fp32 model) is widened on read, and prefills then always read their
+keys and values back from the cache, so a prompt attends to the same rounded values whether or
+not its prefix came from the prefix cache.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
         hkv, dim = self.spec.num_kv_heads, self.spec.head_dim
         slots = meta.slot_mapping
         if cache.key_scale is None or cache.value_scale is None:
-            cache.key.view(-1, hkv, dim).index_copy_(0, slots, k)
-            cache.value.view(-1, hkv, dim).index_copy_(0, slots, v)
+            cache.key.view(-1, hkv, dim).index_copy_(0, slots, k.to(cache.key.dtype))
+            cache.value.view(-1, hkv, dim).index_copy_(0, slots, v.to(cache.value.dtype))
             return
         for rows, part, scales in (
             (k, cache.key, cache.key_scale),
@@ -149,7 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
             ctx = meta.seq_lens_cpu[i]
             mask = self._prefill_masks.get(i)
-            if mask is None and cache.key_scale is None:
+            if mask is None and cache.key.dtype == q.dtype:
                 keys, values = k[start:end], v[start:end]
             else:
                 blocks = meta.block_tables[i, : -(-ctx // bs)].long()

@@ -10,6 +10,10 @@
 
 #include "kernels.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 /* RMSNorm of each row: out = x / sqrt(mean(x^2) + eps) * weight, as transformers computes it.
  * With a residual, the row is first added into it (in place) and the sum is normalized: one
  * pass instead of torch's six small ops. */
@@ -72,8 +76,6 @@ void ladle_rope_f32(float *q, int32_t q_heads, int64_t q_stride, float *k, int32
  * with |r| <= ln2 / 2, e^r from its Taylor series to degree 7, 2^k built in the exponent bits;
  * about 2 ulp, like torch's own vectorized exp. */
 #ifdef __AVX2__
-#include <immintrin.h>
-
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -123,6 +125,60 @@ void ladle_store_kv_f32(const float *k, int64_t k_stride, const float *v, int64_
     }
 }
 
+/* An fp16 cache (llama.cpp's default cache type) holds half fp32's bytes, and decode attention
+ * is bound by reading them. Conversions round to nearest even: F16C or AVX-512 instructions
+ * where the build has them, else _Float16's own. */
+void ladle_f32_to_f16_row(const float *x, uint16_t *out, int32_t n) {
+    int d = 0;
+#ifdef __AVX512F__
+    for (; d + 16 <= n; d += 16)
+        _mm256_storeu_si256((__m256i *)(out + d),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; d + 8 <= n; d += 8)
+        _mm_storeu_si128((__m128i *)(out + d),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; d < n; d++) {
+        const _Float16 h = (_Float16)x[d];
+        memcpy(out + d, &h, sizeof h);
+    }
+}
+
+static void f16_to_f32_row(const uint16_t *h, float *out, int32_t n) {
+    int d = 0;
+#ifdef __AVX512F__
+    for (; d + 16 <= n; d += 16)
+        _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + d))));
+#elif defined(__F16C__)
+    for (; d + 8 <= n; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+#endif
+    for (; d < n; d++) {
+        _Float16 x;
+        memcpy(&x, h + d, sizeof x);
+        out[d] = (float)x;
+    }
+}
+
+void ladle_store_kv_f16(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                        uint16_t *key_cache, uint16_t *value_cache, const int64_t *slots,
+                        int64_t tokens, int32_t row) {
+    for (int64_t t = 0; t < tokens; t++) {
+        ladle_f32_to_f16_row(k + t * k_stride, key_cache + slots[t] * row, row);
+        ladle_f32_to_f16_row(v + t * v_stride, value_cache + slots[t] * row, row);
+    }
+}
+
+/* ``n`` floats of a cache from element ``at``: the cache's own where it holds fp32, else
+ * converted into ``buf``. */
+static inline const float *cache_floats(const void *cache, int64_t at, int32_t n, int f16,
+                                        float *buf) {
+    if (!f16) return (const float *)cache + at;
+    f16_to_f32_row((const uint16_t *)cache + at, buf, n);
+    return buf;
+}
+
 /* Decode attention over the paged KV cache.
  *
  * One query token per sequence reads its keys and values straight from the cache blocks named
@@ -167,14 +223,6 @@ static inline __m512 sum16(const __m512 a[16]) {
 }
 #endif
 
-/* Row t of a sequence's cache: its block from the table, its slot within. */
-static inline const float *cache_row(const float *cache, const int32_t *table, int t,
-                                     int32_t block_size, int64_t block_stride,
-                                     int64_t token_stride) {
-    return cache + (int64_t)table[t / block_size] * block_stride +
-           (int64_t)(t % block_size) * token_stride;
-}
-
 /* Each row of scores to exp(score - max), in place; returns 1 / the row's sum. */
 static float softmax_row(float *row, int32_t len) {
     float max = -INFINITY;
@@ -211,23 +259,31 @@ static inline int64_t next_row(row_walk *w) {
     return at;
 }
 
+/* Sixteen floats of a cache from element ``at``, widened from fp16 where it holds that. */
+static inline __m512 load16(const void *cache, int64_t at, int f16) {
+    if (f16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + at)));
+    return _mm512_loadu_ps((const float *)cache + at);
+}
+
 /* The AVX-512 walk, for head_dim a multiple of 16 up to 128: the cache's rows are visited in
  * order, with their addresses stepped block by block rather than divided out per row.
  * Scores: per sixteen tokens, every head's sixteen dot products, reduced together while the
  * rows are in L1. Values: per group of query heads sharing a KV head, their outputs in
- * registers (up to 16 vectors) over every token, each value row read once per group. */
-static void attention_avx512(const float *qs, float *os, const float *key_cache,
-                             const float *value_cache, const int32_t *table, int32_t len,
-                             int32_t h0, int32_t h1, int32_t group, int32_t head_dim,
-                             int32_t block_size, int64_t block_stride, int64_t token_stride,
-                             float scale, float *scores, float *inv_sum) {
+ * registers (up to 16 vectors) over every token, each value row read once per group. Inlined
+ * per cache type, so that ``f16`` is a constant. */
+static inline __attribute__((always_inline)) void attention_avx512(
+    const float *qs, float *os, const void *key_cache, const void *value_cache,
+    const int32_t *table, int32_t len, int32_t h0, int32_t h1, int32_t group, int32_t head_dim,
+    int32_t block_size, int64_t block_stride, int64_t token_stride, float scale, float *scores,
+    float *inv_sum, int f16) {
     const int nv = head_dim / 16;
     const row_walk start = {table, block_size, 0, 0, block_stride, token_stride};
     row_walk keys = start;
     for (int t = 0; t < len; t += 16) {
         const int n = len - t < 16 ? len - t : 16;
-        const float *rows[16];
-        for (int j = 0; j < n; j++) rows[j] = key_cache + next_row(&keys);
+        int64_t rows[16];
+        for (int j = 0; j < n; j++) rows[j] = next_row(&keys);
         for (int head = h0; head < h1; head++) {
             const float *qh = qs + (int64_t)head * head_dim;
             const int64_t kv = (int64_t)(head / group) * head_dim;
@@ -237,10 +293,10 @@ static void attention_avx512(const float *qs, float *os, const float *key_cache,
                     acc[j] = _mm512_setzero_ps();
                     continue;
                 }
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(rows[j] + kv));
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qh), load16(key_cache, rows[j] + kv, f16));
                 for (int c = 1; c < nv; c++)
                     a = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c),
-                                        _mm512_loadu_ps(rows[j] + kv + 16 * c), a);
+                                        load16(key_cache, rows[j] + kv + 16 * c, f16), a);
                 acc[j] = a;
             }
             const __m512 s = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
@@ -260,9 +316,9 @@ static void attention_avx512(const float *qs, float *os, const float *key_cache,
         for (int i = 0; i < count * nv; i++) acc[i] = _mm512_setzero_ps();
         row_walk values = start;
         for (int t = 0; t < len; t++) {
-            const float *v = value_cache + next_row(&values) + kv;
+            const int64_t v = next_row(&values) + kv;
             __m512 rowv[8];
-            for (int c = 0; c < nv; c++) rowv[c] = _mm512_loadu_ps(v + 16 * c);
+            for (int c = 0; c < nv; c++) rowv[c] = load16(value_cache, v + 16 * c, f16);
             for (int g = 0; g < count; g++) {
                 const __m512 p = _mm512_set1_ps(scores[(int64_t)(first + g - h0) * len + t]);
                 for (int c = 0; c < nv; c++)
@@ -280,30 +336,37 @@ static void attention_avx512(const float *qs, float *os, const float *key_cache,
 }
 #endif
 
-int ladle_decode_attention_f32_heads(const float *qs, float *os, const float *key_cache,
-                                     const float *value_cache, const int32_t *table, int32_t len,
-                                     int32_t h0, int32_t h1, int32_t group, int32_t num_kv_heads,
-                                     int32_t head_dim, int32_t block_size, float scale) {
+static inline __attribute__((always_inline)) int decode_heads(
+    const float *qs, float *os, const void *key_cache, const void *value_cache,
+    const int32_t *table, int32_t len, int32_t h0, int32_t h1, int32_t group,
+    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale, int f16) {
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = token_stride * block_size;
     const int heads = h1 - h0;
-    /* scores[(head - h0) * len + t], then one normalizer per query head */
-    float *scores = malloc(sizeof(float) * (size_t)heads * ((size_t)len + 1));
+    /* scores[(head - h0) * len + t], one normalizer per query head, then an fp16 cache's
+     * KV heads of one row, widened (the heads' KV heads are at most as many as the heads) */
+    float *scores = malloc(sizeof(float) * (size_t)heads * ((size_t)len + 1 + (size_t)head_dim));
     if (scores == NULL) return 1;
     float *inv_sum = scores + (size_t)heads * len;
+    float *wide = inv_sum + heads;
 #ifdef __AVX512F__
     if (head_dim % 16 == 0 && head_dim <= 128) {
         attention_avx512(qs, os, key_cache, value_cache, table, len, h0, h1, group, head_dim,
-                         block_size, block_stride, token_stride, scale, scores, inv_sum);
+                         block_size, block_stride, token_stride, scale, scores, inv_sum, f16);
         free(scores);
         return 0;
     }
 #endif
+    /* The KV heads [kv0, kv1) that query heads [h0, h1) read, as one span of a row. */
+    const int kv0 = h0 / group, kv1 = (h1 - 1) / group + 1;
+    const int32_t span = (kv1 - kv0) * head_dim;
     for (int t = 0; t < len; t++) {
-        const float *k = cache_row(key_cache, table, t, block_size, block_stride, token_stride);
+        const int64_t at = (int64_t)table[t / block_size] * block_stride +
+                           (int64_t)(t % block_size) * token_stride + (int64_t)kv0 * head_dim;
+        const float *k = cache_floats(key_cache, at, span, f16, wide);
         for (int head = h0; head < h1; head++) {
             const float *qh = qs + (int64_t)head * head_dim;
-            const float *kh = k + (int64_t)(head / group) * head_dim;
+            const float *kh = k + (int64_t)(head / group - kv0) * head_dim;
             float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
             for (int d = 0; d < head_dim; d++) acc += qh[d] * kh[d];
@@ -313,10 +376,12 @@ int ladle_decode_attention_f32_heads(const float *qs, float *os, const float *ke
     for (int i = 0; i < heads; i++) inv_sum[i] = softmax_row(scores + (size_t)i * len, len);
     for (int64_t i = (int64_t)h0 * head_dim; i < (int64_t)h1 * head_dim; i++) os[i] = 0.0f;
     for (int t = 0; t < len; t++) {
-        const float *v = cache_row(value_cache, table, t, block_size, block_stride, token_stride);
+        const int64_t at = (int64_t)table[t / block_size] * block_stride +
+                           (int64_t)(t % block_size) * token_stride + (int64_t)kv0 * head_dim;
+        const float *v = cache_floats(value_cache, at, span, f16, wide);
         for (int head = h0; head < h1; head++) {
             const float p = scores[(head - h0) * len + t] * inv_sum[head - h0];
-            const float *vh = v + (int64_t)(head / group) * head_dim;
+            const float *vh = v + (int64_t)(head / group - kv0) * head_dim;
             float *oh = os + (int64_t)head * head_dim;
 #pragma omp simd
             for (int d = 0; d < head_dim; d++) oh[d] += p * vh[d];
@@ -326,26 +391,70 @@ int ladle_decode_attention_f32_heads(const float *qs, float *os, const float *ke
     return 0;
 }
 
-int ladle_paged_decode_attention_f32(
-    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
-    int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-    int32_t block_size, float scale, int32_t num_threads) {
+int ladle_decode_attention_f32_heads(const float *qs, float *os, const float *key_cache,
+                                     const float *value_cache, const int32_t *table, int32_t len,
+                                     int32_t h0, int32_t h1, int32_t group, int32_t num_kv_heads,
+                                     int32_t head_dim, int32_t block_size, float scale) {
+    return decode_heads(qs, os, key_cache, value_cache, table, len, h0, h1, group, num_kv_heads,
+                        head_dim, block_size, scale, 0);
+}
+
+int ladle_decode_attention_f16_heads(const float *qs, float *os, const uint16_t *key_cache,
+                                     const uint16_t *value_cache, const int32_t *table,
+                                     int32_t len, int32_t h0, int32_t h1, int32_t group,
+                                     int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                                     float scale) {
+    return decode_heads(qs, os, key_cache, value_cache, table, len, h0, h1, group, num_kv_heads,
+                        head_dim, block_size, scale, 1);
+}
+
+static int paged_decode(const float *q, int64_t q_stride, const void *key_cache,
+                        const void *value_cache, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *seq_lens, float *out,
+                        int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads,
+                        int32_t head_dim, int32_t block_size, float scale, int32_t num_threads,
+                        int f16) {
     int failed = 0;
     /* One sequence per task: its blocks are read front to back, every head of a token at once,
      * which keeps the reads sequential within each block. A single sequence stays on this
      * thread: waking the team costs more than its share of the work. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_seqs > 1)
     for (int s = 0; s < num_seqs; s++) {
-        if (ladle_decode_attention_f32_heads(
-                q + (int64_t)s * q_stride, out + (int64_t)s * num_heads * head_dim, key_cache,
-                value_cache, block_tables + s * table_stride, seq_lens[s], 0, num_heads,
-                num_heads / num_kv_heads, num_kv_heads, head_dim, block_size, scale)) {
+        const float *qs = q + (int64_t)s * q_stride;
+        float *os = out + (int64_t)s * num_heads * head_dim;
+        const int32_t *table = block_tables + s * table_stride;
+        const int group = num_heads / num_kv_heads;
+        const int bad =
+            f16 ? decode_heads(qs, os, key_cache, value_cache, table, seq_lens[s], 0, num_heads,
+                               group, num_kv_heads, head_dim, block_size, scale, 1)
+                : decode_heads(qs, os, key_cache, value_cache, table, seq_lens[s], 0, num_heads,
+                               group, num_kv_heads, head_dim, block_size, scale, 0);
+        if (bad) {
 #pragma omp atomic write
             failed = 1;
         }
     }
     return failed;
+}
+
+int ladle_paged_decode_attention_f32(
+    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+    int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+    int32_t block_size, float scale, int32_t num_threads) {
+    return paged_decode(q, q_stride, key_cache, value_cache, block_tables, table_stride, seq_lens,
+                        out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                        num_threads, 0);
+}
+
+int ladle_paged_decode_attention_f16(
+    const float *q, int64_t q_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
+    int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+    int32_t block_size, float scale, int32_t num_threads) {
+    return paged_decode(q, q_stride, key_cache, value_cache, block_tables, table_stride, seq_lens,
+                        out, num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+                        num_threads, 1);
 }
 
 /* Prefill attention over the paged cache, for chunks of any length (varlen): each sequence's new
@@ -385,12 +494,12 @@ static float exp_sum_in_place(float *x, int n, float max) {
     return sum;
 }
 
-int ladle_paged_prefill_attention_f32(
-    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-    const int32_t *query_start, float *out, int32_t num_seqs, int32_t num_heads,
-    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
-    int32_t num_threads) {
+static int paged_prefill(const float *q, int64_t q_stride, const void *key_cache,
+                         const void *value_cache, const int32_t *block_tables,
+                         int64_t table_stride, const int32_t *seq_lens,
+                         const int32_t *query_start, float *out, int32_t num_seqs,
+                         int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                         int32_t block_size, float scale, int32_t num_threads, int f16) {
     const int group = num_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = token_stride * block_size;
@@ -420,19 +529,24 @@ int ladle_paged_prefill_attention_f32(
         const int num_keys = first_pos + row0 + rows; /* the tile's last row sees these */
         const int32_t *table = block_tables + (int64_t)s * table_stride;
         const int vectors = rows * group;
-        /* scores[(r * group + g) * num_keys + t], then one normalizer per query vector */
-        float *scores = malloc(sizeof(float) * (size_t)vectors * ((size_t)num_keys + 1));
+        /* scores[(r * group + g) * num_keys + t], one normalizer per query vector, then an
+         * fp16 cache's row, widened */
+        float *scores =
+            malloc(sizeof(float) * ((size_t)vectors * ((size_t)num_keys + 1) + (size_t)head_dim));
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
         float *inv_sum = scores + (size_t)vectors * num_keys;
+        float *wide = inv_sum + vectors;
         const int64_t token0 = query_start[s] + row0;
 
         for (int t = 0; t < num_keys; t++) {
-            const float *k = key_cache + (int64_t)table[t / block_size] * block_stride +
-                             (int64_t)(t % block_size) * token_stride + (int64_t)kv_head * head_dim;
+            const int64_t at = (int64_t)table[t / block_size] * block_stride +
+                               (int64_t)(t % block_size) * token_stride +
+                               (int64_t)kv_head * head_dim;
+            const float *k = cache_floats(key_cache, at, head_dim, f16, wide);
             /* Row r (position first_pos + row0 + r) sees key t when t <= its position. */
             const int r_first = t - first_pos - row0 > 0 ? t - first_pos - row0 : 0;
             for (int r = r_first; r < rows; r++) {
@@ -458,9 +572,10 @@ int ladle_paged_prefill_attention_f32(
             }
         }
         for (int t = 0; t < num_keys; t++) {
-            const float *v = value_cache + (int64_t)table[t / block_size] * block_stride +
-                             (int64_t)(t % block_size) * token_stride +
-                             (int64_t)kv_head * head_dim;
+            const int64_t at = (int64_t)table[t / block_size] * block_stride +
+                               (int64_t)(t % block_size) * token_stride +
+                               (int64_t)kv_head * head_dim;
+            const float *v = cache_floats(value_cache, at, head_dim, f16, wide);
             const int r_first = t - first_pos - row0 > 0 ? t - first_pos - row0 : 0;
             for (int r = r_first; r < rows; r++) {
                 for (int g = 0; g < group; g++) {
@@ -476,4 +591,26 @@ int ladle_paged_prefill_attention_f32(
     }
     free(first_task);
     return failed;
+}
+
+int ladle_paged_prefill_attention_f32(
+    const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+    const int32_t *query_start, float *out, int32_t num_seqs, int32_t num_heads,
+    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+    int32_t num_threads) {
+    return paged_prefill(q, q_stride, key_cache, value_cache, block_tables, table_stride,
+                         seq_lens, query_start, out, num_seqs, num_heads, num_kv_heads, head_dim,
+                         block_size, scale, num_threads, 0);
+}
+
+int ladle_paged_prefill_attention_f16(
+    const float *q, int64_t q_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+    const int32_t *query_start, float *out, int32_t num_seqs, int32_t num_heads,
+    int32_t num_kv_heads, int32_t head_dim, int32_t block_size, float scale,
+    int32_t num_threads) {
+    return paged_prefill(q, q_stride, key_cache, value_cache, block_tables, table_stride,
+                         seq_lens, query_start, out, num_seqs, num_heads, num_kv_heads, head_dim,
+                         block_size, scale, num_threads, 1);
 }

@@ -38,18 +38,27 @@ FLAGS = ("-march=native", *prebuilt.COMMON_FLAGS)
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 # (return type, argument types) of each entry point in cpu_kernels.c.
 _SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "ladle_paged_decode_attention_f32": (
-        ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
-    ),
+    **{
+        f"ladle_paged_decode_attention_{kv}": (
+            ctypes.c_int,
+            [_P, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
+        )
+        for kv in ("f32", "f16")
+    },
     "ladle_rms_norm_f32": (None, [_P, _P, _P, _P, _I64, _I32, _F32, _I32]),
     "ladle_rope_f32": (None, [_P, _I32, _I64, _P, _I32, _I64, _P, _P, _I64, _I32, _I32]),
-    "ladle_store_kv_f32": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32]),
+    **{
+        f"ladle_store_kv_{kv}": (None, [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I32])
+        for kv in ("f32", "f16")
+    },
     "ladle_silu_and_mul_f32": (None, [_P, _P, _I64, _I32, _I32]),
-    "ladle_paged_prefill_attention_f32": (
-        ctypes.c_int,
-        [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
-    ),
+    **{
+        f"ladle_paged_prefill_attention_{kv}": (
+            ctypes.c_int,
+            [_P, _I64, _P, _P, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32],
+        )
+        for kv in ("f32", "f16")
+    },
     "ladle_quant_isa": (ctypes.c_int, []),
     "ladle_linear_i8": (
         ctypes.c_int,
@@ -139,6 +148,15 @@ def load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return lib
 
 
+# The cache types the fp32 kernels read and write, by their C names' suffix.
+KV_DTYPES = {torch.float32: "f32", torch.float16: "f16"}
+
+
+def _kv(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
+    assert key_cache.dtype == value_cache.dtype
+    return KV_DTYPES[key_cache.dtype]
+
+
 def silu_and_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :n]) * x[..., n:]`` for the fused gate/up output [T, 2n]."""
     x = x.contiguous()
@@ -159,16 +177,17 @@ def store_kv(
     value_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """``cache[slots[t]] = k[t]`` (and v): k, v [T, Hkv, D] with dense heads, possibly row views
-    of the QKV output; caches [num_blocks, block_size, Hkv, D]; slots int64."""
+    """``cache[slots[t]] = k[t]`` (and v): k, v [T, Hkv, D] fp32 with dense heads, possibly row
+    views of the QKV output; caches [num_blocks, block_size, Hkv, D], fp32 or fp16 (rounded to
+    nearest even); slots int64."""
     tokens, num_kv_heads, head_dim = k.shape
-    assert k.dtype == v.dtype == key_cache.dtype == torch.float32
+    assert k.dtype == v.dtype == torch.float32
     assert k.stride()[1:] == v.stride()[1:] == (head_dim, 1)
     assert key_cache.is_contiguous()
     assert value_cache.is_contiguous()
     assert slots.dtype == torch.int64
     assert slots.is_contiguous()
-    lib.ladle_store_kv_f32(
+    getattr(lib, f"ladle_store_kv_{_kv(key_cache, value_cache)}")(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -249,8 +268,8 @@ def paged_decode_attention(
     """``out[s] = softmax(q[s] K_s^T * scale) V_s`` for one query token per sequence.
 
     q/out: [num_seqs, num_heads, head_dim] fp32 (q may be rows of the QKV output); caches:
-    [num_blocks, block_size, num_kv_heads, head_dim] fp32; block_tables int32 with unit column
-    stride; seq_lens int32.
+    [num_blocks, block_size, num_kv_heads, head_dim] fp32 or fp16; block_tables int32 with unit
+    column stride; seq_lens int32.
     """
     for t in (key_cache, value_cache, out, seq_lens):
         assert t.is_contiguous()
@@ -259,7 +278,7 @@ def paged_decode_attention(
     assert block_tables.dtype == seq_lens.dtype == torch.int32
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    failed = lib.ladle_paged_decode_attention_f32(
+    failed = getattr(lib, f"ladle_paged_decode_attention_{_kv(key_cache, value_cache)}")(
         q.data_ptr(),
         q.stride(0),
         key_cache.data_ptr(),
@@ -294,8 +313,8 @@ def paged_prefill_attention(
     """Causal attention of every prefill chunk of a step over its whole paged context.
 
     q/out: the chunks' tokens [T, num_heads, head_dim] fp32 (q may be rows of the QKV output);
-    block_tables, seq_lens (context including the chunk) and query_start ([num_seqs + 1], row
-    offsets into q from 0) describe the same sequences; int32.
+    caches fp32 or fp16; block_tables, seq_lens (context including the chunk) and query_start
+    ([num_seqs + 1], row offsets into q from 0) describe the same sequences; int32.
     """
     for t in (key_cache, value_cache, out, seq_lens, query_start):
         assert t.is_contiguous()
@@ -304,7 +323,7 @@ def paged_prefill_attention(
     assert block_tables.dtype == seq_lens.dtype == query_start.dtype == torch.int32
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    failed = lib.ladle_paged_prefill_attention_f32(
+    failed = getattr(lib, f"ladle_paged_prefill_attention_{_kv(key_cache, value_cache)}")(
         q.data_ptr(),
         q.stride(0),
         key_cache.data_ptr(),

@@ -84,7 +84,8 @@ typedef struct {
     ladle_linear qkv, o_proj, gate_up, down;
     const float *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms NULL unless qk-norm */
     void *key_cache, *value_cache;
-    float *key_scale, *value_scale; /* NULL for an fp32 cache */
+    float *key_scale, *value_scale; /* int8 only: NULL for an fp32 or fp16 cache */
+    int32_t kv_f16;                 /* 1: the cache holds fp16 */
 } ladle_decode_layer;
 
 typedef struct {
@@ -394,7 +395,10 @@ static void store(const ladle_decode_model *m, const ladle_decode_layer *L, floa
     ladle_rope_heads(q, group, c, s, D);
     ladle_rope_heads(k, 1, c, s, D);
     const int64_t row = slot * m->num_kv_heads + kvh;
-    if (L->key_scale == NULL) {
+    if (L->kv_f16) {
+        ladle_f32_to_f16_row(k, (uint16_t *)L->key_cache + row * D, D);
+        ladle_f32_to_f16_row(v, (uint16_t *)L->value_cache + row * D, D);
+    } else if (L->key_scale == NULL) {
         memcpy((float *)L->key_cache + row * D, k, sizeof(float) * (size_t)D);
         memcpy((float *)L->value_cache + row * D, v, sizeof(float) * (size_t)D);
     } else {
@@ -408,6 +412,10 @@ static int attend(const ladle_decode_model *m, const ladle_decode_layer *L, cons
                   float *o_row, const int32_t *table, int32_t len, int32_t kvh) {
     const int32_t D = m->head_dim, group = m->num_heads / m->num_kv_heads;
     const int32_t h0 = kvh * group, h1 = h0 + group;
+    if (L->kv_f16)
+        return ladle_decode_attention_f16_heads(q_row, o_row, L->key_cache, L->value_cache, table,
+                                                len, h0, h1, group, m->num_kv_heads, D,
+                                                m->block_size, m->scale);
     if (L->key_scale == NULL)
         return ladle_decode_attention_f32_heads(q_row, o_row, L->key_cache, L->value_cache, table,
                                                 len, h0, h1, group, m->num_kv_heads, D,

@@ -66,6 +66,7 @@ class _Layer(ctypes.Structure):
         ("value_cache", _P),
         ("key_scale", _P),
         ("value_scale", _P),
+        ("kv_f16", ctypes.c_int32),
     ]
 
 
@@ -118,10 +119,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def supports(model: LlamaModel, caches: list[LayerKVCache]) -> bool:
-    """fp32 on the CPU, every linear dense or in a C kernel format, a paged fp32 or int8 cache."""
+    """fp32 on the CPU, every linear dense or in a C kernel format, a paged fp32, fp16 or int8
+    cache."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or not model.layers:
         return False
-    if any(c.key.dtype not in (torch.float32, torch.int8) for c in caches):
+    if any(c.key.dtype not in (*cpu_kernels.KV_DTYPES, torch.int8) for c in caches):
         return False
     if model.config.intermediate_size % PANEL:  # gate and up are shared out in whole panels
         return False
@@ -167,6 +169,7 @@ class CpuDecodeStep:
                 cache.value.data_ptr(),
                 _ptr(cache.key_scale),
                 _ptr(cache.value_scale),
+                int(cache.key.dtype == torch.float16),
             )
         self._layers = layers
         cos, sin = model.cos.contiguous(), model.sin.contiguous()

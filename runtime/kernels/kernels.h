@@ -55,17 +55,25 @@ void ladle_rope_heads(float *x, int32_t heads, const float *cos, const float *si
 void ladle_silu_and_mul_row(const float *gate, const float *up, float *out, int32_t n);
 
 /* Decode attention of one sequence (query qs, output os, context len) for query heads
- * [h0, h1), with its own score buffer; nonzero when that could not be allocated. The i8
- * variant reads an int8 cache with per-(slot, KV head) scales. */
+ * [h0, h1), with its own score buffer; nonzero when that could not be allocated. The f16
+ * variant reads an fp16 cache, the i8 variant an int8 cache with per-(slot, KV head) scales. */
 int ladle_decode_attention_f32_heads(const float *qs, float *os, const float *key_cache,
                                      const float *value_cache, const int32_t *table, int32_t len,
                                      int32_t h0, int32_t h1, int32_t group, int32_t num_kv_heads,
                                      int32_t head_dim, int32_t block_size, float scale);
+int ladle_decode_attention_f16_heads(const float *qs, float *os, const uint16_t *key_cache,
+                                     const uint16_t *value_cache, const int32_t *table,
+                                     int32_t len, int32_t h0, int32_t h1, int32_t group,
+                                     int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                                     float scale);
 int ladle_decode_attention_i8_heads(const float *qs, float *os, const int8_t *key_cache,
                                     const int8_t *value_cache, const float *key_scale,
                                     const float *value_scale, const int32_t *table, int32_t len,
                                     int32_t h0, int32_t h1, int32_t group, int32_t num_kv_heads,
                                     int32_t head_dim, int32_t block_size, float scale);
+
+/* One row to fp16, rounding to nearest even. */
+void ladle_f32_to_f16_row(const float *x, uint16_t *out, int32_t n);
 
 /* One (token, KV head) row of the int8 cache: codes and its absmax / 127 scale. */
 void ladle_quantize_kv_row(const float *row, int8_t *dst, float *scale, int32_t head_dim);

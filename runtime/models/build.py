@@ -36,7 +36,7 @@ def build_model(
 ) -> tuple[LlamaModel, KVCacheSpec]:
     """The model and the shape of its KV cache (this rank's KV heads)."""
     local = cfg if shard is None else shard.layout.local_config(cfg)
-    kv_dtype = torch.int8 if args.kv_cache_dtype == "int8" else dtype
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
     spec = KVCacheSpec(
         local.num_layers, local.num_kv_heads, local.head_dim, args.block_size, kv_dtype
     )

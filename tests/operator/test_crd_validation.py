@@ -189,7 +189,8 @@ ISVC_CASES: list[tuple[str, dict[str, Any], str]] = [
     (
         "unsupported-kv-cache",
         with_spec(VALID_ISVC, quantization={"kvCache": "fp8"}),
-        'spec.quantization.kvCache: Unsupported value: "fp8": supported values: "auto", "int8"',
+        'spec.quantization.kvCache: Unsupported value: "fp8": supported values: "auto", '
+        '"float16", "int8"',
     ),
     (
         "group-size-with-default-weights",

@@ -107,7 +107,7 @@ def _compare_decode_steps(
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "int8"])
 def test_fused_step_equals_per_op_forward(
     arch: str, kv_cache_dtype: str, tiny_model_factory: Callable[[str], Path]
 ) -> None:
