@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""CPU decode attention over the paged cache: this checkout's C kernel against the one of an
-earlier commit, built from that commit's sources with the same flags, in interleaved rounds.
+"""CPU decode attention over the paged cache, in interleaved rounds: this checkout's C kernel
+against the one of an earlier commit (built from that commit's sources with the same flags), or
+this checkout's kernel over an fp16 cache against the same over an fp32 cache.
 
 The batch is what workload B's decode steps hold: 128 sequences of 40 to 270 tokens over
 shuffled blocks of 16, with SmolLM2-135M's heads (9 query, 3 KV, 64 wide). Reported: the
-median time a layer (spread: min-max over rounds, the order alternating) for each kernel, the
-ratio, and the rate at which the new one reads the KV cache.
+median time a layer (spread: min-max over rounds, the order alternating) for each arm, the
+ratio, and the rate at which the second reads its KV cache.
 
     .venv/bin/python bench/attention.py --baseline-rev 88dd438
     .venv/bin/python bench/attention.py --baseline-rev 88dd438 --threads 1
+    .venv/bin/python bench/attention.py --fp16-cache
 """
 
 from __future__ import annotations
@@ -64,7 +66,11 @@ def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline-rev", required=True, help="the commit to compare with")
+    against = parser.add_mutually_exclusive_group(required=True)
+    against.add_argument("--baseline-rev", help="the commit to compare with")
+    against.add_argument(
+        "--fp16-cache", action="store_true", help="an fp16 cache against an fp32 one"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
@@ -83,16 +89,29 @@ def main() -> None:
         for j in range(int(per_seq[s])):
             tables[s, j] = order.pop()
     q = torch.randn(SEQS, Q_HEADS, HEAD_DIM)
-    outs = {"baseline": torch.empty_like(q), "this checkout": torch.empty_like(q)}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"baseline": baseline_library(args.baseline_rev, Path(tmp)), "this checkout": new}
-        times: dict[str, list[float]] = {name: [] for name in libs}
+        if args.fp16_cache:
+            arms = {
+                "fp32 cache": (new, key, value),
+                "fp16 cache": (new, key.half(), value.half()),
+            }
+        else:
+            old = baseline_library(args.baseline_rev, Path(tmp))
+            arms = {"baseline": (old, key, value), "this checkout": (new, key, value)}
+        outs = {name: torch.empty_like(q) for name in arms}
+        times: dict[str, list[float]] = {name: [] for name in arms}
         for r in range(args.rounds):
-            for name in list(libs) if r % 2 == 0 else list(libs)[::-1]:
+            for name in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+                lib, k, v = arms[name]
 
-                def layer(name: str = name) -> None:
+                def layer(
+                    lib: ctypes.CDLL = lib,
+                    k: torch.Tensor = k,
+                    v: torch.Tensor = v,
+                    name: str = name,
+                ) -> None:
                     cpu_kernels.paged_decode_attention(
-                        libs[name], q, key, value, tables, lens, HEAD_DIM**-0.5, outs[name]
+                        lib, q, k, v, tables, lens, HEAD_DIM**-0.5, outs[name]
                     )
 
                 layer()
@@ -100,17 +119,21 @@ def main() -> None:
                 for _ in range(10):
                     layer()
                 times[name].append((time.perf_counter() - start) / 10 * 1e3)
-    torch.testing.assert_close(outs["this checkout"], outs["baseline"], rtol=1e-4, atol=1e-5)
-    kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 4
+    first, second = arms
+    # The same outputs, up to fp16's rounding of the keys and values.
+    error = float((outs[second] - outs[first]).norm() / outs[first].norm())
+    assert error < (1e-3 if args.fp16_cache else 1e-6), f"the arms disagree: {error:.2e}"
+    element = arms[second][1].element_size()
+    kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * element
     print(f"decode attention, {SEQS} sequences of {int(lens.min())}-{int(lens.max())} tokens, "
           f"{Q_HEADS}/{KV_HEADS} heads of {HEAD_DIM}, {args.threads} threads, "
-          f"{kv_bytes / 1e6:.1f} MB of KV a layer")  # fmt: skip
+          f"{kv_bytes / 1e6:.1f} MB of KV a layer ({second})")  # fmt: skip
     for name, values in times.items():
         print(f"  {name:<14} {statistics.median(values):.3f} ms a layer "
               f"({min(values):.3f}-{max(values):.3f})")  # fmt: skip
-    ratio = statistics.median(times["baseline"]) / statistics.median(times["this checkout"])
-    rate = kv_bytes / statistics.median(times["this checkout"]) / 1e6
-    print(f"  this checkout {ratio:.2f}x the baseline; reads the KV cache at {rate:.1f} GB/s")
+    ratio = statistics.median(times[first]) / statistics.median(times[second])
+    rate = kv_bytes / statistics.median(times[second]) / 1e6
+    print(f"  {second} {ratio:.2f}x {first}'s speed; reads its KV cache at {rate:.1f} GB/s")
 
 
 if __name__ == "__main__":
