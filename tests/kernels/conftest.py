@@ -24,7 +24,7 @@ INTERPRET = DEVICE.type == "cpu"
 BUILDS = {
     "native": (),
     "avx2": ("-mno-avx512f",),
-    "portable": ("-mno-avx2", "-mno-avx512f", "-mno-fma"),
+    "portable": ("-mno-avx2", "-mno-avx512f", "-mno-fma", "-mno-f16c"),
 }
 
 

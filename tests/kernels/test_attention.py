@@ -457,6 +457,27 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("build", list(BUILDS))
+def test_cpu_fp16_store_rounds_to_nearest_even(build: str) -> None:
+    """On every instruction-set path (AVX-512, F16C, _Float16 in C), as torch rounds: ties,
+    subnormals, overflow to infinity; rows of 72 floats, off the vector widths."""
+    lib = cpu_kernels.load(BUILDS[build])
+    assert lib is not None
+    torch.manual_seed(3)
+    tokens, heads, dim = 5, 2, 36
+    qkv = torch.randn(tokens, 4 * heads * dim) * 10
+    k = qkv[:, heads * dim : 2 * heads * dim].view(tokens, heads, dim)
+    v = qkv[:, 2 * heads * dim : 3 * heads * dim].view(tokens, heads, dim)
+    # A tie between two fp16 values (1 + 2^-11), a subnormal, and past fp16's largest.
+    k[0, 0, :3] = torch.tensor([1 + 2**-11, 3e-6, 70000.0])
+    key, value = (torch.zeros(3, 4, heads, dim, dtype=torch.float16) for _ in range(2))
+    slots = torch.tensor([7, 0, 11, 2, 5])
+    cpu_kernels.store_kv(lib, k, v, key, value, slots)
+    assert torch.equal(key.view(-1, heads, dim)[slots], k.to(torch.float16))
+    assert torch.equal(value.view(-1, heads, dim)[slots], v.to(torch.float16))
+    assert key.view(-1, heads, dim)[7, 0, 2].isinf()
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("cache_dtype", list(cpu_kernels.KV_DTYPES))
 @pytest.mark.parametrize("qkv_rows", [False, True], ids=["q", "q-in-qkv"])
 @pytest.mark.parametrize(("heads", "head_dim", "block_size", "contexts"), CPU_CASES)
