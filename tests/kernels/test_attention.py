@@ -411,13 +411,14 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, fp32 = torch.device("cpu"), torch.float32
     assert select_backend("auto", cpu, fp32) is CpuAttentionBackend
     assert select_backend("auto", cpu, torch.int8, fp32) is CpuAttentionBackend
-    # The C kernels take fp32 activations and fp32 or int8 caches; the rest keeps torch.
+    assert select_backend("auto", cpu, torch.float16, fp32) is CpuAttentionBackend
+    # The C kernels take fp32 activations and fp32, fp16 or int8 caches; the rest keeps torch.
     assert select_backend("auto", cpu, torch.bfloat16) is TorchAttentionBackend
     assert select_backend("auto", cpu, torch.int8, torch.bfloat16) is TorchAttentionBackend
     with pytest.raises(ConfigError, match="runs fp32 models on the CPU"):
         select_backend("cpu", cpu, torch.int8, torch.bfloat16)
     spec = KVCacheSpec(1, 2, 64, 16, torch.bfloat16)
-    with pytest.raises(ConfigError, match="fp32 or int8 KV cache on the CPU"):
+    with pytest.raises(ConfigError, match="fp32, fp16 or int8 KV cache on the CPU"):
         CpuAttentionBackend(spec, cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_backend("triton", cpu, fp32) is TritonAttentionBackend
