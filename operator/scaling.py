@@ -52,6 +52,11 @@ AT_MAX = "AtMaxReplicas"
 # replicas' targets (HPA's tolerance); a load hovering at a replica boundary would otherwise
 # step the count up and down with every bit of noise.
 TOLERANCE = 0.1
+# Coming down, a count at the target's pace settles on the replicas that hold its load, noise
+# included, within this much above their targets. Without it a load of exactly N replicas'
+# worth (the simulated bursts' base) reads a hair above N and keeps N + 1 for as long as it
+# lasts; the way back up needs TOLERANCE, so a band of 7% plus the noise is left between.
+SETTLE = 0.03
 # The gateway's backlog is work to finish within this many pod starts (in the simulated
 # bursts, one start cost 1.4% more GPU-hours for 1.7% less wait).
 BACKLOG_STARTS = 2.0
@@ -289,17 +294,19 @@ def _with_tolerance(
     are quicker than at it, so their count understates the traffic, and going straight to it
     undershoots and comes back (in the simulator, twice the scale events). A count at the
     target's pace (``noise`` given) has no such bias, and goes where it says, as the HPA does,
-    but one standard error of the window's mean above it: without that, a steady load whose
-    noise spans the band's 10% steps down and back up every few minutes."""
+    but one standard error of the window's mean above it (without that, a steady load whose
+    noise spans the band's 10% steps down and back up every few minutes), and within
+    ``SETTLE`` of the targets."""
     wanted = replicas_for(policy, demand, kv)
     if wanted > current:
         up = 1.0 + TOLERANCE
         return max(current, replicas_for(policy, demand / up, kv / up))
+    down = 1.0 - TOLERANCE
+    if noise is not None:
+        load = load_in_replicas(policy, demand, kv)
+        settled = math.ceil((load + noise) / (1.0 + SETTLE))
+        return min(current, settled) if load < down * current else current
     if wanted < current:
-        down = 1.0 - TOLERANCE
-        if noise is not None:
-            load = load_in_replicas(policy, demand, kv)
-            return min(current, math.ceil(load + noise)) if load < down * current else current
         return min(current, replicas_for(policy, demand / down, kv / down))
     return wanted
 

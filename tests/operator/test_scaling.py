@@ -477,6 +477,22 @@ def test_a_paced_count_comes_down_without_the_headroom() -> None:
     assert (paced.replicas, raw.replicas) == (9, 10)
 
 
+@pytest.mark.parametrize(("worth", "replicas"), [(2.04, 2), (2.1, 3)])
+def test_a_paced_load_a_hair_over_a_boundary_settles_on_it(worth: float, replicas: int) -> None:
+    """Three pods whose traffic is 2.04 replicas' worth at the target's pace: within 3% of two
+    replicas' targets, so 2, where the ceiling alone keeps 3 for as long as the load stays (the
+    simulated bursts' base is exactly 2); 2.1 is past that and keeps 3 (and 2 would not rise
+    from it: that needs the 10% tolerance)."""
+    policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
+    a, k = PACE
+    share = worth * 16 / 3
+    batch = share * a / (a + k * 16 - share * k)
+    fleet = Fleet(PACE)
+    paced, _ = decide(policy, paced_state(policy, fleet), fleet.observe(200.0, 3, 3 * batch))
+    assert paced.stable_demand / 16 == pytest.approx(worth)
+    assert paced.replicas == replicas
+
+
 def test_a_pod_with_a_queue_counts_as_it_runs() -> None:
     """A queue says the pod is full: its batch is what it can serve, not what arrives."""
     policy = ScalingPolicy(target_concurrency=16, max_replicas=20)
