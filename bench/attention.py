@@ -4,9 +4,12 @@ against the one of an earlier commit (built from that commit's sources with the 
 this checkout's kernel over an fp16 cache against the same over an fp32 cache.
 
 The batch is what workload B's decode steps hold: 128 sequences of 40 to 270 tokens over
-shuffled blocks of 16, with SmolLM2-135M's heads (9 query, 3 KV, 64 wide). Reported: the
-median time a layer (spread: min-max over rounds, the order alternating) for each arm, the
-ratio, and the rate at which the second reads its KV cache.
+shuffled blocks of 16, with SmolLM2-135M's heads (9 query, 3 KV, 64 wide) and its 30 layers,
+each with a cache of its own. A timed pass runs every layer once, as a decode step does, after
+a read of more memory than the last-level cache holds: no layer's keys and values are still
+cached from an earlier pass or the other arm. Reported: the median time a layer (spread:
+min-max over rounds, the order alternating) for each arm, the ratio, and the rate at which the
+second reads its KV cache.
 
     .venv/bin/python bench/attention.py --baseline-rev 88dd438
     .venv/bin/python bench/attention.py --baseline-rev 88dd438 --threads 1
@@ -32,7 +35,8 @@ import torch  # noqa: E402
 
 from ladle.runtime.kernels import cpu_kernels, prebuilt  # noqa: E402
 
-SEQS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 128, 9, 3, 64, 16
+SEQS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 128, 9, 3, 64, 16, 30
+FLUSH_BYTES = 1 << 30  # more than any last-level cache seen here (480 MB)
 
 
 def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
@@ -81,49 +85,39 @@ def main() -> None:
     lens = torch.randint(40, 270, (SEQS,), dtype=torch.int32)
     per_seq = (lens + BLOCK - 1) // BLOCK
     blocks = int(per_seq.sum())
-    key = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
-    value = torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
     order = torch.randperm(blocks).to(torch.int32).tolist()
     tables = torch.zeros(SEQS, int(per_seq.max()), dtype=torch.int32)
     for s in range(SEQS):
         for j in range(int(per_seq[s])):
             tables[s, j] = order.pop()
     q = torch.randn(SEQS, Q_HEADS, HEAD_DIM)
+    flush = torch.ones(FLUSH_BYTES // 4)
     with tempfile.TemporaryDirectory() as tmp:
         if args.fp16_cache:
-            arms = {
-                "fp32 cache": (new, key, value),
-                "fp16 cache": (new, key.half(), value.half()),
-            }
+            halves = [(k.half(), v.half()) for k, v in caches]
+            arms = {"fp32 cache": (new, caches), "fp16 cache": (new, halves)}
         else:
             old = baseline_library(args.baseline_rev, Path(tmp))
-            arms = {"baseline": (old, key, value), "this checkout": (new, key, value)}
+            arms = {"baseline": (old, caches), "this checkout": (new, caches)}
         outs = {name: torch.empty_like(q) for name in arms}
         times: dict[str, list[float]] = {name: [] for name in arms}
         for r in range(args.rounds):
             for name in list(arms) if r % 2 == 0 else list(arms)[::-1]:
-                lib, k, v = arms[name]
-
-                def layer(
-                    lib: ctypes.CDLL = lib,
-                    k: torch.Tensor = k,
-                    v: torch.Tensor = v,
-                    name: str = name,
-                ) -> None:
+                lib, layers = arms[name]
+                float(flush.sum())
+                start = time.perf_counter()
+                for k, v in layers:
                     cpu_kernels.paged_decode_attention(
                         lib, q, k, v, tables, lens, HEAD_DIM**-0.5, outs[name]
                     )
-
-                layer()
-                start = time.perf_counter()
-                for _ in range(10):
-                    layer()
-                times[name].append((time.perf_counter() - start) / 10 * 1e3)
+                times[name].append((time.perf_counter() - start) / LAYERS * 1e3)
     first, second = arms
     # The same outputs, up to fp16's rounding of the keys and values.
     error = float((outs[second] - outs[first]).norm() / outs[first].norm())
     assert error < (1e-3 if args.fp16_cache else 1e-6), f"the arms disagree: {error:.2e}"
-    element = arms[second][1].element_size()
+    element = arms[second][1][0][0].element_size()
     kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * element
     print(f"decode attention, {SEQS} sequences of {int(lens.min())}-{int(lens.max())} tokens, "
           f"{Q_HEADS}/{KV_HEADS} heads of {HEAD_DIM}, {args.threads} threads, "
