@@ -424,6 +424,9 @@ static int paged_decode(const float *q, int64_t q_stride, const void *key_cache,
         float *os = out + (int64_t)s * num_heads * head_dim;
         const int32_t *table = block_tables + s * table_stride;
         const int group = num_heads / num_kv_heads;
+        /* Two calls with constant cache types, not one with ``f16``: the parallel loop's body
+         * is outlined before inlining, so there ``f16`` would be a variable, and a branch in
+         * every load of the AVX-512 walk. */
         const int bad =
             f16 ? decode_heads(qs, os, key_cache, value_cache, table, seq_lens[s], 0, num_heads,
                                group, num_kv_heads, head_dim, block_size, scale, 1)
