@@ -61,7 +61,8 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
-    # Waiting sequences, counting those that waiting n>1 and beam requests will fork.
+    # Waiting sequences, counting the samples of n>1 requests yet to start and the beams waiting
+    # searches will fork.
     num_waiting_seqs: int
     kv_cache_usage: float
     prefix_cache_queries: int
@@ -313,14 +314,12 @@ class LLMEngine:
                 deadline=deadline,
                 lora_request=lora_request,
             )
-        if self.output_processor.has_request(request.request_id):
-            raise RequestError(f"request id {request.request_id!r} is already in use")
         if request.lora_request is not None and self.lora is not None:
             self.lora.add(request.lora_request)
         if not self.has_unfinished_requests():
             self.last_progress = time.monotonic()
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
+        for scheduled in self.output_processor.add_request(request):
+            self.scheduler.add_request(scheduled)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their blocks; returns their final outputs."""
@@ -328,8 +327,9 @@ class LLMEngine:
         return self._end(ids, "abort")
 
     def _end(self, ids: list[str], reason: str, error: str | None = None) -> list[RequestOutput]:
-        updates = self.scheduler.finish_requests(ids, reason, error)
-        return self.output_processor.process(updates).outputs
+        scheduled, unstarted = self.output_processor.end(ids, reason)
+        updates = self.scheduler.finish_requests(scheduled, reason, error)
+        return self.output_processor.process(updates + unstarted).outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.num_requests > 0
@@ -375,7 +375,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running) + len(self.scheduler.parked),
             num_waiting=len(self.scheduler.waiting),
-            num_waiting_seqs=self.scheduler.num_waiting_seqs,
+            num_waiting_seqs=self.scheduler.num_waiting_seqs + self.output_processor.num_unstarted,
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
@@ -420,10 +420,12 @@ class LLMEngine:
         for request_id, message in failed.items():
             updates += self.scheduler.finish_requests([request_id], "error", message)
         processed = self.output_processor.process(updates)
-        for request_id, indexes in processed.stopped.items():
-            self.scheduler.finish_seqs(request_id, indexes)
+        for request_id in processed.stopped:
+            self.scheduler.finish_stopped(request_id)
         for request_id, message in processed.failed.items():
             self.scheduler.finish_requests([request_id], "error", message)
+        for request in processed.started:
+            self.scheduler.add_request(request)
         if self.scheduler.progress > progress or processed.num_finished:
             self.last_progress = time.monotonic()
         stats = IterationStats(

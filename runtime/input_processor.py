@@ -38,6 +38,8 @@ class Request:
     # ``time.monotonic()`` after which the engine ends the request (finish reason "abort").
     deadline: float | None = None
     lora_request: LoRARequest | None = None
+    # Which sample of an n > 1 request this is (``parallel_sampling``): it draws from seed + it.
+    sample_index: int = 0
 
 
 class InputProcessor:

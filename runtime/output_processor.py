@@ -3,7 +3,9 @@
 Each request keeps, per sequence, an incremental detokenizer (which also finds stop strings),
 the logprobs in vLLM's shape, and how much was already handed out, so that ``DELTA`` outputs
 carry exactly what is new. Stop strings end sequences here; the engine passes them to the
-scheduler, as vLLM's output processor aborts them in the engine core.
+scheduler, as vLLM's output processor aborts them in the engine core. An n > 1 request is
+a parent whose samples the scheduler runs as child requests (``parallel_sampling``): their
+reports are gathered here into the parent's outputs, one sequence per child.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ladle.runtime.detokenizer import IncrementalDetokenizer
+from ladle.runtime.errors import RequestError
 from ladle.runtime.input_processor import Request
 from ladle.runtime.outputs import (
     CompletionOutput,
@@ -23,6 +26,7 @@ from ladle.runtime.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
+from ladle.runtime.parallel_sampling import ParentRequest
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.sampling_params import RequestOutputKind
 from ladle.runtime.scheduler_output import RequestUpdate, SequenceUpdate
@@ -55,15 +59,26 @@ class _RequestState:
     num_cached_tokens: int = 0
     finished: bool = False
     hypotheses: list[CompletionOutput] | None = None
+    parent: ParentRequest | None = None
+
+    def scheduled_ids(self) -> list[str]:
+        """The ids the scheduler knows this request by (its children's, for a parent)."""
+        if self.parent is None:
+            return [self.request.request_id]
+        return self.parent.child_ids()[: self.parent.started]
 
 
 @dataclass
 class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
-    # Sequences that a stop string ended, by request: the scheduler must free them.
-    stopped: dict[str, list[int]] = field(default_factory=dict)
-    # Requests that failed here, with why: the scheduler must free them.
+    # Requests (as the scheduler knows them) that a stop string ended: the scheduler must
+    # free them.
+    stopped: list[str] = field(default_factory=list)
+    # Requests (as the scheduler knows them) that failed here, with why: the scheduler must
+    # free them.
     failed: dict[str, str] = field(default_factory=dict)
+    # Children of n > 1 requests to hand to the scheduler now.
+    started: list[Request] = field(default_factory=list)
     # Prompt tokens of requests that got their first token (vLLM counts them then, once).
     num_prompt_tokens: int = 0
     # Requests that ended without an error.
@@ -74,45 +89,114 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
+        # The children of n > 1 requests, by the id the scheduler knows them by: their
+        # parent's state and their sample index.
+        self._children: dict[str, tuple[_RequestState, int]] = {}
         self._token_text: dict[int, str] = {}
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request) -> list[Request]:
+        """Take a request; returns what the scheduler runs for it now (itself, or the first
+        child of an n > 1 request)."""
         state = _RequestState(request, RequestMetrics(request.arrival_time))
+        fan_out = request.beam_params is None and request.params.num_samples > 1
+        if fan_out:
+            state.parent = ParentRequest(request)
+        ids = [request.request_id, *(state.parent.child_ids() if state.parent else [])]
+        taken = [i for i in ids if self.has_request(i)]
+        if taken:
+            raise RequestError(f"request id {taken[0]!r} is already in use")
         if request.beam_params is None and request.params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(request.prompt_token_ids)
         self._requests[request.request_id] = state
+        if state.parent is None:
+            return [request]
+        for index, child_id in enumerate(ids[1:]):
+            self._children[child_id] = (state, index)
+        return state.parent.start(1)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._requests or request_id in self._children
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
 
-    def process(self, updates: list[RequestUpdate]) -> ProcessedOutputs:
-        now = time.monotonic()
-        result = ProcessedOutputs()
-        for update in updates:
-            rid = update.request_id
-            state = self._requests.get(rid)
+    @property
+    def num_unstarted(self) -> int:
+        """Children of n > 1 requests that wait for their first sibling to sample. Read from
+        the server's thread, so it works on a snapshot."""
+        return sum(s.parent.num_unstarted for s in list(self._requests.values()) if s.parent)
+
+    def end(self, request_ids: list[str], reason: str) -> tuple[list[str], list[RequestUpdate]]:
+        """Requests to end (a child's id stands for its parent): the ids the scheduler knows
+        them by, and the reports of the children it never saw, which end here."""
+        scheduled: list[str] = []
+        unstarted: list[RequestUpdate] = []
+        for rid in request_ids:
+            state = self._state(rid)[0]
             if state is None:
                 continue
+            scheduled += state.scheduled_ids()
+            if state.parent is not None:
+                unstarted += [
+                    RequestUpdate(child, [SequenceUpdate(finish_reason=reason)], finished=True)
+                    for child in state.parent.drop_unstarted()
+                ]
+        return list(dict.fromkeys(scheduled)), unstarted
+
+    def _state(self, request_id: str) -> tuple[_RequestState | None, int]:
+        """The state of a request, or of the parent of a child, and the sample's index."""
+        child = self._children.get(request_id)
+        if child is not None:
+            return child
+        return self._requests.get(request_id), 0
+
+    def process(self, updates: list[RequestUpdate]) -> ProcessedOutputs:
+        """Apply the reports; each request gives at most one output, whatever number of its
+        samples reported."""
+        now = time.monotonic()
+        result = ProcessedOutputs()
+        by_request: dict[str, tuple[_RequestState, list[tuple[int, RequestUpdate]]]] = {}
+        for update in updates:
+            state, index = self._state(update.request_id)
+            if state is not None:
+                by_request.setdefault(state.request.request_id, (state, []))[1].append(
+                    (index, update)
+                )
+        for rid, (state, items) in by_request.items():
+            error = next((u.error for _, u in items if u.error is not None), None)
             try:
-                self._apply(state, update, now, result)
+                if error is not None and state.parent is not None:
+                    # One sample failed: the request fails as a whole.
+                    raise _SampleFailed(error)
+                for index, update in items:
+                    self._apply(state, index, update, now, result)
                 output = self._output(state)
             except Exception as exc:
-                log.exception("processing a step's output failed", extra={"request_id": rid})
-                message = f"internal error while processing the output: {exc!r}"
-                result.failed[rid] = message
+                if isinstance(exc, _SampleFailed):
+                    message = str(exc)
+                else:
+                    log.exception("processing a step's output failed", extra={"request_id": rid})
+                    message = f"internal error while processing the output: {exc!r}"
+                result.failed.update(dict.fromkeys(state.scheduled_ids(), message))
                 output = self._failure(state, message)
-            if output is not None and update.error is not None:
-                output.error = update.error
+            if output is not None and error is not None:
+                output.error = error
             if output is not None:
                 result.outputs.append(output)
             if state.finished:
-                del self._requests[rid]
+                self._forget(state)
                 result.num_finished += output is None or output.error is None
+            elif state.parent is not None and any(i == 0 and u.sampled for i, u in items):
+                result.started += state.parent.start(state.parent.num_unstarted)
         return result
+
+    def _forget(self, state: _RequestState) -> None:
+        del self._requests[state.request.request_id]
+        if state.parent is not None:
+            state.parent.drop_unstarted()
+            for child_id in state.parent.child_ids():
+                del self._children[child_id]
 
     def _failure(self, state: _RequestState, message: str) -> RequestOutput:
         """The last output of a request that failed: what it had, finish reason "error"."""
@@ -134,12 +218,18 @@ class OutputProcessor:
     # -- applying a report --------------------------------------------------------------
 
     def _apply(
-        self, state: _RequestState, update: RequestUpdate, now: float, result: ProcessedOutputs
+        self,
+        state: _RequestState,
+        index: int,
+        update: RequestUpdate,
+        now: float,
+        result: ProcessedOutputs,
     ) -> None:
         metrics = state.metrics
         if metrics.first_scheduled_time is None:
             metrics.first_scheduled_time = update.first_scheduled_time
-        state.num_cached_tokens = update.num_cached_tokens
+        if index == 0:
+            state.num_cached_tokens = update.num_cached_tokens
         if update.prompt_logprobs is not None and state.prompt_logprobs is not None:
             first, lps = update.prompt_logprobs
             for offset, lp in enumerate(lps):
@@ -150,8 +240,8 @@ class OutputProcessor:
                 result.num_prompt_tokens += len(state.request.prompt_token_ids)
             metrics.last_token_time = now
         for seq_update in update.seqs:
-            if self._apply_seq(state, seq_update):
-                result.stopped.setdefault(state.request.request_id, []).append(seq_update.index)
+            if self._apply_seq(state, index, seq_update):
+                result.stopped.append(update.request_id)
         if update.hypotheses is not None:
             state.hypotheses = [
                 CompletionOutput(
@@ -164,7 +254,7 @@ class OutputProcessor:
                 for i, h in enumerate(update.hypotheses)
             ]
         params = state.request.params
-        state.finished = update.finished or (
+        state.finished = (update.finished and state.parent is None) or (
             state.request.beam_params is None
             and len(state.outs) == params.num_samples
             and all(o.finish_reason is not None for o in state.outs.values())
@@ -172,11 +262,11 @@ class OutputProcessor:
         if state.finished:
             metrics.finished_time = time.monotonic()
 
-    def _apply_seq(self, state: _RequestState, update: SequenceUpdate) -> bool:
+    def _apply_seq(self, state: _RequestState, index: int, update: SequenceUpdate) -> bool:
         """Take one sequence's news; returns True when a stop string ended it here."""
-        out = state.outs.get(update.index)
+        out = state.outs.get(index)
         if out is None:
-            out = state.outs[update.index] = self._seq_output(state.request)
+            out = state.outs[index] = self._seq_output(state.request)
         if out.finish_reason is not None:
             return False
         params = state.request.params
@@ -306,3 +396,7 @@ class OutputProcessor:
             texts: list[str] = self.tokenizer.batch_decode([[t] for t in missing])
             self._token_text.update(zip(missing, texts, strict=True))
         return [self._token_text[t] for t in ids]
+
+
+class _SampleFailed(Exception):
+    """A child of an n > 1 request ended with an error in the engine."""

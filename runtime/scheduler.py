@@ -7,16 +7,17 @@ of a lower priority when a more urgent request finds every seat taken.
 
 Every admitted request eventually runs alone if it must, so none waits for ever: the input
 processor refuses what could not fit in the whole cache (one sequence up to max_model_len,
-or all of a beam search's beams), a request takes seats under ``max_num_seqs`` for every
-sequence it will fork, and beams parked while their siblings catch up are preempted like
+or all of a beam search's beams), a beam search takes seats under ``max_num_seqs`` for every
+beam it will fork, and beams parked while their siblings catch up are preempted like
 running sequences (a waiting request may evict those of later requests too), so parked blocks
 never wait on a sequence that waits on them.
 
 As in vLLM v1, the scheduler is the one place where scheduling state changes after a step:
 :meth:`Scheduler.update_from_output` advances computed tokens, appends sampled tokens, checks
-the token-level stop conditions, forks n>1 samples and beams, and frees what finished. Stop
-strings are found by the output processor, which asks for those sequences to be finished
-through :meth:`Scheduler.finish_seqs`, as it would abort a request.
+the token-level stop conditions, forks beams, and frees what finished. Stop strings are found
+by the output processor, which asks for those requests to be finished through
+:meth:`Scheduler.finish_stopped`, as it would abort a request. An n > 1 request reaches the
+scheduler as one request per sample (``parallel_sampling``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.groups:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        seed = request.params.seed
         seq = Sequence(
             request.request_id,
             request.prompt_token_ids,
@@ -98,13 +100,10 @@ class Scheduler:
             request.arrival_time,
             request.priority,
             lora=request.lora_request,
+            seed=None if seed is None else seed + request.sample_index,
         )
         group = SequenceGroup(
-            request.request_id,
-            request.params,
-            [seq],
-            request.params.num_samples,
-            deadline=request.deadline,
+            request.request_id, request.params, [seq], 1, deadline=request.deadline
         )
         if request.beam_params is not None:
             bp = request.beam_params
@@ -123,8 +122,7 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=self._rank)
 
     def add_running(self, seq: Sequence) -> None:
-        """Adopt a forked sequence that already has blocks (n>1, beam search), or take a
-        parked beam back."""
+        """Adopt a forked beam that already has blocks, or take a parked beam back."""
         if seq.status is SequenceStatus.PARKED:
             self.parked.remove(seq)
         seq.status = SequenceStatus.RUNNING
@@ -142,7 +140,7 @@ class Scheduler:
 
     @property
     def num_waiting_seqs(self) -> int:
-        """Sequences waiting to be scheduled, counting those the waiting requests will fork.
+        """Sequences waiting to be scheduled, counting the beams waiting searches will fork.
         Read by the server's admission and metrics from their own thread, so it works on a
         snapshot and tolerates a request that ends meanwhile."""
         total = 0
@@ -152,7 +150,7 @@ class Scheduler:
         return total
 
     def _seats_in_use(self) -> int:
-        """Sequences admitted, counting those their requests have yet to fork."""
+        """Sequences admitted, counting the beams their searches have yet to fork."""
         unforked = {s.request_id for s in self.running if not self.groups[s.request_id].forked}
         reserved = sum(self.groups[rid].num_unforked for rid in unforked)
         return len(self.running) + len(self.parked) + reserved
@@ -178,16 +176,14 @@ class Scheduler:
             self.parked = [s for s in self.parked if s.seq_id not in gone]
             self._freed.extend(gone)
 
-    def finish_seqs(self, request_id: str, indexes: Iterable[int]) -> None:
-        """End sequences that the output processor stopped (a stop string matched)."""
+    def finish_stopped(self, request_id: str) -> None:
+        """End a request that the output processor stopped (a stop string matched)."""
         group = self.groups.get(request_id)
         if group is None:
             return
-        wanted = set(indexes)
-        seqs = [s for s in group.live if s.index in wanted]
-        for seq in seqs:
+        for seq in group.live:
             seq.finish_reason = "stop"
-        self.finish(seqs)
+        self.finish(group.live)
         self._drop_if_done(group)
 
     def finish_requests(
@@ -218,7 +214,6 @@ class Scheduler:
             else:
                 update.seqs = [
                     SequenceUpdate(
-                        s.index,
                         finish_reason=reason,
                         cumulative_logprob=s.cumulative_logprob if s.params.needs_logprob else None,
                     )
@@ -513,17 +508,13 @@ class Scheduler:
     def _append(
         self, group: SequenceGroup, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate
     ) -> None:
-        """Take a sampled token: cumulative logprob, n>1 fork, token-level stop checks."""
+        """Take a sampled token: cumulative logprob, token-level stop checks."""
         seq.append_token(sample.token_id)
         if sample.logprob is not None:
             seq.cumulative_logprob += sample.logprob
-        if not group.forked and len(group.seqs) < group.width:
-            self._fork_samples(group, seq, update)
-        group.forked = True
         self._check_stop(seq, sample.token_id)
         update.seqs.append(
             SequenceUpdate(
-                seq.index,
                 [sample.token_id],
                 [sample] if seq.params.logprobs is not None else [],
                 seq.finish_reason,
@@ -531,19 +522,6 @@ class Scheduler:
                 seq.cumulative_logprob if seq.params.needs_logprob else None,
             )
         )
-
-    def _fork_samples(self, group: SequenceGroup, parent: Sequence, update: RequestUpdate) -> None:
-        """n>1 / best_of: once the prompt is prefilled, fork the other samples off the first.
-
-        Children share every prompt block copy-on-write and recompute only the last prompt
-        token, to draw their own first token (seeded children use ``seed + index``, as vLLM)."""
-        for index in range(1, group.width):
-            child = parent.fork(sample=index)
-            self.kv.fork(parent, child)
-            child.num_computed_tokens = parent.num_prompt_tokens - 1
-            group.seqs.append(child)
-            self.add_running(child)
-            update.seqs.append(SequenceUpdate(index))
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params

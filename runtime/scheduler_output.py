@@ -49,10 +49,9 @@ class SchedulerOutput:
 
 @dataclass
 class SequenceUpdate:
-    """What one sequence of a request gained in a step: its new token (with the sample's
-    logprobs), or its end. A sequence forked in the step appears with no tokens."""
+    """What a request's sequence gained in a step: its new token (with the sample's
+    logprobs), or its end."""
 
-    index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None

@@ -1,5 +1,5 @@
 """Sequences, the unit the scheduler schedules and the KV cache manager allocates for, and the
-groups that tie one request's sequences together (its n samples, or its beams)."""
+groups that tie one request's sequences together (one, or a beam search's beams)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ class Sequence:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
-    index: int = 0
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     output_token_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
@@ -56,7 +55,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # Chained content hashes of the full blocks seen so far, for prefix caching.
     block_hashes: list[bytes] = field(default_factory=list)
-    # This sequence's random stream: the request's seed, plus the sample's index for n > 1.
+    # This sequence's random stream: the request's seed (plus the sample's index for n > 1).
     seed: int | None = None
     # The adapter that runs on top of the base model, if any, and the schedules that passed
     # it over for want of a free adapter slot.
@@ -87,25 +86,19 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
 
-    def fork(self, sample: int | None = None) -> Sequence:
-        """A sibling to share this sequence's KV blocks (the caller forks them in the cache).
-
-        With ``sample``, the request's n>1 sample of that index: it starts from the prompt and
-        draws a first token of its own from its own random stream (``seed + index``, as vLLM).
-        Without, a beam that runs on from every token so far."""
+    def fork(self) -> Sequence:
+        """A beam that runs on from every token so far, sharing this one's KV blocks (the
+        caller forks them in the cache)."""
         child = Sequence(
             self.request_id,
             self.prompt_token_ids,
             self.params,
             self.arrival_time,
             self.priority,
-            index=sample or 0,
-            seed=None if sample is None or self.params.seed is None else self.params.seed + sample,
             lora=self.lora,
         )
-        if sample is None:
-            child.token_ids = list(self.token_ids)
-            child.output_token_ids = list(self.output_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.output_token_ids = list(self.output_token_ids)
         child.computed_high = self.computed_high
         child.num_cached_tokens = self.num_cached_tokens
         return child
@@ -131,17 +124,17 @@ class BeamRound:
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """One request as the scheduler sees it.
+    """One request as the scheduler sees it: one sequence, or a beam search's.
 
-    Sampling requests start as one sequence and fork into ``num_samples`` once the prompt is
-    prefilled; ``seqs`` is then indexed by sample. Beam searches fork into ``beam_width`` live
-    beams; ``seqs`` holds the live ones and ``beam`` decides which run on.
+    Beam searches fork into ``beam_width`` live beams; ``seqs`` holds the live ones and
+    ``beam`` decides which run on.
     """
 
     request_id: str
     params: SamplingParams
     seqs: list[Sequence]
-    # How many sequences the request runs at once; the scheduler reserves them at admission.
+    # How many sequences the request runs at once (its beams); the scheduler reserves them at
+    # admission.
     width: int
     deadline: float | None = None
     beam: BeamSearch | None = None

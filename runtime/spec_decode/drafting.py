@@ -30,14 +30,14 @@ class Drafting:
         budget: int,
         max_model_len: int | None,
     ) -> list[int]:
-        """Draft tokens for a decoding sequence of a one-sample request, at most as many as
+        """Draft tokens for a decoding sequence (not a beam's), at most as many as
         the step's budget, the model's length and the request's ``max_tokens`` leave room for
         (each accepted one is emitted). The draft model's tokens are placeholders, filled in by
         the model runner before the step."""
         spec = self.config
         if spec is None or num_new != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
             return []
-        if group.width != 1 or group.beam is not None:
+        if group.beam is not None:
             return []
         if seq.draft_pause > 0:
             seq.draft_pause -= 1

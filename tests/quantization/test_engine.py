@@ -134,7 +134,8 @@ def test_int8_kv_blocks_with_prefix_caching_preemption_and_forks(tiny_llama: Pat
     assert run_greedy(tight, prompts) == expected
     assert tight.scheduler.num_preemptions > 0
 
-    # n=2 greedy forks share the prompt's blocks copy-on-write, int8 scales included.
+    # n=2 greedy samples share the prompt's full blocks through the prefix cache, int8 scales
+    # included.
     forked = LLMEngine(EngineArgs(**base, num_gpu_blocks_override=64))
     assert run_greedy(forked, prompts[:1], n=2) == [expected[0], expected[0]]
 

@@ -137,10 +137,10 @@ def test_a_failure_inside_a_step_fails_that_request_alone(
     monkeypatch.setattr(engine.scheduler, "_check_stop", check_unless_poisoned)
     output_seq = engine.output_processor._apply_seq
 
-    def apply_unless_poisoned(state: Any, update: Any) -> bool:
+    def apply_unless_poisoned(state: Any, index: int, update: Any) -> bool:
         if state.request.request_id == "output":
             raise UnicodeDecodeError("utf-8", b"", 0, 1, "detokenizer bug")
-        result: bool = output_seq(state, update)
+        result: bool = output_seq(state, index, update)
         return result
 
     monkeypatch.setattr(engine.output_processor, "_apply_seq", apply_unless_poisoned)

@@ -146,8 +146,10 @@ def pair(
         SamplingParams(max_tokens=64, temperature=0, stop=["bridge", "def div"]),
         SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.3, min_tokens=20),
         SamplingParams(max_tokens=32, temperature=0, logprobs=2),
+        # Each sample of n > 1 is a request of its own, which drafts like any other.
+        SamplingParams(max_tokens=32, temperature=0, n=2, logprobs=1),
     ],
-    ids=["long", "short", "stop-strings", "penalties", "logprobs"],
+    ids=["long", "short", "stop-strings", "penalties", "logprobs", "n2"],
 )
 def test_greedy_output_is_the_same_token_for_token(
     pair: tuple[PlainOutputs, LLM], params: SamplingParams
@@ -157,7 +159,7 @@ def test_greedy_output_is_the_same_token_for_token(
     outs = plain(params, PROMPTS)
     specs = spec.generate(PROMPTS, params, use_tqdm=False)
     for a, b in zip(outs, specs, strict=True):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert [c.token_ids for c in b.outputs] == [c.token_ids for c in a.outputs]
         assert b.outputs[0].text == a.outputs[0].text
         assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
         if params.logprobs:

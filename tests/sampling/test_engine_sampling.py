@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from ladle.runtime.engine import LLMEngine
+from ladle.runtime.errors import RequestError
 from ladle.runtime.llm import LLM
 from ladle.runtime.outputs import RequestOutput
 from ladle.runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -26,15 +27,18 @@ def run(engine: LLMEngine, rid: str, prompt: Any, params: SamplingParams) -> lis
     return outputs
 
 
-def test_n_samples_fork_after_prefill_and_share_the_prompt_blocks(tiny_llm: LLM) -> None:
+def test_n_samples_start_after_the_first_prefill_and_share_the_prompt_blocks(
+    tiny_llm: LLM,
+) -> None:
     engine = tiny_llm.engine
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
     engine.add_request("n4", PROMPT, params)
-    engine.step()  # the prefill: the first sample, then three forks
-    assert engine.kv.num_allocated_blocks() == 3  # all four hold the same three blocks
+    engine.step()  # the first sample's prefill: the other three start once it has sampled
+    assert engine.kv.num_allocated_blocks() == 3
+    assert engine.stats().num_waiting_seqs == 3
     engine.step()
-    # Each sequence wrote into the shared partial block, so each owns a copy of it now; the
-    # two full prompt blocks stay shared (without sharing this would be 4 * 3 = 12).
+    # The other three found the two full prompt blocks in the prefix cache and computed only
+    # the partial one, each into a block of its own (without sharing this would be 4 * 3 = 12).
     assert engine.kv.num_allocated_blocks() == 2 + 4
     outputs = []
     while engine.has_unfinished_requests():
@@ -45,6 +49,68 @@ def test_n_samples_fork_after_prefill_and_share_the_prompt_blocks(tiny_llm: LLM)
     assert [c.index for c in final.outputs] == [0, 1, 2, 3]
     assert len(set(samples)) == 4
     assert all(len(s) == 6 for s in samples)
+    assert_no_blocks_leaked(engine)
+
+
+def test_an_n_request_ended_before_its_samples_start_reports_each_of_them_once(
+    tiny_llm: LLM,
+) -> None:
+    """Its later samples wait for the first to sample: an abort (or a passed deadline) right
+    after the first step still ends all of them, in one final output."""
+    engine = tiny_llm.engine
+    params = SamplingParams(n=3, max_tokens=6, ignore_eos=True)
+    engine.add_request("aborted", PROMPT, params)
+    (aborted,) = engine.abort_request("aborted")
+    assert aborted.finished
+    assert [(c.index, c.finish_reason) for c in aborted.outputs] == [(i, "abort") for i in range(3)]
+    engine.add_request("expired", PROMPT, params, deadline=0.0)
+    (expired,) = engine.step()
+    assert expired.finished
+    assert [c.finish_reason for c in expired.outputs] == ["abort"] * 3
+    assert not engine.has_unfinished_requests()
+    assert_no_blocks_leaked(engine)
+
+
+def test_the_samples_ids_are_taken_while_their_request_runs(tiny_llm: LLM) -> None:
+    """The scheduler knows sample i of request r as "i_r" (vLLM's child id): another request
+    cannot take it, and a request whose samples' ids are taken is refused."""
+    engine = tiny_llm.engine
+    engine.add_request("r", PROMPT, SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(RequestError, match="'1_r' is already in use"):
+        engine.add_request("1_r", PROMPT, SamplingParams(max_tokens=2))
+    engine.add_request("0_x", PROMPT, SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="'0_x' is already in use"):
+        engine.add_request("x", PROMPT, SamplingParams(n=2, max_tokens=2))
+    outputs: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert sorted(outputs) == ["0_x", "r"]
+    assert len(outputs["r"].outputs) == 2
+    assert_no_blocks_leaked(engine)
+
+
+def test_a_sample_that_fails_fails_its_request_and_frees_the_others(
+    tiny_llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = tiny_llm.engine
+    execute = engine.runner.execute
+
+    def execute_unless_poisoned(out: Any) -> Any:
+        if any(i.seq.request_id == "1_poisoned" for i in out.scheduled):
+            raise RuntimeError("kernel fault")
+        return execute(out)
+
+    monkeypatch.setattr(engine.runner, "execute", execute_unless_poisoned)
+    engine.add_request("poisoned", PROMPT, SamplingParams(n=3, max_tokens=6, ignore_eos=True))
+    engine.add_request("healthy", PROMPT, SamplingParams(n=2, max_tokens=6, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["poisoned"].error is not None
+    assert "kernel fault" in done["poisoned"].error
+    assert {c.finish_reason for c in done["poisoned"].outputs} == {"error"}
+    assert done["healthy"].error is None
+    assert [len(c.token_ids) for c in done["healthy"].outputs] == [6, 6]
     assert_no_blocks_leaked(engine)
 
 
