@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from ladle.runtime.beam_search import BeamSearch
 from ladle.runtime.kv_cache.manager import KVCacheManager
+from ladle.runtime.lora.admission import AdapterAdmission
 from ladle.runtime.sampler import TokenLogprobs
 from ladle.runtime.scheduler_output import (
     RequestUpdate,
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
     from ladle.runtime.model_runner import ModelRunnerOutput
 
 log = logging.getLogger(__name__)
-
-# Schedules a request may be passed over for want of an adapter slot before requests for
-# other adapters wait behind it (tens of milliseconds each on a GPU).
-LORA_MAX_PASSES = 32
 
 
 class Scheduler:
@@ -282,7 +279,7 @@ class Scheduler:
             later = len(self.running) - i - 1
             if (
                 draft
-                and self._draft_fits(seq, num_new, len(draft), later)
+                and self.drafting.fits(self.kv, seq, num_new, len(draft), later)
                 and self.kv.allocate_slots(seq, num_new + len(draft))
             ):
                 num_new += len(draft)
@@ -303,23 +300,14 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        # A step that had to preempt running work admits nothing new. A request whose adapter
-        # finds no free slot lets those behind it go first (vLLM v1's rule), but only for
-        # LORA_MAX_PASSES schedules: then requests for other adapters wait behind it (the
-        # base model's still pass), the adapters running drain, and a slot frees for it. So
-        # busy adapters cannot keep a rarely used one out for good.
+        # A step that had to preempt running work admits nothing new; one whose adapter finds
+        # no free slot lets those behind it go first, for a while (lora/admission).
         blocked = bool(out.preempted)
         head = 0
-        adapters = self._running_adapters()
-        starving = False
+        adapters = AdapterAdmission(self.max_loras, (*self.running, *self.parked))
         while head < len(self.waiting) and budget > 0 and not blocked:
             seq = self.waiting[head]
-            if starving and seq.lora is not None:
-                head += 1
-                continue
-            if not self._adapter_fits(seq, adapters):
-                seq.lora_passes += 1
-                starving = seq.lora_passes > LORA_MAX_PASSES
+            if adapters.passes_over(seq):
                 head += 1
                 continue
             group = self.groups[seq.request_id]
@@ -339,8 +327,7 @@ class Scheduler:
                 budget += self._evict(evict, out, scheduled)
                 continue
             self.waiting.pop(head)
-            if seq.lora is not None:
-                adapters.add(seq.lora.lora_int_id)
+            adapters.admit(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             item = ScheduledSequence(seq, num_new)
@@ -351,28 +338,6 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         self._stamp(out)
         return out
-
-    def _draft_fits(self, seq: Sequence, num_new: int, drafted: int, later: int) -> bool:
-        """Whether a draft's KV blocks leave a free block for each running sequence still to
-        schedule this step: a draft must not be why another sequence is preempted."""
-        kv = self.kv
-        held = len(kv.block_tables.get(seq.seq_id, ()))
-        plain = max(kv.blocks_needed(seq.num_computed_tokens + num_new), held)
-        extra = kv.blocks_needed(seq.num_computed_tokens + num_new + drafted) - plain
-        return extra <= 0 or kv.num_free_blocks - extra >= later
-
-    def _running_adapters(self) -> set[int]:
-        """The adapters running sequences hold, gathered once per schedule: admissions add to
-        it, and an eviction in the same schedule leaves its adapter counted until the next one
-        (a request waits a step longer, and a step never exceeds ``max_loras``)."""
-        if self.max_loras is None:
-            return set()
-        return {s.lora.lora_int_id for s in (*self.running, *self.parked) if s.lora}
-
-    def _adapter_fits(self, seq: Sequence, active: set[int]) -> bool:
-        if self.max_loras is None or seq.lora is None:
-            return True
-        return seq.lora.lora_int_id in active or len(active) < self.max_loras
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """Whom the waiting head may evict to get blocks: parked beams of later requests

@@ -11,6 +11,7 @@ from ladle.runtime.spec_decode.counts import SpecDecodeCounts
 from ladle.runtime.spec_decode.ngram import propose
 
 if TYPE_CHECKING:
+    from ladle.runtime.kv_cache.manager import KVCacheManager
     from ladle.runtime.sequence import Sequence, SequenceGroup
 
 # The most plain decode steps a sequence whose drafts keep failing goes without one.
@@ -52,6 +53,15 @@ class Drafting:
         if spec.method == "draft_model":
             return [DRAFT_PENDING] * room
         return propose(seq.token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, room)
+
+    @staticmethod
+    def fits(kv: KVCacheManager, seq: Sequence, num_new: int, drafted: int, later: int) -> bool:
+        """Whether a draft's KV blocks leave a free block for each running sequence still to
+        schedule this step: a draft must not be why another sequence is preempted."""
+        held = len(kv.block_tables.get(seq.seq_id, ()))
+        plain = max(kv.blocks_needed(seq.num_computed_tokens + num_new), held)
+        extra = kv.blocks_needed(seq.num_computed_tokens + num_new + drafted) - plain
+        return extra <= 0 or kv.num_free_blocks - extra >= later
 
     def verified(self, seq: Sequence, draft: list[int], tokens: list[int]) -> None:
         """Count a verified draft. A verification step costs more than a decode: where

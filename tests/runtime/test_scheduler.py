@@ -144,8 +144,8 @@ def test_busy_adapters_cannot_keep_a_rarely_used_one_out_for_good() -> None:
     """One slot, adapter A always busy (a new request for it every step): B's request is
     passed over at first (vLLM's rule), then requests for A wait behind it, A drains, and B
     runs; the base model's requests pass throughout."""
+    from ladle.runtime.lora.admission import LORA_MAX_PASSES
     from ladle.runtime.lora.request import LoRARequest
-    from ladle.runtime.scheduler import LORA_MAX_PASSES
 
     kv = KVCacheManager(num_blocks=256, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, max_loras=1)
