@@ -6,10 +6,10 @@ the same seed, for every policy) and runs each policy on what it would observe:
 
 - **ladle**: ``ladle.operator.scaling.decide``, the operator's own code, every 2 s on the pods'
   running/waiting counts and inter-token histogram totals (from which it learns their pace),
-  the gateway's in-flight and held counts and its moving average of the time a request holds a
-  slot, and the latest replica's start time (creation to ready, as the operator reads it from
-  pod status), starting from the state the operator's loop starts from on a running service
-  (``resumed``); scales to zero.
+  the gateway's in-flight and held counts, its count of arrivals and its moving average of the
+  time a request holds a slot, and the latest replica's start time (creation to ready, as the
+  operator reads it from pod status), starting from the state the operator's loop starts from
+  on a running service (``resumed``); scales to zero.
 - **hpa**: the Kubernetes HPA's average-utilisation rule on per-pod concurrency every 15 s:
   ``ceil(ready * average / target)`` with its 10% tolerance, scale-up limited to
   max(100%, 4 pods) per period, and the 300 s scale-down stabilisation; minReplicas 1 (an HPA
@@ -238,6 +238,8 @@ class View:
     slot_seconds: float | None
     # The latest ready replica's time from creation to ready (None: none yet).
     start_seconds: float | None
+    # Requests that have reached the gateway so far.
+    arrivals: int
 
 
 class Policy(Protocol):
@@ -338,7 +340,14 @@ def simulate(
             started = max(ready, key=lambda r: r.ready_at, default=started)
             start_seconds = None if started is None else started.ready_at - started.created_at
             view = View(
-                now, target, tuple(ready), len(gateway), in_flight, slot_seconds, start_seconds
+                now,
+                target,
+                tuple(ready),
+                len(gateway),
+                in_flight,
+                slot_seconds,
+                start_seconds,
+                next_arrival,
             )
             wanted = policy.decide(view)
             if wanted != target:
@@ -409,7 +418,10 @@ class LadlePolicy:
             ready_replicas=len(view.ready),
             pods=pods,
             gateway=GatewayMetrics(
-                in_flight=view.in_flight, held=view.held, slot_seconds=view.slot_seconds
+                in_flight=view.in_flight,
+                held=view.held,
+                slot_seconds=view.slot_seconds,
+                arrivals=view.arrivals,
             ),
             start_seconds=view.start_seconds,
         )

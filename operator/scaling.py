@@ -116,6 +116,9 @@ class GatewayMetrics:
     error: str | None = None
     # The mean time a request has lately held a pod's slot (None: none has yet).
     slot_seconds: float | None = None
+    # The requests the gateways have taken for the service so far: answered, in flight and
+    # held (None: not known).
+    arrivals: float | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class ScalerState:
     held: tuple[tuple[float, float], ...] = ()
     # The last pod start time seen: a service at zero has no pod to show one.
     start_seconds: float | None = None
+    # (time, the gateways' arrivals so far) within ``load_window.ARRIVAL_TREND``.
+    arrivals: tuple[tuple[float, float], ...] = ()
 
 
 def resumed(now: float, replicas: int, policy: ScalingPolicy) -> ScalerState:
@@ -262,6 +267,30 @@ def _waiting(
         return gateway.held
     growth = max(0.0, load_window.slope(held)) if len(held) > 1 else 0.0
     return gateway.slot_seconds * scale * (growth + gateway.held / (BACKLOG_STARTS * start_seconds))
+
+
+def _arrivals(
+    earlier: Sequence[tuple[float, float]],
+    gateway: GatewayMetrics | None,
+    now: float,
+    scale: float,
+    policy: ScalingPolicy,
+) -> tuple[tuple[tuple[float, float], ...], float | None]:
+    """The arrival samples to keep, and the load's growth they show in replicas' worth a
+    second (at the target's pace, by ``scale``), or None where the gateway does not count
+    arrivals, has not timed a slot, or only a KV-cache target is set. A count that fell (a
+    gateway restarted) starts the samples afresh."""
+    if not _readable(gateway) or gateway.arrivals is None:
+        return (), None
+    kept = [a for a in earlier if a[0] > now - load_window.ARRIVAL_TREND]
+    if kept and kept[-1][1] > gateway.arrivals:
+        kept = []
+    samples = (*kept, (now, gateway.arrivals))
+    target = policy.target_concurrency
+    if target is None or not gateway.slot_seconds or _bad(gateway.slot_seconds):
+        return samples, None
+    growth = load_window.arrival_growth(samples, gateway.slot_seconds)
+    return samples, None if growth is None else growth * scale / target
 
 
 def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
@@ -381,8 +410,9 @@ def decide(
     noise = load_window.noise([y for _, y in loads[:-1]]) if paced else None  # earlier ticks'
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
+    arrivals, growth = _arrivals(state.arrivals, gateway, now, scale, policy)
     rising = load_window.rising(
-        loads, now, policy.panic_window, TOLERANCE, obs.current_replicas, start_seconds
+        loads, now, policy.panic_window, TOLERANCE, obs.current_replicas, start_seconds, growth
     )
     stable_reason = RISING if rising > stable_wanted else STABLE
     stable_wanted = max(stable_wanted, rising)
@@ -437,7 +467,16 @@ def decide(
         wanted=wanted,
     )
     state = ScalerState(
-        window, panic_since, max_panic, recent, last_active, floor, paces, queue, start_seconds
+        window,
+        panic_since,
+        max_panic,
+        recent,
+        last_active,
+        floor,
+        paces,
+        queue,
+        start_seconds,
+        arrivals,
     )
     return decision, state
 

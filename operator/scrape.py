@@ -22,6 +22,7 @@ from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
 GATEWAY_HELD = "ladle_gateway_held_requests"
 GATEWAY_SLOT = "ladle_gateway_slot_seconds"
+GATEWAY_ANSWERED = "ladle_gateway_requests_total"
 SCRAPE_TIMEOUT_SECONDS = 1.0
 
 
@@ -57,10 +58,10 @@ def parse_pod(name: str, text: str) -> PodMetrics:
     )
 
 
-def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float, float | None]:
-    """(in flight, held, mean slot time or None) for one service from one gateway replica's
-    exposition."""
-    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT))
+def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
+    """One service's counts from one gateway replica's exposition: its arrivals are the
+    requests answered, in flight and held."""
+    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ANSWERED))
 
     def values(metric: str) -> list[float]:
         return [
@@ -70,7 +71,13 @@ def parse_gateway(text: str, namespace: str, service: str) -> tuple[float, float
         ]
 
     slot = values(GATEWAY_SLOT)
-    return sum(values(GATEWAY_IN_FLIGHT)), sum(values(GATEWAY_HELD)), slot[0] if slot else None
+    in_flight, held = sum(values(GATEWAY_IN_FLIGHT)), sum(values(GATEWAY_HELD))
+    return GatewayMetrics(
+        in_flight=in_flight,
+        held=held,
+        slot_seconds=slot[0] if slot else None,
+        arrivals=sum(values(GATEWAY_ANSWERED)) + in_flight + held,
+    )
 
 
 async def fetch(session: aiohttp.ClientSession, url: str) -> str:
@@ -121,18 +128,19 @@ def gateway_metrics(
     times (those that have timed one); None without gateways."""
     if not expositions:
         return None
-    in_flight = held = 0.0
+    in_flight = held = arrivals = 0.0
     slots: list[float] = []
     for name, text in sorted(expositions.items()):
         if isinstance(text, BaseException):
             return GatewayMetrics(error=f"gateway {name}: {_why(text)}")
         try:
-            flight, waiting, slot = parse_gateway(text, namespace, service)
+            one = parse_gateway(text, namespace, service)
         except ValueError as err:
             return GatewayMetrics(error=f"gateway {name}: unreadable metrics: {err}")
-        in_flight += flight
-        held += waiting
-        if slot is not None:
-            slots.append(slot)
+        in_flight += one.in_flight
+        held += one.held
+        arrivals += one.arrivals or 0.0
+        if one.slot_seconds is not None:
+            slots.append(one.slot_seconds)
     slot_seconds = statistics.fmean(slots) if slots else None
-    return GatewayMetrics(in_flight=in_flight, held=held, slot_seconds=slot_seconds)
+    return GatewayMetrics(in_flight, held, slot_seconds=slot_seconds, arrivals=arrivals)

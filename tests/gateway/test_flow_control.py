@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from ladle.operator.scaling import GatewayMetrics
 from ladle.operator.scrape import parse_gateway
 from ladle.runtime_metrics import RUNNING, samples
 
@@ -91,7 +92,8 @@ async def test_the_gateway_times_a_slot_for_the_autoscaler(
 ) -> None:
     """Untimed, the service has no slot time on the page (the autoscaler then counts each held
     request as one); once requests have held a slot, the time the autoscaler reads from the
-    gateway's own page is theirs."""
+    gateway's own page is theirs. Its count of arrivals (answered, in flight, held) is there
+    too."""
     pod = await fake_pods(delay=0.3, slots=1)
     gw = await run_gateway([service(pod, 1)])
     async with httpx.AsyncClient(timeout=30) as client:
@@ -99,11 +101,11 @@ async def test_the_gateway_times_a_slot_for_the_autoscaler(
         answers = await asyncio.gather(*(post(client, gw.url, f"r{i}") for i in range(3)))
         after = (await client.get(gw.url + "/metrics")).text
     assert [r.status_code for r in answers] == [200] * 3
-    assert parse_gateway(before, "default", "chat") == (0, 0, None)
-    in_flight, held, slot = parse_gateway(after, "default", "chat")
-    assert (in_flight, held) == (0, 0)
-    assert slot is not None
-    assert 0.3 <= slot < 1.0
+    assert parse_gateway(before, "default", "chat") == GatewayMetrics(arrivals=0)
+    read = parse_gateway(after, "default", "chat")
+    assert (read.in_flight, read.held, read.arrivals) == (0, 0, 3)
+    assert read.slot_seconds is not None
+    assert 0.3 <= read.slot_seconds < 1.0
 
 
 async def test_early_binding_when_concurrency_is_zero(fake_pods: Any, run_gateway: Any) -> None:

@@ -587,6 +587,51 @@ def test_a_proven_rise_is_projected_over_the_measured_pod_start_time() -> None:
     assert projected[-1] < max(projected)
 
 
+def test_a_rise_is_projected_along_the_arrivals_not_along_a_backlog_flushing_into_new_pods() -> (
+    None
+):
+    """Two pods at their target (20 requests, target 10) while 5 a second arrive, each holding a
+    slot 4 s; then the pods' load leaps to 60 in three ticks. Where the gateway counts arrivals
+    and they are steady, the leap is a backlog that new pods took at once: the scaler asks for
+    what the load proves and projects nothing. Where they rise, it projects their trend over
+    the 30 s pod start; where they are not counted, the load's own leap, capped at doubling."""
+
+    def replay(arrival_rate: Callable[[float], float] | None) -> int:
+        policy = ScalingPolicy(target_concurrency=10, max_replicas=50)
+        state, arrived, counts = ScalerState(), 0.0, []
+        for tick in range(40):
+            now = tick * TICK
+            load = 20.0 + 40.0 * min(max(0, tick - 35), 3) / 3
+            if arrival_rate is not None:
+                arrived += arrival_rate(now) * TICK
+            gateway = GatewayMetrics(
+                in_flight=load,
+                slot_seconds=4.0,
+                arrivals=None if arrival_rate is None else arrived,
+            )
+            obs = Observation(now, 2, 2, pods(2, load / 2), gateway, start_seconds=30.0)
+            decision, state = decide(policy, state, obs)
+            counts.append(decision.replicas)
+        assert counts[:36] == [2] * 36
+        return max(counts)
+
+    steady = replay(lambda t: 5.0)
+    rising = replay(lambda t: 5.0 + 0.25 * max(0.0, t - 50.0))  # +1 request/s of load each s
+    uncounted = replay(None)
+    assert steady == 6
+    assert rising >= steady + 2
+    assert uncounted > rising
+
+
+def test_a_gateway_restart_starts_the_arrivals_afresh() -> None:
+    policy = ScalingPolicy(target_concurrency=10)
+    state = ScalerState()
+    for tick, arrived in enumerate((100.0, 110.0, 120.0, 5.0)):
+        gateway = GatewayMetrics(in_flight=10, slot_seconds=2.0, arrivals=arrived)
+        _, state = decide(policy, state, Observation(tick * TICK, 1, 1, pods(1, 10), gateway))
+    assert state.arrivals == ((3 * TICK, 5.0),)
+
+
 def test_the_last_pod_start_time_is_remembered_through_zero() -> None:
     policy = ScalingPolicy(min_replicas=0, target_concurrency=10)
     _, state = decide(policy, ScalerState(), replace(observe(0.0, 1, 5.0), start_seconds=42.0))
