@@ -22,7 +22,7 @@ from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
 GATEWAY_HELD = "ladle_gateway_held_requests"
 GATEWAY_SLOT = "ladle_gateway_slot_seconds"
-GATEWAY_ANSWERED = "ladle_gateway_requests_total"
+GATEWAY_ATTEMPTS = "ladle_gateway_upstream_requests_total"
 SCRAPE_TIMEOUT_SECONDS = 1.0
 
 
@@ -59,9 +59,10 @@ def parse_pod(name: str, text: str) -> PodMetrics:
 
 
 def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
-    """One service's counts from one gateway replica's exposition: its arrivals are the
-    requests answered, in flight and held."""
-    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ANSWERED))
+    """One service's counts from one gateway replica's exposition. Its arrivals are those that
+    take a slot: the attempts sent to its pods (finished, and in flight) and the requests held
+    (a cached answer, or a refusal at the door, takes none)."""
+    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ATTEMPTS))
 
     def values(metric: str) -> list[float]:
         return [
@@ -76,7 +77,7 @@ def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
         in_flight=in_flight,
         held=held,
         slot_seconds=slot[0] if slot else None,
-        arrivals=sum(values(GATEWAY_ANSWERED)) + in_flight + held,
+        arrivals=sum(values(GATEWAY_ATTEMPTS)) + in_flight + held,
     )
 
 
