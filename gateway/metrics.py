@@ -106,6 +106,13 @@ class GatewayMetrics:
             [*svc, "reason"],
             registry=r,
         )
+        self.arrivals_metric = Counter(
+            "ladle_gateway_arrivals",
+            "Requests that asked the service's pods for a slot (bound at once or held; a cached "
+            "answer or a refusal at the door is not one): the autoscaler's arrival rate.",
+            svc,
+            registry=r,
+        )
         queue = [*svc, "band"]
         self.held_metric = Gauge(
             "ladle_gateway_held_requests",
@@ -197,6 +204,7 @@ class GatewayMetrics:
         self.duration = Series(self.duration_metric)
         self.ttfb = Series(self.ttfb_metric)
         self.held = Series(self.held_metric)
+        self.arrivals = Series(self.arrivals_metric)
         self.queued = Series(self.queued_metric)
         self.tenant_wait = Series(self.tenant_wait_metric)
         self.queue_wait = Series(self.queue_wait_metric)
@@ -215,6 +223,7 @@ class GatewayMetrics:
     def new_service(self, namespace: str, service: str, bands: tuple[str, ...]) -> None:
         """Start a service's queue series at zero, so that a queue never used reads 0 rather
         than nothing (a rate over a counter that does not exist yet is no data, not 0)."""
+        self.arrivals(namespace, service)
         for band in bands:
             self.held(namespace, service, band).set(0)
             for reason in SHED_REASONS:
@@ -229,6 +238,7 @@ class GatewayMetrics:
             self.in_flight,
             self.cache,
             self.held,
+            self.arrivals,
             self.queued,
             self.tenant_wait,
             self.queue_wait,

@@ -116,9 +116,7 @@ class GatewayMetrics:
     error: str | None = None
     # The mean time a request has lately held a pod's slot (None: none has yet).
     slot_seconds: float | None = None
-    # The requests that have wanted a slot of the service's pods so far: the gateways'
-    # attempts sent to them (finished and in flight) and the requests they hold (None: not
-    # known).
+    # The requests that have asked the service's pods for a slot so far (None: not known).
     arrivals: float | None = None
 
 

@@ -22,7 +22,7 @@ from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
 GATEWAY_HELD = "ladle_gateway_held_requests"
 GATEWAY_SLOT = "ladle_gateway_slot_seconds"
-GATEWAY_ATTEMPTS = "ladle_gateway_upstream_requests_total"
+GATEWAY_ARRIVALS = "ladle_gateway_arrivals_total"
 SCRAPE_TIMEOUT_SECONDS = 1.0
 
 
@@ -59,10 +59,8 @@ def parse_pod(name: str, text: str) -> PodMetrics:
 
 
 def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
-    """One service's counts from one gateway replica's exposition. Its arrivals are those that
-    take a slot: the attempts sent to its pods (finished, and in flight) and the requests held
-    (a cached answer, or a refusal at the door, takes none)."""
-    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ATTEMPTS))
+    """One service's counts from one gateway replica's exposition."""
+    found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ARRIVALS))
 
     def values(metric: str) -> list[float]:
         return [
@@ -72,12 +70,11 @@ def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
         ]
 
     slot = values(GATEWAY_SLOT)
-    in_flight, held = sum(values(GATEWAY_IN_FLIGHT)), sum(values(GATEWAY_HELD))
     return GatewayMetrics(
-        in_flight=in_flight,
-        held=held,
+        in_flight=sum(values(GATEWAY_IN_FLIGHT)),
+        held=sum(values(GATEWAY_HELD)),
         slot_seconds=slot[0] if slot else None,
-        arrivals=sum(values(GATEWAY_ATTEMPTS)) + in_flight + held,
+        arrivals=sum(values(GATEWAY_ARRIVALS)),
     )
 
 

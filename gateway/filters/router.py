@@ -131,6 +131,7 @@ class Router:
             count_usage=counted,
         )
         last_error: str = ""
+        self.metrics.arrivals(*state.key).inc()
         while True:
             pod = self.cluster.place(state, attempt, loop.time()) or await self.cluster.wait(
                 state, attempt, out

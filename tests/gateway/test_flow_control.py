@@ -92,7 +92,7 @@ async def test_the_gateway_times_a_slot_for_the_autoscaler(
 ) -> None:
     """Untimed, the service has no slot time on the page (the autoscaler then counts each held
     request as one); once requests have held a slot, the time the autoscaler reads from the
-    gateway's own page is theirs. Its count of arrivals (attempts sent, in flight, held) is there
+    gateway's own page is theirs. Its count of the requests that asked for a slot is there
     too."""
     pod = await fake_pods(delay=0.3, slots=1)
     gw = await run_gateway([service(pod, 1)])

@@ -71,7 +71,7 @@ def test_a_pods_inter_token_totals_are_read_for_the_pace_and_optional() -> None:
 def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:
     one = gateway_exposition([("ns", "chat", "stable", 3, 1), ("ns", "chat", "canary", 2, 1)])
     other = gateway_exposition([("ns", "chat", "stable", 4, 0), ("ns", "other", "stable", 9, 9)])
-    assert parse_gateway(one, "ns", "chat") == GatewayMetrics(in_flight=5, held=1, arrivals=6)
+    assert parse_gateway(one, "ns", "chat") == GatewayMetrics(in_flight=5, held=1, arrivals=0)
     summed = gateway_metrics({"gw-a": one, "gw-b": other}, "ns", "chat")
     assert summed is not None
     assert (summed.in_flight, summed.held, summed.error) == (9, 1, None)
@@ -87,11 +87,13 @@ def test_the_gateways_own_page_gives_the_held_requests_and_the_mean_slot_time() 
         gateway.held("ns", "chat", "standard").set(5)
         gateway.in_flight("ns", "chat", "stable").set(8)
     timed.slot_times(lambda: [("ns", "chat", 3.5), ("ns", "other", 60.0)])
+    timed.arrivals("ns", "chat").inc(20)
+    fresh.arrivals("ns", "chat").inc(3)
     pages = {name: generate_latest(g.registry).decode() for name, g in (("a", timed), ("b", fresh))}
-    assert parse_gateway(pages["a"], "ns", "chat") == GatewayMetrics(8, 7, None, 3.5, 15)
-    assert parse_gateway(pages["b"], "ns", "chat") == GatewayMetrics(8, 7, None, None, 15)
+    assert parse_gateway(pages["a"], "ns", "chat") == GatewayMetrics(8, 7, None, 3.5, 20)
+    assert parse_gateway(pages["b"], "ns", "chat") == GatewayMetrics(8, 7, None, None, 3)
     summed = gateway_metrics(pages, "ns", "chat")
-    assert summed == GatewayMetrics(in_flight=16, held=14, slot_seconds=3.5, arrivals=30)
+    assert summed == GatewayMetrics(in_flight=16, held=14, slot_seconds=3.5, arrivals=23)
 
 
 def test_an_unreachable_gateway_is_unknown_data_and_none_configured_is_no_data() -> None:
