@@ -165,21 +165,20 @@ class OutputProcessor:
                 )
         for rid, (state, items) in by_request.items():
             error = next((u.error for _, u in items if u.error is not None), None)
-            try:
-                if error is not None and state.parent is not None:
-                    # One sample failed: the request fails as a whole.
-                    raise _SampleFailed(error)
-                for index, update in items:
-                    self._apply(state, index, update, now, result)
-                output = self._output(state)
-            except Exception as exc:
-                if isinstance(exc, _SampleFailed):
-                    message = str(exc)
-                else:
+            # One sample that failed fails its parent request as a whole.
+            failure = error if state.parent is not None else None
+            output = None
+            if failure is None:
+                try:
+                    for index, update in items:
+                        self._apply(state, index, update, now, result)
+                    output = self._output(state)
+                except Exception as exc:
                     log.exception("processing a step's output failed", extra={"request_id": rid})
-                    message = f"internal error while processing the output: {exc!r}"
-                result.failed.update(dict.fromkeys(state.scheduled_ids(), message))
-                output = self._failure(state, message)
+                    failure = f"internal error while processing the output: {exc!r}"
+            if failure is not None:
+                result.failed.update(dict.fromkeys(state.scheduled_ids(), failure))
+                output = self._failure(state, failure)
             if output is not None and error is not None:
                 output.error = error
             if output is not None:
@@ -396,7 +395,3 @@ class OutputProcessor:
             texts: list[str] = self.tokenizer.batch_decode([[t] for t in missing])
             self._token_text.update(zip(missing, texts, strict=True))
         return [self._token_text[t] for t in ids]
-
-
-class _SampleFailed(Exception):
-    """A child of an n > 1 request ended with an error in the engine."""

@@ -99,9 +99,7 @@ class Scheduler:
             lora=request.lora_request,
             seed=None if seed is None else seed + request.sample_index,
         )
-        group = SequenceGroup(
-            request.request_id, request.params, [seq], 1, deadline=request.deadline
-        )
+        group = SequenceGroup(request.request_id, request.params, [seq], deadline=request.deadline)
         if request.beam_params is not None:
             bp = request.beam_params
             room = bp.max_tokens
@@ -414,7 +412,7 @@ class Scheduler:
             seq = item.seq
             verified = result.verified.get(seq.seq_id) if item.draft else None
             if verified is not None:
-                self._take_verified(group, item, verified, update)
+                self._take_verified(item, verified, update)
                 update.sampled = changed = True
                 continue
             self._computed(seq, item.num_new_tokens)
@@ -431,7 +429,7 @@ class Scheduler:
                 group.pending[seq.seq_id] = sample
                 self._park(seq)
             else:
-                self._append(group, seq, sample, update)
+                self._append(seq, sample, update)
         if group.beam is not None:
             self._advance_beams(group, update)
         else:
@@ -449,11 +447,7 @@ class Scheduler:
         self.kv.commit_computed(seq)
 
     def _take_verified(
-        self,
-        group: SequenceGroup,
-        item: ScheduledSequence,
-        tokens: list[TokenLogprobs],
-        update: RequestUpdate,
+        self, item: ScheduledSequence, tokens: list[TokenLogprobs], update: RequestUpdate
     ) -> None:
         """A verified draft's tokens, one by one as if sampled one step each (a stop ends them
         there). The KV written for each token taken is valid, since each was computed after
@@ -462,7 +456,7 @@ class Scheduler:
         seq, draft = item.seq, item.draft
         taken = 0
         for sample in tokens:
-            self._append(group, seq, sample, update)
+            self._append(seq, sample, update)
             taken += 1
             if seq.finish_reason is not None:
                 break
@@ -470,9 +464,7 @@ class Scheduler:
         self.progress += taken
         self.drafting.verified(seq, draft, [t.token_id for t in tokens])
 
-    def _append(
-        self, group: SequenceGroup, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate
-    ) -> None:
+    def _append(self, seq: Sequence, sample: TokenLogprobs, update: RequestUpdate) -> None:
         """Take a sampled token: cumulative logprob, token-level stop checks."""
         seq.append_token(sample.token_id)
         if sample.logprob is not None:

@@ -135,7 +135,7 @@ class SequenceGroup:
     seqs: list[Sequence]
     # How many sequences the request runs at once (its beams); the scheduler reserves them at
     # admission.
-    width: int
+    width: int = 1
     deadline: float | None = None
     beam: BeamSearch | None = None
     # Beam search: this round's sample of each live beam, by seq_id.

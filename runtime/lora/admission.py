@@ -28,7 +28,9 @@ class AdapterAdmission:
 
     def __init__(self, max_loras: int | None, running: Iterable[Sequence]) -> None:
         self.max_loras = max_loras
-        self.active = {s.lora.lora_int_id for s in running if s.lora and max_loras is not None}
+        self.active: set[int] = set()
+        if max_loras is not None:
+            self.active = {s.lora.lora_int_id for s in running if s.lora}
         self.starving = False
 
     def passes_over(self, seq: Sequence) -> bool:
