@@ -144,6 +144,10 @@ def _counted(value: float) -> bool:
 
 
 def at_target(running: float, target: float, line: tuple[float, float]) -> float:
-    """A pod's running count as requests at the target's pace: ``b * g(T) / g(b)``."""
+    """A pod's running count as requests at the target's pace: ``b * g(T) / g(b)``, written
+    as ``g(T) / (a / b + k)``, whose every rounding keeps the order of counts (the product
+    form could rank a count a hair above another one ulp below it)."""
     a, k = line
-    return running * (a + k * target) / (a + k * running)
+    if running <= 0:
+        return 0.0
+    return (a + k * target) / (a / running + k)
