@@ -47,9 +47,13 @@ def _serve(args: argparse.Namespace) -> int:
 
         logs.configure(settings.log_level)
         return run_node(engine_args)
+    from ladle.listen import bind
+
+    # Before torch and the model load: a port already taken fails at once.
+    sock = bind(settings.host, settings.port)
     from ladle.runtime.server.main import serve
 
-    return serve(settings, engine_args, limits)
+    return serve(settings, engine_args, limits, sock)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -352,14 +352,14 @@ def served_model(args: argparse.Namespace) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    percentiles = args.percentiles
+    slos = parse_slos(args.goodput)
+    stop = stop_on_signals()
+    model = served_model(args)  # before transformers loads: no server fails in a moment
     from transformers import AutoTokenizer
 
     from ladle.runtime.models.loader import resolve_model
 
-    percentiles = args.percentiles
-    slos = parse_slos(args.goodput)
-    stop = stop_on_signals()
-    model = served_model(args)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or resolve_model(None))
     requests = synthetic_requests(args, tokenizer)
     results, duration = asyncio.run(run_load(args, model, requests, tokenizer, stop))

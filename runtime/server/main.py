@@ -10,7 +10,6 @@ import prometheus_client
 import uvicorn
 
 from ladle import logs
-from ladle.listen import bind
 from ladle.runtime.async_engine import AsyncLLM
 from ladle.runtime.config import EngineArgs
 from ladle.runtime.limits import RequestLimits
@@ -59,8 +58,10 @@ class _DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimits) -> int:
-    sock = bind(settings.host, settings.port)  # before the model starts to load
+def serve(
+    settings: ServerSettings, engine_args: EngineArgs, limits: RequestLimits, sock: socket.socket
+) -> int:
+    """Serve on ``sock``, bound by the caller before torch loads (``ladle.listen``)."""
     logs.configure(settings.log_level)
     # vLLM does the same: ``*_created`` series double the scrape size and nobody reads them.
     prometheus_client.disable_created_metrics()
