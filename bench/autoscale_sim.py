@@ -421,7 +421,7 @@ class LadlePolicy:
                 in_flight=view.in_flight,
                 held=view.held,
                 slot_seconds=view.slot_seconds,
-                arrivals=view.arrivals,
+                arrivals={"gateway": view.arrivals},
             ),
             start_seconds=view.start_seconds,
         )

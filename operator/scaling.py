@@ -116,8 +116,9 @@ class GatewayMetrics:
     error: str | None = None
     # The mean time a request has lately held a pod's slot (None: none has yet).
     slot_seconds: float | None = None
-    # The requests that have asked the service's pods for a slot so far (None: not known).
-    arrivals: float | None = None
+    # Each gateway replica's count of the requests that have asked the service's pods for a
+    # slot so far, by replica (None: not known).
+    arrivals: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,10 @@ class ScalerState:
     held: tuple[tuple[float, float], ...] = ()
     # The last pod start time seen: a service at zero has no pod to show one.
     start_seconds: float | None = None
-    # (time, the gateways' arrivals so far) within ``load_window.ARRIVAL_TREND``.
+    # (time, the gateways' arrivals so far) within ``load_window.ARRIVAL_TREND``, and each
+    # replica's count at the last of them.
     arrivals: tuple[tuple[float, float], ...] = ()
+    arrival_counts: Mapping[str, float] = field(default_factory=dict)
 
 
 def resumed(now: float, replicas: int, policy: ScalingPolicy) -> ScalerState:
@@ -268,28 +271,49 @@ def _waiting(
     return gateway.slot_seconds * scale * (growth + gateway.held / (BACKLOG_STARTS * start_seconds))
 
 
+def arrivals_so_far(
+    total: float, before: Mapping[str, float], counts: Mapping[str, float]
+) -> float:
+    """The gateways' arrivals as one count that only rises: ``total`` plus each replica's
+    increase since its count ``before`` (Prometheus' ``increase`` per series, then ``sum``). A
+    replica whose count went down restarted, and one not seen before is new: all they count
+    is new. One that is gone drops out and keeps what it added. A plain sum of the counts
+    falls with a restart, or reads a replica's restart as a lull beside the others' growth."""
+    for replica, count in counts.items():
+        last = before.get(replica)
+        total += count - last if last is not None and count >= last else count
+    return total
+
+
 def _arrivals(
-    earlier: Sequence[tuple[float, float]],
+    state: ScalerState,
     gateway: GatewayMetrics | None,
     now: float,
     scale: float,
     policy: ScalingPolicy,
-) -> tuple[tuple[tuple[float, float], ...], float | None]:
-    """The arrival samples to keep, and the load's growth they show in replicas' worth a
-    second (at the target's pace, by ``scale``), or None where the gateway does not count
-    arrivals, has not timed a slot, or only a KV-cache target is set. A count that fell (a
-    gateway restarted) starts the samples afresh."""
-    if not _readable(gateway) or gateway.arrivals is None:
-        return (), None
-    kept = [a for a in earlier if a[0] > now - load_window.ARRIVAL_TREND]
-    if kept and kept[-1][1] > gateway.arrivals:
-        kept = []
-    samples = (*kept, (now, gateway.arrivals))
+) -> tuple[tuple[tuple[float, float], ...], Mapping[str, float], float | None]:
+    """The arrival samples and counts to keep, and the load's growth they show in replicas'
+    worth a second (at the target's pace, by ``scale``), or None where the gateway does not
+    count arrivals, has not timed a slot, or only a KV-cache target is set. Without counts (no
+    gateway, or one that is not a number) the samples start afresh; a tick that could not read
+    the gateway decides nothing and keeps them."""
+    if (
+        not _readable(gateway)
+        or gateway.arrivals is None
+        or any(map(_bad, gateway.arrivals.values()))
+    ):
+        return (), {}, None
+    earlier = state.arrivals
+    total = arrivals_so_far(
+        earlier[-1][1] if earlier else 0.0, state.arrival_counts, gateway.arrivals
+    )
+    kept = (a for a in earlier if a[0] > now - load_window.ARRIVAL_TREND)
+    samples = (*kept, (now, total))
     target = policy.target_concurrency
     if target is None or not gateway.slot_seconds or _bad(gateway.slot_seconds):
-        return samples, None
+        return samples, gateway.arrivals, None
     growth = load_window.arrival_growth(samples, gateway.slot_seconds)
-    return samples, None if growth is None else growth * scale / target
+    return samples, gateway.arrivals, None if growth is None else growth * scale / target
 
 
 def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
@@ -409,7 +433,7 @@ def decide(
     noise = load_window.noise([y for _, y in loads[:-1]]) if paced else None  # earlier ticks'
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
-    arrivals, growth = _arrivals(state.arrivals, gateway, now, scale, policy)
+    arrivals, arrival_counts, growth = _arrivals(state, gateway, now, scale, policy)
     rising = load_window.rising(
         loads, now, policy.panic_window, TOLERANCE, obs.current_replicas, start_seconds, growth
     )
@@ -476,6 +500,7 @@ def decide(
         queue,
         start_seconds,
         arrivals,
+        arrival_counts,
     )
     return decision, state
 

@@ -58,8 +58,8 @@ def parse_pod(name: str, text: str) -> PodMetrics:
     )
 
 
-def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
-    """One service's counts from one gateway replica's exposition."""
+def parse_gateway(text: str, namespace: str, service: str, replica: str) -> GatewayMetrics:
+    """One service's counts from the exposition of the gateway replica ``replica``."""
     found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ARRIVALS))
 
     def values(metric: str) -> list[float]:
@@ -74,7 +74,7 @@ def parse_gateway(text: str, namespace: str, service: str) -> GatewayMetrics:
         in_flight=sum(values(GATEWAY_IN_FLIGHT)),
         held=sum(values(GATEWAY_HELD)),
         slot_seconds=slot[0] if slot else None,
-        arrivals=sum(values(GATEWAY_ARRIVALS)),
+        arrivals={replica: sum(values(GATEWAY_ARRIVALS))},
     )
 
 
@@ -122,22 +122,24 @@ async def scrape_gateways(
 def gateway_metrics(
     expositions: Mapping[str, str | BaseException], namespace: str, service: str
 ) -> GatewayMetrics | None:
-    """The gateways' counts for one service, summed over replicas, and the mean of their slot
-    times (those that have timed one); None without gateways."""
+    """The gateways' counts for one service, summed over replicas (their arrivals kept by
+    replica, whose counters restart apart), and the mean of their slot times (those that have
+    timed one); None without gateways."""
     if not expositions:
         return None
-    in_flight = held = arrivals = 0.0
+    in_flight = held = 0.0
+    arrivals: dict[str, float] = {}
     slots: list[float] = []
     for name, text in sorted(expositions.items()):
         if isinstance(text, BaseException):
             return GatewayMetrics(error=f"gateway {name}: {_why(text)}")
         try:
-            one = parse_gateway(text, namespace, service)
+            one = parse_gateway(text, namespace, service, name)
         except ValueError as err:
             return GatewayMetrics(error=f"gateway {name}: unreadable metrics: {err}")
         in_flight += one.in_flight
         held += one.held
-        arrivals += one.arrivals or 0.0
+        arrivals.update(one.arrivals or {})
         if one.slot_seconds is not None:
             slots.append(one.slot_seconds)
     slot_seconds = statistics.fmean(slots) if slots else None

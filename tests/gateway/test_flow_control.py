@@ -101,9 +101,9 @@ async def test_the_gateway_times_a_slot_for_the_autoscaler(
         answers = await asyncio.gather(*(post(client, gw.url, f"r{i}") for i in range(3)))
         after = (await client.get(gw.url + "/metrics")).text
     assert [r.status_code for r in answers] == [200] * 3
-    assert parse_gateway(before, "default", "chat") == GatewayMetrics(arrivals=0)
-    read = parse_gateway(after, "default", "chat")
-    assert (read.in_flight, read.held, read.arrivals) == (0, 0, 3)
+    assert parse_gateway(before, "default", "chat", "gw") == GatewayMetrics(arrivals={"gw": 0})
+    read = parse_gateway(after, "default", "chat", "gw")
+    assert (read.in_flight, read.held, read.arrivals) == (0, 0, {"gw": 3})
     assert read.slot_seconds is not None
     assert 0.3 <= read.slot_seconds < 1.0
 

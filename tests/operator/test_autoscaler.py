@@ -71,7 +71,8 @@ def test_a_pods_inter_token_totals_are_read_for_the_pace_and_optional() -> None:
 def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:
     one = gateway_exposition([("ns", "chat", "stable", 3, 1), ("ns", "chat", "canary", 2, 1)])
     other = gateway_exposition([("ns", "chat", "stable", 4, 0), ("ns", "other", "stable", 9, 9)])
-    assert parse_gateway(one, "ns", "chat") == GatewayMetrics(in_flight=5, held=1, arrivals=0)
+    read = parse_gateway(one, "ns", "chat", "gw-a")
+    assert read == GatewayMetrics(in_flight=5, held=1, arrivals={"gw-a": 0})
     summed = gateway_metrics({"gw-a": one, "gw-b": other}, "ns", "chat")
     assert summed is not None
     assert (summed.in_flight, summed.held, summed.error) == (9, 1, None)
@@ -90,10 +91,15 @@ def test_the_gateways_own_page_gives_the_held_requests_and_the_mean_slot_time() 
     timed.arrivals("ns", "chat").inc(20)
     fresh.arrivals("ns", "chat").inc(3)
     pages = {name: generate_latest(g.registry).decode() for name, g in (("a", timed), ("b", fresh))}
-    assert parse_gateway(pages["a"], "ns", "chat") == GatewayMetrics(8, 7, None, 3.5, 20)
-    assert parse_gateway(pages["b"], "ns", "chat") == GatewayMetrics(8, 7, None, None, 3)
+    assert parse_gateway(pages["a"], "ns", "chat", "a") == GatewayMetrics(
+        8, 7, None, 3.5, {"a": 20}
+    )
+    assert parse_gateway(pages["b"], "ns", "chat", "b") == GatewayMetrics(
+        8, 7, None, None, {"b": 3}
+    )
     summed = gateway_metrics(pages, "ns", "chat")
-    assert summed == GatewayMetrics(in_flight=16, held=14, slot_seconds=3.5, arrivals=23)
+    arrivals = {"a": 20, "b": 3}  # by replica: each one's counter restarts on its own
+    assert summed == GatewayMetrics(in_flight=16, held=14, slot_seconds=3.5, arrivals=arrivals)
 
 
 def test_an_unreachable_gateway_is_unknown_data_and_none_configured_is_no_data() -> None:

@@ -30,6 +30,7 @@ from ladle.operator.scaling import (
     PodMetrics,
     ScalerState,
     ScalingPolicy,
+    arrivals_so_far,
     decide,
     resumed,
 )
@@ -607,7 +608,7 @@ def test_a_rise_is_projected_along_the_arrivals_not_along_a_backlog_flushing_int
             gateway = GatewayMetrics(
                 in_flight=load,
                 slot_seconds=4.0,
-                arrivals=None if arrival_rate is None else arrived,
+                arrivals=None if arrival_rate is None else {"gw": arrived},
             )
             obs = Observation(now, 2, 2, pods(2, load / 2), gateway, start_seconds=30.0)
             decision, state = decide(policy, state, obs)
@@ -623,13 +624,42 @@ def test_a_rise_is_projected_along_the_arrivals_not_along_a_backlog_flushing_int
     assert uncounted > rising
 
 
-def test_a_gateway_restart_starts_the_arrivals_afresh() -> None:
+def test_the_arrivals_add_each_gateway_replicas_increase_through_restarts_and_changes() -> None:
+    """Two replicas each take 10 requests a tick. Replica a restarts (its count falls to 5),
+    then b is replaced by c: the arrivals still rise by what each counted, never fall. A tick
+    that cannot read the gateway keeps them; a count that is not a number starts afresh."""
     policy = ScalingPolicy(target_concurrency=10)
     state = ScalerState()
-    for tick, arrived in enumerate((100.0, 110.0, 120.0, 5.0)):
-        gateway = GatewayMetrics(in_flight=10, slot_seconds=2.0, arrivals=arrived)
+    ticks: list[dict[str, float] | None] = [
+        {"a": 100, "b": 200},
+        {"a": 110, "b": 210},
+        {"a": 5, "b": 220},  # a restarted: 5 new arrivals there, 10 on b
+        {"a": 15, "c": 4},  # b gone, c new
+        None,  # unreadable
+        {"a": 35, "c": 24},
+        {"a": math.nan, "c": 34},
+        {"a": 55, "c": 44},
+    ]
+    totals = []
+    for tick, counts in enumerate(ticks):
+        error = "gw-a: HTTP 503" if counts is None else None
+        gateway = GatewayMetrics(in_flight=10, slot_seconds=2.0, error=error, arrivals=counts)
         _, state = decide(policy, state, Observation(tick * TICK, 1, 1, pods(1, 10), gateway))
-    assert state.arrivals == ((3 * TICK, 5.0),)
+        totals.append([total for _, total in state.arrivals])
+    assert totals[3] == [300, 320, 335, 349]
+    assert totals[4] == totals[3]
+    assert totals[5] == [300, 320, 335, 349, 389]
+    assert (totals[6], totals[7]) == ([], [99])
+    assert state.arrival_counts == {"a": 55, "c": 44}
+
+
+@given(st.lists(st.dictionaries(st.sampled_from("abc"), st.floats(0, 1e6), min_size=1), max_size=8))
+def test_the_arrivals_so_far_never_fall(ticks: list[dict[str, float]]) -> None:
+    total, before = 0.0, {}
+    for counts in ticks:
+        after = arrivals_so_far(total, before, counts)
+        assert after >= total
+        total, before = after, counts
 
 
 def test_the_last_pod_start_time_is_remembered_through_zero() -> None:
