@@ -43,9 +43,11 @@ lint: setup
 cluster-build: setup system-packages
 	$(BIN)/ladle cluster build
 
-# Two workers (tests/conftest.py groups the tests): the end-to-end package's waits overlap the
-# rest of the suite.
-test: lint cluster-build
+# Lint and the cluster build each keep one core of two busy (mypy, buildah's steps), so they
+# run side by side. Then two workers (tests/conftest.py groups the tests): the end-to-end
+# package's waits overlap the rest of the suite.
+test: setup system-packages
+	$(MAKE) --no-print-directory -j2 lint cluster-build
 	$(BIN)/pytest -n 2 --dist loadgroup --durations=15
 
 # Proof that the checks can fail: each breakage in tests/mutants/breakages.toml, applied to a
