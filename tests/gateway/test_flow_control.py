@@ -5,8 +5,10 @@ leaves the queue."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,8 @@ from .conftest import SERVE_FLAGS, free_port, start_ladle
 pytestmark = pytest.mark.timeout(60)
 
 PREEMPTIONS = "ladle:num_preemptions_total"
+# A wait's bound: beside the other worker's tests a 10 ms poll can run far less often.
+WAIT_SECONDS = 20.0
 
 
 def service(pod: Any, slots: int, **extra: Any) -> dict[str, Any]:
@@ -45,26 +49,34 @@ async def post(
     )
 
 
+async def until(check: Callable[[], bool | Awaitable[bool]], what: str) -> None:
+    """Poll ``check`` until it holds, or fail naming ``what`` never happened."""
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        found = check()
+        if await found if inspect.isawaitable(found) else found:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {WAIT_SECONDS:g} s")
+        await asyncio.sleep(0.01)
+
+
 async def queued(gateway: Any, count: int) -> None:
     """Until ``count`` requests wait in the service's queue."""
     state = gateway.cluster.states[("default", "chat")]
-    for _ in range(500):
-        if len(state.queue) == count:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{len(state.queue)} requests queued, expected {count}")
+    await until(lambda: len(state.queue) == count, f"{count} requests queued")
 
 
 async def held_by(url: str, count: int) -> None:
     """Until a gateway process holds ``count`` requests (its held gauge, summed over bands)."""
     async with httpx.AsyncClient(timeout=5) as client:
-        for _ in range(500):
+
+        async def holds() -> bool:
             page = (await client.get(url + "/metrics")).text
             found = samples(page, ("ladle_gateway_held_requests",))["ladle_gateway_held_requests"]
-            if sum(v for _, v in found) == count:
-                return
-            await asyncio.sleep(0.01)
-    raise AssertionError(f"the gateway never held {count} requests")
+            return sum(v for _, v in found) == count
+
+        await until(holds, f"the gateway holding {count} requests")
 
 
 async def test_late_binding_keeps_the_pods_own_queue_empty(
@@ -244,10 +256,10 @@ async def test_two_gateways_share_a_pods_slots_by_its_own_counts(
     second = await run_gateway([service(pod, 2)], scrape_interval=0.05)
     async with httpx.AsyncClient(timeout=30) as client:
         mine = [asyncio.ensure_future(post(client, first.url, f"a{i}")) for i in range(2)]
-        for _ in range(500):  # until a scrape shows the second that the pod is full
-            if any(load.others >= 2 for load in second.gateway.scraper.loads.values()):
-                break
-            await asyncio.sleep(0.01)
+        await until(
+            lambda: any(load.others >= 2 for load in second.gateway.scraper.loads.values()),
+            "a scrape showing the second gateway that the pod is full",
+        )
         theirs = [asyncio.ensure_future(post(client, second.url, f"b{i}")) for i in range(4)]
         await queued(second.gateway, 4)
         answers = await asyncio.gather(*mine, *theirs)
@@ -275,10 +287,7 @@ async def test_a_stopping_gateway_answers_or_fails_what_it_holds(
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             sent = [asyncio.ensure_future(post(client, gw.url, "r0"))]
-            for _ in range(500):
-                if pod.order:
-                    break
-                await asyncio.sleep(0.01)
+            await until(lambda: bool(pod.order), "the first request at the pod")
             for i in (1, 2):  # then two held at the gateway, in order
                 sent.append(asyncio.ensure_future(post(client, gw.url, f"r{i}")))
                 await held_by(gw.url, i)
@@ -364,13 +373,12 @@ async def test_a_higher_level_displaces_a_lower_one_where_the_engine_orders_by_p
                 headers=low,
             )
         )
-        for _ in range(500):
+
+        async def running() -> bool:
             page = (await client.get(pod.url + "/metrics")).text
-            if sum(v for _, v in samples(page, (RUNNING,))[RUNNING]) == 1:
-                break
-            await asyncio.sleep(0.02)
-        else:
-            raise AssertionError("the first request never ran on the pod")
+            return sum(v for _, v in samples(page, (RUNNING,))[RUNNING]) == 1
+
+        await until(running, "the first request running on the pod")
         high = await client.post(
             gw.url + "/v1/completions",
             json={**body, "max_tokens": 4},
