@@ -33,13 +33,13 @@ from ladle.api import (
     LABEL_LEADER,
     LABEL_WORKER_OF,
 )
+from ladle.runtime.parallel.secret import SECRET_VARIABLE
 
 # torch.distributed's store on the leader; its rank channels listen on the next port.
 MASTER_PORT = 29500
 # The Secret whose bytes authenticate the ranks to each other (the plans they exchange are
 # pickled: no pod without it may connect).
 SECRET_KEY = "secret"
-SECRET_VARIABLE = "LADLE_PARALLEL_SECRET"
 NODE_RANK_VARIABLE = "LADLE_NODE_RANK"
 MASTER_ADDR_VARIABLE = "LADLE_MASTER_ADDR"
 # The kubelet expands these from each pod's own environment: one template, every rank.

@@ -41,6 +41,10 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings.from_namespace(args)
     engine_args = EngineArgs.from_cli_args(args)
     limits = RequestLimits.from_cli_args(args)
+    if engine_args.nnodes > 1:
+        from ladle.runtime.parallel.secret import parallel_secret
+
+        parallel_secret()  # refused before torch loads, on every node
     if engine_args.node_rank > 0:
         from ladle import logs
         from ladle.runtime.parallel.node import run_node

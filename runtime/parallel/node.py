@@ -9,7 +9,7 @@ import sys
 import time
 
 from ladle.runtime.config import EngineArgs
-from ladle.runtime.parallel.worker import child_env, parallel_secret
+from ladle.runtime.parallel.worker import child_env
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,6 @@ log = logging.getLogger(__name__)
 def run_node(args: EngineArgs) -> int:
     """Start this node's ranks and wait: when one ends, stop the others (the group cannot
     step without it) and exit with its code, so that the pod restarts as a whole."""
-    parallel_secret()  # refuse at once, not in each rank
     local = args.tensor_parallel_size // args.nnodes
     first = args.node_rank * local
     address = f"{args.master_addr}:{args.master_port + 1}"

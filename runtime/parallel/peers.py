@@ -23,6 +23,7 @@ from ladle.runtime.config import ConfigError, EngineArgs
 from ladle.runtime.forward_pass import StepPlan
 from ladle.runtime.parallel import worker
 from ladle.runtime.parallel.group import JOIN_TIMEOUT, RankFailure, TensorParallelGroup
+from ladle.runtime.parallel.secret import parallel_secret
 
 _HOST = "127.0.0.1"
 
@@ -54,7 +55,7 @@ class Peers:
         if device.type == "cpu":
             torch.set_num_threads(worker.threads_per_rank(local))
         spread = args.nnodes > 1
-        secret = worker.parallel_secret() if spread else b""
+        secret = parallel_secret() if spread else b""
         host = "0.0.0.0" if spread else _HOST
         port = args.master_port if spread else 0
         store = TCPStore(host, port, size, is_master=True, timeout=JOIN_TIMEOUT,

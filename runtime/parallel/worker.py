@@ -23,7 +23,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from transformers import AutoConfig
 
 from ladle import logs
-from ladle.runtime.config import ConfigError, EngineArgs
+from ladle.runtime.config import EngineArgs
 from ladle.runtime.forward_pass import ForwardPass
 from ladle.runtime.models.build import build_model, kv_budget_blocks, resolve_dtype
 from ladle.runtime.models.config import model_config_from_hf
@@ -31,6 +31,7 @@ from ladle.runtime.models.llama import LlamaModel
 from ladle.runtime.models.loader import resolve_model
 from ladle.runtime.parallel.group import JOIN_TIMEOUT, Shard, TensorParallelGroup
 from ladle.runtime.parallel.layout import shard_layout
+from ladle.runtime.parallel.secret import parallel_secret
 
 log = logging.getLogger(__name__)
 
@@ -70,21 +71,8 @@ def receive(channel: Connection) -> Any:
     return pickle.loads(channel.recv_bytes())
 
 
-SECRET_VARIABLE = "LADLE_PARALLEL_SECRET"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARENT_VARIABLE = "LADLE_RANK_PARENT"
-
-
-def parallel_secret() -> bytes:
-    """What ranks on several machines prove to one another (HMAC, ``multiprocessing``'s
-    handshake) before any plan, which is pickled, crosses the network."""
-    secret = os.environ.get(SECRET_VARIABLE, "")
-    if not secret:
-        raise ConfigError(
-            f"nnodes > 1 needs {SECRET_VARIABLE}: the same secret on every node, which "
-            "authenticates the ranks to one another"
-        )
-    return secret.encode()
 
 
 def connect(host: str, port: int) -> Connection:
