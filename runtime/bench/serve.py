@@ -355,7 +355,7 @@ def main(args: argparse.Namespace) -> int:
     percentiles = args.percentiles
     slos = parse_slos(args.goodput)
     stop = stop_on_signals()
-    model = served_model(args)  # before transformers loads: no server fails in a moment
+    model = served_model(args)  # before transformers loads: a server not up fails at once
     from transformers import AutoTokenizer
 
     from ladle.runtime.models.loader import resolve_model
