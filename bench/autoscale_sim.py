@@ -66,10 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ladle.operator.observation import GatewayMetrics, Observation, PodMetrics
 from ladle.operator.scaling import (
-    GatewayMetrics,
-    Observation,
-    PodMetrics,
     ScalerState,
     ScalingPolicy,
     decide,

@@ -5,13 +5,13 @@ its panic state, recent decisions) and one tick's observation. The operator's sc
 the simulator in ``bench/autoscale_sim.py`` run exactly this code, so what the benchmark
 measures is what the cluster does.
 
-Demand is the number of requests that want a replica: what the runtime pods run and queue
-(``ladle:num_requests_running`` + ``ladle:num_requests_waiting``), or the gateway's in-flight
-count when that is larger (requests on their way to a pod), plus what the requests the gateway
-holds ask for (``_waiting``). A target per replica turns demand into replicas; with a KV-cache
-target too, the larger answer wins. Once the scaler has learned how a ReplicaSet's pods slow with
-their batch (``pace``), their running requests are counted at the target's pace: a crowded
-pod's requests are slow, not more traffic.
+Demand is the number of requests that want a replica (read by ``observation``): what the
+runtime pods run and queue (``ladle:num_requests_running`` + ``ladle:num_requests_waiting``),
+or the gateway's in-flight count when that is larger (requests on their way to a pod), plus
+what the requests the gateway holds ask for. A target per replica turns demand into replicas;
+with a KV-cache target too, the larger answer wins. Once the scaler has learned how a
+ReplicaSet's pods slow with their batch (``pace``), their running requests are counted at the
+target's pace: a crowded pod's requests are slow, not more traffic.
 
 These rules come from the field's failures rather than from Knative:
 
@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeGuard
 
-from ladle.operator import load_window
-from ladle.operator.pace import Paces, at_target
+from ladle.operator import load_window, observation
+from ladle.operator.observation import Observation
+from ladle.operator.pace import Paces
 from ladle.words import plural
 
 # Reasons, as status and Events show them.
@@ -57,9 +57,6 @@ TOLERANCE = 0.1
 # worth (the simulated bursts' base) reads a hair above N and keeps N + 1 for as long as it
 # lasts; the way back up needs TOLERANCE, so a band of 7% plus the noise is left between.
 SETTLE = 0.03
-# The gateway's backlog is work to finish within this many pod starts (in the simulated
-# bursts, one start cost 1.4% more GPU-hours for 1.7% less wait).
-BACKLOG_STARTS = 2.0
 
 
 @dataclass(frozen=True)
@@ -89,49 +86,6 @@ class ScalingPolicy:
     @property
     def panic_window(self) -> float:
         return self.stable_window * self.panic_window_percent / 100.0
-
-
-@dataclass(frozen=True)
-class PodMetrics:
-    """One ready pod's scrape: its gauges, or why they could not be read."""
-
-    name: str
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float = 0.0
-    error: str | None = None
-    # ``ladle:inter_token_latency_seconds``'s sum and count, for the pace (None: not exposed).
-    itl_sum: float | None = None
-    itl_count: float | None = None
-    # Its ReplicaSet: pods of one template share a pace, and only they do.
-    replica_set: str = ""
-
-
-@dataclass(frozen=True)
-class GatewayMetrics:
-    """The gateways' counts for this service, summed over gateway replicas."""
-
-    in_flight: float = 0.0
-    held: float = 0.0
-    error: str | None = None
-    # The mean time a request has lately held a pod's slot (None: none has yet).
-    slot_seconds: float | None = None
-    # Each gateway replica's count of the requests that have asked the service's pods for a
-    # slot so far, by replica (None: not known).
-    arrivals: Mapping[str, float] | None = None
-
-
-@dataclass(frozen=True)
-class Observation:
-    time: float
-    # The replica count the Deployments are set to now, and how many pods are ready.
-    current_replicas: int
-    ready_replicas: int
-    pods: Sequence[PodMetrics] = ()
-    # None when no gateway fronts the service.
-    gateway: GatewayMetrics | None = None
-    # How long the service's latest pods took from creation to ready (None: none started yet).
-    start_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -183,143 +137,6 @@ class Decision:
     paced: bool = False
     # What the signals asked for before maxReplicas capped it.
     wanted: int = field(default=0)
-
-
-def _bad(value: float) -> bool:
-    return not math.isfinite(value) or value < 0
-
-
-def _problems(obs: Observation) -> list[str]:
-    problems = []
-    for pod in obs.pods:
-        if pod.error is not None:
-            problems.append(f"pod {pod.name}: {pod.error}")
-        elif _bad(pod.running) or _bad(pod.waiting) or _bad(pod.kv_usage) or pod.kv_usage > 1.0:
-            problems.append(
-                f"pod {pod.name}: nonsensical values (running {pod.running}, waiting "
-                f"{pod.waiting}, KV usage {pod.kv_usage})"
-            )
-    if len(obs.pods) < obs.ready_replicas:
-        problems.append(f"{obs.ready_replicas - len(obs.pods)} ready pods were not scraped")
-    gateway = obs.gateway
-    if gateway is not None:
-        if gateway.error is not None:
-            problems.append(f"gateway: {gateway.error}")
-        elif _bad(gateway.in_flight) or _bad(gateway.held):
-            problems.append(
-                f"gateway: nonsensical values (in flight {gateway.in_flight}, held {gateway.held})"
-            )
-    return problems
-
-
-def _valid(pod: PodMetrics) -> bool:
-    return pod.error is None and not (
-        _bad(pod.running) or _bad(pod.waiting) or _bad(pod.kv_usage) or pod.kv_usage > 1.0
-    )
-
-
-def _demand(
-    obs: Observation, target: float | None, lines: Mapping[str, tuple[float, float]]
-) -> tuple[float, float, float]:
-    """(demand in flight, KV usage sum, the pace's scale) from the valid parts of an
-    observation.
-
-    A pod whose ReplicaSet has a pace line has its running count taken at the target's pace.
-    A pod with a queue is full: its batch says what it can serve, not what comes, so it counts
-    as it is. The gateway's in-flight count (the same requests, and those on their way) is
-    scaled as the pods' total was, by the returned scale."""
-    pods = [p for p in obs.pods if _valid(p)]
-    raw = sum(p.running + p.waiting for p in pods)
-    demand = raw
-    if target is not None:
-        demand = sum(_worth(p, target, lines.get(p.replica_set)) for p in pods)
-    kv = sum(p.kv_usage for p in pods)
-    scale = demand / raw if raw else 1.0
-    gateway = obs.gateway
-    if _readable(gateway):
-        demand = max(demand, gateway.in_flight * scale)
-    return demand, kv, scale
-
-
-def _readable(gateway: GatewayMetrics | None) -> TypeGuard[GatewayMetrics]:
-    return (
-        gateway is not None
-        and gateway.error is None
-        and not (_bad(gateway.in_flight) or _bad(gateway.held))
-    )
-
-
-def _waiting(
-    gateway: GatewayMetrics,
-    held: Sequence[tuple[float, float]],
-    scale: float,
-    start_seconds: float | None,
-) -> float:
-    """The concurrency that the requests held at the gateway stand for.
-
-    Held requests are not concurrency: a backlog of hundreds, behind saturated pods, would ask
-    for as many slots, twice a burst's peak in the simulator. By Little's law what they ask for
-    is a rate times the time a request holds a slot (``slot_seconds``, at the target's pace by
-    ``scale``): the queue's growth is the arrivals the pods cannot take, and the backlog itself
-    is work to finish within a few pod starts (``BACKLOG_STARTS``), as new replicas can take it
-    no sooner than one. Until the gateway has timed a request, or while no pod has started,
-    each held request counts as one.
-    """
-    if gateway.slot_seconds is None or _bad(gateway.slot_seconds) or not start_seconds:
-        return gateway.held
-    growth = max(0.0, load_window.slope(held)) if len(held) > 1 else 0.0
-    return gateway.slot_seconds * scale * (growth + gateway.held / (BACKLOG_STARTS * start_seconds))
-
-
-def arrivals_so_far(
-    total: float, before: Mapping[str, float], counts: Mapping[str, float]
-) -> float:
-    """The gateways' arrivals as one count that only rises: ``total`` plus each replica's
-    increase since its count ``before`` (Prometheus' ``increase`` per series, then ``sum``). A
-    replica whose count went down restarted, and one not seen before is new: all they count
-    is new. One that is gone drops out and keeps what it added. A plain sum of the counts
-    falls with a restart, or reads a replica's restart as a lull beside the others' growth."""
-    for replica, count in counts.items():
-        last = before.get(replica)
-        total += count - last if last is not None and count >= last else count
-    return total
-
-
-def _arrivals(
-    state: ScalerState,
-    gateway: GatewayMetrics | None,
-    now: float,
-    scale: float,
-    policy: ScalingPolicy,
-) -> tuple[tuple[tuple[float, float], ...], Mapping[str, float], float | None]:
-    """The arrival samples and counts to keep, and the load's growth they show in replicas'
-    worth a second (at the target's pace, by ``scale``), or None where the gateway does not
-    count arrivals, has not timed a slot, or only a KV-cache target is set. Without counts (no
-    gateway, or one that is not a number) the samples start afresh; a tick that could not read
-    the gateway decides nothing and keeps them."""
-    if (
-        not _readable(gateway)
-        or gateway.arrivals is None
-        or any(map(_bad, gateway.arrivals.values()))
-    ):
-        return (), {}, None
-    earlier = state.arrivals
-    total = arrivals_so_far(
-        earlier[-1][1] if earlier else 0.0, state.arrival_counts, gateway.arrivals
-    )
-    kept = (a for a in earlier if a[0] > now - load_window.ARRIVAL_TREND)
-    samples = (*kept, (now, total))
-    target = policy.target_concurrency
-    if target is None or not gateway.slot_seconds or _bad(gateway.slot_seconds):
-        return samples, gateway.arrivals, None
-    growth = load_window.arrival_growth(samples, gateway.slot_seconds)
-    return samples, gateway.arrivals, None if growth is None else growth * scale / target
-
-
-def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
-    if line is None or pod.waiting:
-        return pod.running + pod.waiting
-    return at_target(pod.running, target, line)
 
 
 def load_in_replicas(policy: ScalingPolicy, demand: float, kv_usage: float) -> float:
@@ -379,10 +196,10 @@ def decide(
 ) -> tuple[Decision, ScalerState]:
     """One tick of the scaler: the replica count to run, and the state for the next tick."""
     now = obs.time
-    problems = _problems(obs)
+    problems = observation.problems(obs)
     target = policy.target_concurrency
     paces = state.paces
-    valid = [p for p in obs.pods if _valid(p)]
+    valid = [p for p in obs.pods if observation.valid(p)]
     if target is not None:
         # An unreadable pod drops out of the pace's memory: when it is back, the gaps it
         # stalled for are not its pace.
@@ -391,15 +208,15 @@ def decide(
     # Paced only when every pod is: a pod still counted as it runs (a new canary's, before
     # its pace is known) keeps the headroom such counts need.
     paced = bool(lines) and all(p.replica_set in lines for p in valid)
-    demand, kv, scale = _demand(obs, target, lines)
+    demand, kv, scale = observation.demand(obs, target, lines)
     start_seconds = obs.start_seconds or state.start_seconds
     gateway = obs.gateway
     held = 0.0
     queue: tuple[tuple[float, float], ...] = ()
-    if _readable(gateway):
+    if observation.readable(gateway):
         held = gateway.held
         queue = (*(q for q in state.held if q[0] > now - policy.panic_window), (now, held))
-        demand += _waiting(gateway, queue, scale, start_seconds)
+        demand += observation.held_demand(gateway, queue, scale, start_seconds)
     last_active = state.last_active if state.last_active is not None else now
     if demand > 0:
         last_active = now
@@ -433,7 +250,9 @@ def decide(
     noise = load_window.noise([y for _, y in loads[:-1]]) if paced else None  # earlier ticks'
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
-    arrivals, arrival_counts, growth = _arrivals(state, gateway, now, scale, policy)
+    arrivals, arrival_counts, growth = observation.arrivals(
+        state.arrivals, state.arrival_counts, gateway, now, scale, target
+    )
     rising = load_window.rising(
         loads, now, policy.panic_window, TOLERANCE, obs.current_replicas, start_seconds, growth
     )

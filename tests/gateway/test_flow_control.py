@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from ladle.operator.scaling import GatewayMetrics
+from ladle.operator.observation import GatewayMetrics
 from ladle.operator.scrape import parse_gateway
 from ladle.runtime_metrics import RUNNING, samples
 

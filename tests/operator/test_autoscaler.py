@@ -9,11 +9,11 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from ladle.api import parse_isvc
 from ladle.gateway.metrics import GatewayMetrics as GatewayRegistry
 from ladle.operator.autoscaler import autoscaling_status, policy_for
+from ladle.operator.observation import GatewayMetrics
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     PANIC,
     Decision,
-    GatewayMetrics,
 )
 from ladle.operator.scrape import gateway_metrics, parse_gateway, parse_pod
 

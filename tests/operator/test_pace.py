@@ -9,8 +9,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
+from ladle.operator.observation import PodMetrics
 from ladle.operator.pace import HALF_LIFE_SECONDS, Pace, Paces, at_target
-from ladle.operator.scaling import PodMetrics
 
 TICK = 2.0
 

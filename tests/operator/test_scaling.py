@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
+from ladle.operator.observation import GatewayMetrics, Observation, PodMetrics, arrivals_so_far
 from ladle.operator.pace import Pace, Paces, at_target
 from ladle.operator.scaling import (
     ACTIVATING,
@@ -25,12 +26,8 @@ from ladle.operator.scaling import (
     SCALED_TO_ZERO,
     STABLE,
     Decision,
-    GatewayMetrics,
-    Observation,
-    PodMetrics,
     ScalerState,
     ScalingPolicy,
-    arrivals_so_far,
     decide,
     resumed,
 )
