@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ladle.operator.observation import GatewayMetrics, Observation, PodMetrics
+from ladle.operator.observation import GatewayLoad, Observation, PodLoad
 from ladle.operator.scaling import (
     ScalerState,
     ScalingPolicy,
@@ -400,7 +400,7 @@ class LadlePolicy:
             # As the operator's loop does when it takes over a running service.
             self.state = resumed(view.time, view.replicas, self.policy)
         pods = tuple(
-            PodMetrics(
+            PodLoad(
                 r.name,
                 running=r.running,
                 waiting=len(r.waiting),
@@ -415,7 +415,7 @@ class LadlePolicy:
             current_replicas=view.replicas,
             ready_replicas=len(view.ready),
             pods=pods,
-            gateway=GatewayMetrics(
+            gateway=GatewayLoad(
                 in_flight=view.in_flight,
                 held=view.held,
                 slot_seconds=view.slot_seconds,

@@ -22,7 +22,7 @@ BACKLOG_STARTS = 2.0
 
 
 @dataclass(frozen=True)
-class PodMetrics:
+class PodLoad:
     """One ready pod's scrape: its gauges, or why they could not be read."""
 
     name: str
@@ -38,7 +38,7 @@ class PodMetrics:
 
 
 @dataclass(frozen=True)
-class GatewayMetrics:
+class GatewayLoad:
     """The gateways' counts for this service, summed over gateway replicas."""
 
     in_flight: float = 0.0
@@ -57,9 +57,9 @@ class Observation:
     # The replica count the Deployments are set to now, and how many pods are ready.
     current_replicas: int
     ready_replicas: int
-    pods: Sequence[PodMetrics] = ()
+    pods: Sequence[PodLoad] = ()
     # None when no gateway fronts the service.
-    gateway: GatewayMetrics | None = None
+    gateway: GatewayLoad | None = None
     # How long the service's latest pods took from creation to ready (None: none started yet).
     start_seconds: float | None = None
 
@@ -91,7 +91,7 @@ def problems(obs: Observation) -> list[str]:
     return problems
 
 
-def valid(pod: PodMetrics) -> bool:
+def valid(pod: PodLoad) -> bool:
     return pod.error is None and not (
         _bad(pod.running) or _bad(pod.waiting) or _bad(pod.kv_usage) or pod.kv_usage > 1.0
     )
@@ -120,7 +120,7 @@ def demand(
     return demand, kv, scale
 
 
-def readable(gateway: GatewayMetrics | None) -> TypeGuard[GatewayMetrics]:
+def readable(gateway: GatewayLoad | None) -> TypeGuard[GatewayLoad]:
     return (
         gateway is not None
         and gateway.error is None
@@ -129,7 +129,7 @@ def readable(gateway: GatewayMetrics | None) -> TypeGuard[GatewayMetrics]:
 
 
 def held_demand(
-    gateway: GatewayMetrics,
+    gateway: GatewayLoad,
     held: Sequence[tuple[float, float]],
     scale: float,
     start_seconds: float | None,
@@ -167,7 +167,7 @@ def arrivals_so_far(
 def arrivals(
     earlier: tuple[tuple[float, float], ...],
     counts: Mapping[str, float],
-    gateway: GatewayMetrics | None,
+    gateway: GatewayLoad | None,
     now: float,
     scale: float,
     target: float | None,
@@ -193,7 +193,7 @@ def arrivals(
     return samples, gateway.arrivals, None if growth is None else growth * scale / target
 
 
-def _worth(pod: PodMetrics, target: float, line: tuple[float, float] | None) -> float:
+def _worth(pod: PodLoad, target: float, line: tuple[float, float] | None) -> float:
     if line is None or pod.waiting:
         return pod.running + pod.waiting
     return at_target(pod.running, target, line)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ladle.operator.observation import GatewayMetrics, PodMetrics
+from ladle.operator.observation import GatewayLoad, PodLoad
 from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"
@@ -32,23 +32,23 @@ class Target:
     url: str  # the full /metrics URL
 
 
-def parse_pod(name: str, text: str) -> PodMetrics:
+def parse_pod(name: str, text: str) -> PodLoad:
     """One runtime pod's gauges; a missing gauge is an error, not a zero. The inter-token
     histogram's totals are for the pace, and a runtime without them is only not paced."""
     try:
         found = samples(text, (RUNNING, WAITING, KV_USAGE, ITL + "_sum", ITL + "_count"))
     except ValueError as err:
-        return PodMetrics(name, error=f"unreadable metrics: {err}")
+        return PodLoad(name, error=f"unreadable metrics: {err}")
     totals = [found.pop(ITL + suffix) for suffix in ("_sum", "_count")]
     itl_sum, itl_count = (sum(v for _, v in t) if t else None for t in totals)
     missing = sorted(metric for metric, got in found.items() if not got)
     if missing:
-        return PodMetrics(name, error=f"metrics lack {', '.join(missing)}")
+        return PodLoad(name, error=f"metrics lack {', '.join(missing)}")
     running = sum(v for _, v in found[RUNNING])
     waiting = sum(v for _, v in found[WAITING])
     # One engine per pod; should a pod serve several models, the fullest cache speaks for it.
     kv_usage = max(v for _, v in found[KV_USAGE])
-    return PodMetrics(
+    return PodLoad(
         name,
         running=running,
         waiting=waiting,
@@ -58,7 +58,7 @@ def parse_pod(name: str, text: str) -> PodMetrics:
     )
 
 
-def parse_gateway(text: str, namespace: str, service: str, replica: str) -> GatewayMetrics:
+def parse_gateway(text: str, namespace: str, service: str, replica: str) -> GatewayLoad:
     """One service's counts from the exposition of the gateway replica ``replica``."""
     found = samples(text, (GATEWAY_IN_FLIGHT, GATEWAY_HELD, GATEWAY_SLOT, GATEWAY_ARRIVALS))
 
@@ -70,7 +70,7 @@ def parse_gateway(text: str, namespace: str, service: str, replica: str) -> Gate
         ]
 
     slot = values(GATEWAY_SLOT)
-    return GatewayMetrics(
+    return GatewayLoad(
         in_flight=sum(values(GATEWAY_IN_FLIGHT)),
         held=sum(values(GATEWAY_HELD)),
         slot_seconds=slot[0] if slot else None,
@@ -92,14 +92,14 @@ def _why(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
-async def scrape_pods(session: aiohttp.ClientSession, pods: Sequence[Target]) -> list[PodMetrics]:
+async def scrape_pods(session: aiohttp.ClientSession, pods: Sequence[Target]) -> list[PodLoad]:
     """Every ready pod at once; a pod that fails is reported with why."""
 
-    async def one(pod: Target) -> PodMetrics:
+    async def one(pod: Target) -> PodLoad:
         try:
             return parse_pod(pod.name, await fetch(session, pod.url))
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
-            return PodMetrics(pod.name, error=_why(err))
+            return PodLoad(pod.name, error=_why(err))
 
     return list(await asyncio.gather(*(one(p) for p in pods)))
 
@@ -121,7 +121,7 @@ async def scrape_gateways(
 
 def gateway_metrics(
     expositions: Mapping[str, str | BaseException], namespace: str, service: str
-) -> GatewayMetrics | None:
+) -> GatewayLoad | None:
     """The gateways' counts for one service, summed over replicas (their arrivals kept by
     replica, whose counters restart apart), and the mean of their slot times (those that have
     timed one); None without gateways."""
@@ -132,15 +132,15 @@ def gateway_metrics(
     slots: list[float] = []
     for name, text in sorted(expositions.items()):
         if isinstance(text, BaseException):
-            return GatewayMetrics(error=f"gateway {name}: {_why(text)}")
+            return GatewayLoad(error=f"gateway {name}: {_why(text)}")
         try:
             one = parse_gateway(text, namespace, service, name)
         except ValueError as err:
-            return GatewayMetrics(error=f"gateway {name}: unreadable metrics: {err}")
+            return GatewayLoad(error=f"gateway {name}: unreadable metrics: {err}")
         in_flight += one.in_flight
         held += one.held
         arrivals.update(one.arrivals or {})
         if one.slot_seconds is not None:
             slots.append(one.slot_seconds)
     slot_seconds = statistics.fmean(slots) if slots else None
-    return GatewayMetrics(in_flight, held, slot_seconds=slot_seconds, arrivals=arrivals)
+    return GatewayLoad(in_flight, held, slot_seconds=slot_seconds, arrivals=arrivals)

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from ladle.operator.observation import GatewayMetrics
+from ladle.operator.observation import GatewayLoad
 from ladle.operator.scrape import parse_gateway
 from ladle.runtime_metrics import RUNNING, samples
 
@@ -113,7 +113,7 @@ async def test_the_gateway_times_a_slot_for_the_autoscaler(
         answers = await asyncio.gather(*(post(client, gw.url, f"r{i}") for i in range(3)))
         after = (await client.get(gw.url + "/metrics")).text
     assert [r.status_code for r in answers] == [200] * 3
-    assert parse_gateway(before, "default", "chat", "gw") == GatewayMetrics(arrivals={"gw": 0})
+    assert parse_gateway(before, "default", "chat", "gw") == GatewayLoad(arrivals={"gw": 0})
     read = parse_gateway(after, "default", "chat", "gw")
     assert (read.in_flight, read.held, read.arrivals) == (0, 0, {"gw": 3})
     assert read.slot_seconds is not None

@@ -7,9 +7,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 from ladle.api import parse_isvc
-from ladle.gateway.metrics import GatewayMetrics as GatewayRegistry
+from ladle.gateway.metrics import GatewayMetrics
 from ladle.operator.autoscaler import autoscaling_status, policy_for
-from ladle.operator.observation import GatewayMetrics
+from ladle.operator.observation import GatewayLoad
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     PANIC,
@@ -72,7 +72,7 @@ def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:
     one = gateway_exposition([("ns", "chat", "stable", 3, 1), ("ns", "chat", "canary", 2, 1)])
     other = gateway_exposition([("ns", "chat", "stable", 4, 0), ("ns", "other", "stable", 9, 9)])
     read = parse_gateway(one, "ns", "chat", "gw-a")
-    assert read == GatewayMetrics(in_flight=5, held=1, arrivals={"gw-a": 0})
+    assert read == GatewayLoad(in_flight=5, held=1, arrivals={"gw-a": 0})
     summed = gateway_metrics({"gw-a": one, "gw-b": other}, "ns", "chat")
     assert summed is not None
     assert (summed.in_flight, summed.held, summed.error) == (9, 1, None)
@@ -81,7 +81,7 @@ def test_gateway_counts_sum_variants_and_replicas_for_one_service() -> None:
 def test_the_gateways_own_page_gives_the_held_requests_and_the_mean_slot_time() -> None:
     """Read from what the gateway's own metrics write: held requests by band, and the slot
     time once a request has been timed (a gateway that has timed none does not count)."""
-    timed, fresh = GatewayRegistry(), GatewayRegistry()
+    timed, fresh = GatewayMetrics(), GatewayMetrics()
     for gateway in (timed, fresh):
         gateway.new_service("ns", "chat", ("critical", "standard"))
         gateway.held("ns", "chat", "critical").set(2)
@@ -91,15 +91,11 @@ def test_the_gateways_own_page_gives_the_held_requests_and_the_mean_slot_time() 
     timed.arrivals("ns", "chat").inc(20)
     fresh.arrivals("ns", "chat").inc(3)
     pages = {name: generate_latest(g.registry).decode() for name, g in (("a", timed), ("b", fresh))}
-    assert parse_gateway(pages["a"], "ns", "chat", "a") == GatewayMetrics(
-        8, 7, None, 3.5, {"a": 20}
-    )
-    assert parse_gateway(pages["b"], "ns", "chat", "b") == GatewayMetrics(
-        8, 7, None, None, {"b": 3}
-    )
+    assert parse_gateway(pages["a"], "ns", "chat", "a") == GatewayLoad(8, 7, None, 3.5, {"a": 20})
+    assert parse_gateway(pages["b"], "ns", "chat", "b") == GatewayLoad(8, 7, None, None, {"b": 3})
     summed = gateway_metrics(pages, "ns", "chat")
     arrivals = {"a": 20, "b": 3}  # by replica: each one's counter restarts on its own
-    assert summed == GatewayMetrics(in_flight=16, held=14, slot_seconds=3.5, arrivals=arrivals)
+    assert summed == GatewayLoad(in_flight=16, held=14, slot_seconds=3.5, arrivals=arrivals)
 
 
 def test_an_unreachable_gateway_is_unknown_data_and_none_configured_is_no_data() -> None:

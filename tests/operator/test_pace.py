@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
-from ladle.operator.observation import PodMetrics
+from ladle.operator.observation import PodLoad
 from ladle.operator.pace import HALF_LIFE_SECONDS, Pace, Paces, at_target
 
 TICK = 2.0
@@ -23,7 +23,7 @@ def learn(pods: dict[str, PacedPod], batches: list[list[float]], pace: Pace | No
         scrapes = []
         for (name, pod), b in zip(pods.items(), row, strict=True):
             total, count = pod.step(b, TICK)
-            scrapes.append(PodMetrics(name, running=b, itl_sum=total, itl_count=count))
+            scrapes.append(PodLoad(name, running=b, itl_sum=total, itl_count=count))
         pace = pace.observe(now, scrapes, target=32)
     return pace
 
@@ -53,8 +53,8 @@ def test_a_gap_that_does_not_grow_with_the_batch_is_no_fit() -> None:
     assert pace.line is None
 
 
-def scrape(running: float, total: float | None, count: float | None) -> PodMetrics:
-    return PodMetrics("a", running=running, itl_sum=total, itl_count=count)
+def scrape(running: float, total: float | None, count: float | None) -> PodLoad:
+    return PodLoad("a", running=running, itl_sum=total, itl_count=count)
 
 
 def test_new_restarted_idle_and_nonsensical_pods_add_no_sample() -> None:
@@ -98,7 +98,7 @@ def learn_replica_sets(
         for ((replica_set, name), pod), b in zip(pods.items(), row, strict=True):
             total, count = pod.step(b, TICK)
             scrapes.append(
-                PodMetrics(name, running=b, itl_sum=total, itl_count=count, replica_set=replica_set)
+                PodLoad(name, running=b, itl_sum=total, itl_count=count, replica_set=replica_set)
             )
         paces = paces.observe(t * TICK, scrapes, 32, scrapes)
     return paces
@@ -129,7 +129,7 @@ def test_a_replaced_replica_set_is_forgotten_but_none_is_at_zero() -> None:
     at_zero = paces.observe(100.0, [], 32, [])
     assert set(at_zero.lines()) == {"old"}
     # A rollout's first pod: the old ReplicaSet's pace goes with it.
-    new_pod = PodMetrics("n1", running=4, itl_sum=1.0, itl_count=100.0, replica_set="new")
+    new_pod = PodLoad("n1", running=4, itl_sum=1.0, itl_count=100.0, replica_set="new")
     rolled = at_zero.observe(102.0, [new_pod], 32, [new_pod])
     assert [name for name, _ in rolled.by_replica_set] == ["new"]
     assert rolled.lines() == {}

@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
-from ladle.operator.observation import GatewayMetrics, Observation, PodMetrics, arrivals_so_far
+from ladle.operator.observation import GatewayLoad, Observation, PodLoad, arrivals_so_far
 from ladle.operator.pace import Pace, Paces, at_target
 from ladle.operator.scaling import (
     ACTIVATING,
@@ -35,8 +35,8 @@ from ladle.operator.scaling import (
 TICK = 2.0
 
 
-def pods(count: int, per_pod: float, kv: float = 0.1) -> tuple[PodMetrics, ...]:
-    return tuple(PodMetrics(f"p{i}", running=per_pod, kv_usage=kv) for i in range(count))
+def pods(count: int, per_pod: float, kv: float = 0.1) -> tuple[PodLoad, ...]:
+    return tuple(PodLoad(f"p{i}", running=per_pod, kv_usage=kv) for i in range(count))
 
 
 class Fleet:
@@ -50,16 +50,16 @@ class Fleet:
 
     def observe(self, time: float, replicas: int, load: float, held: float = 0.0) -> Observation:
         if replicas == 0:
-            return Observation(time, 0, 0, (), GatewayMetrics(held=load + held))
+            return Observation(time, 0, 0, (), GatewayLoad(held=load + held))
         each = load / replicas
         scraped = tuple(self._pod(f"p{i}", each) for i in range(replicas))
-        return Observation(time, replicas, replicas, scraped, GatewayMetrics(load, held))
+        return Observation(time, replicas, replicas, scraped, GatewayLoad(load, held))
 
-    def _pod(self, name: str, running: float) -> PodMetrics:
+    def _pod(self, name: str, running: float) -> PodLoad:
         if self.pace is None:
-            return PodMetrics(name, running=running, kv_usage=0.1)
+            return PodLoad(name, running=running, kv_usage=0.1)
         total, count = self.paced.setdefault(name, PacedPod(*self.pace)).step(running, TICK)
-        return PodMetrics(name, running=running, kv_usage=0.1, itl_sum=total, itl_count=count)
+        return PodLoad(name, running=running, kv_usage=0.1, itl_sum=total, itl_count=count)
 
 
 def observe(time: float, replicas: int, load: float, held: float = 0.0) -> Observation:
@@ -212,7 +212,7 @@ def test_scale_down_rate_halves_at_most_per_tick() -> None:
 def test_kv_target_wins_when_it_asks_for_more() -> None:
     policy = ScalingPolicy(target_concurrency=100, target_kv_usage=0.5, max_replicas=10)
     state = ScalerState()
-    obs = Observation(0.0, 2, 2, pods=(PodMetrics("a", 3, 0, 0.9), PodMetrics("b", 3, 0, 0.8)))
+    obs = Observation(0.0, 2, 2, pods=(PodLoad("a", 3, 0, 0.9), PodLoad("b", 3, 0, 0.8)))
     decision, _ = decide(policy, state, obs)
     assert decision.replicas == 4  # 1.7 of KV at 0.5 each; 6 requests would need 1
 
@@ -245,18 +245,18 @@ def test_a_held_request_starts_a_replica_even_with_a_long_idle_window() -> None:
 @pytest.mark.parametrize(
     ("pod", "gateway", "why"),
     [
-        (PodMetrics("a", error="connection refused"), None, "pod a: connection refused"),
-        (PodMetrics("a", running=math.nan), None, "nonsensical"),
-        (PodMetrics("a", waiting=-3), None, "nonsensical"),
-        (PodMetrics("a", kv_usage=1.7), None, "nonsensical"),
-        (PodMetrics("a"), GatewayMetrics(error="timed out"), "gateway: timed out"),
+        (PodLoad("a", error="connection refused"), None, "pod a: connection refused"),
+        (PodLoad("a", running=math.nan), None, "nonsensical"),
+        (PodLoad("a", waiting=-3), None, "nonsensical"),
+        (PodLoad("a", kv_usage=1.7), None, "nonsensical"),
+        (PodLoad("a"), GatewayLoad(error="timed out"), "gateway: timed out"),
     ],
 )
 def test_bad_data_freezes_instead_of_scaling_down(
-    pod: PodMetrics, gateway: GatewayMetrics | None, why: str
+    pod: PodLoad, gateway: GatewayLoad | None, why: str
 ) -> None:
     policy = ScalingPolicy(target_concurrency=8, max_replicas=10, scale_down_delay=0)
-    healthy = [PodMetrics(f"h{i}") for i in range(3)]
+    healthy = [PodLoad(f"h{i}") for i in range(3)]
     decision, state = decide(
         policy, ScalerState(), Observation(0.0, 4, 4, pods=(*healthy, pod), gateway=gateway)
     )
@@ -277,7 +277,7 @@ def test_missing_scrapes_freeze_too() -> None:
 
 def test_frozen_may_still_rise_on_what_readable_pods_prove() -> None:
     policy = ScalingPolicy(target_concurrency=8, max_replicas=10)
-    obs = Observation(0.0, 2, 2, pods=(PodMetrics("a", running=40), PodMetrics("b", error="x")))
+    obs = Observation(0.0, 2, 2, pods=(PodLoad("a", running=40), PodLoad("b", error="x")))
     decision, _ = decide(policy, ScalerState(), obs)
     assert decision.frozen
     assert decision.replicas == 5
@@ -289,8 +289,8 @@ def test_a_pod_whose_replica_set_has_no_pace_yet_counts_as_it_runs() -> None:
     policy = ScalingPolicy(target_concurrency=32, max_replicas=10)
     line = (0.010, 2e-4)
     state = ScalerState(paces=Paces((("chat-stable-1", Pace(line=line)),)))
-    stable = PodMetrics("s1", running=10, replica_set="chat-stable-1")
-    canary = PodMetrics("c1", running=10, replica_set="chat-canary-2")
+    stable = PodLoad("s1", running=10, replica_set="chat-stable-1")
+    canary = PodLoad("c1", running=10, replica_set="chat-canary-2")
     alone, _ = decide(policy, state, Observation(0.0, 2, 1, pods=(stable,)))
     assert alone.paced
     assert alone.stable_demand == pytest.approx(at_target(10, 32, line))
@@ -498,7 +498,7 @@ def test_a_pod_with_a_queue_counts_as_it_runs() -> None:
     state = paced_state(policy, fleet)
     crowded = fleet.observe(200.0, 2, 64.0)
     queued = (replace(crowded.pods[0], waiting=4.0), crowded.pods[1])
-    obs = replace(crowded, pods=queued, gateway=GatewayMetrics(68.0))
+    obs = replace(crowded, pods=queued, gateway=GatewayLoad(68.0))
     decision, _ = decide(policy, state, obs)
     assert decision.stable_demand == pytest.approx(32 + 4 + 32 * 3 / 5)
 
@@ -527,7 +527,7 @@ def saturated(time: float, held: float, slot: float | None, start: float | None)
         2,
         2,
         pods(2, 10.0),
-        GatewayMetrics(in_flight=20.0, held=held, slot_seconds=slot),
+        GatewayLoad(in_flight=20.0, held=held, slot_seconds=slot),
         start_seconds=start,
     )
 
@@ -602,7 +602,7 @@ def test_a_rise_is_projected_along_the_arrivals_not_along_a_backlog_flushing_int
             load = 20.0 + 40.0 * min(max(0, tick - 35), 3) / 3
             if arrival_rate is not None:
                 arrived += arrival_rate(now) * TICK
-            gateway = GatewayMetrics(
+            gateway = GatewayLoad(
                 in_flight=load,
                 slot_seconds=4.0,
                 arrivals=None if arrival_rate is None else {"gw": arrived},
@@ -640,7 +640,7 @@ def test_the_arrivals_add_each_gateway_replicas_increase_through_restarts_and_ch
     totals = []
     for tick, counts in enumerate(ticks):
         error = "gw-a: HTTP 503" if counts is None else None
-        gateway = GatewayMetrics(in_flight=10, slot_seconds=2.0, error=error, arrivals=counts)
+        gateway = GatewayLoad(in_flight=10, slot_seconds=2.0, error=error, arrivals=counts)
         _, state = decide(policy, state, Observation(tick * TICK, 1, 1, pods(1, 10), gateway))
         totals.append([total for _, total in state.arrivals])
     assert totals[3] == [300, 320, 335, 349]
