@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ladle.operator.observation import GatewayLoad, Observation, PodLoad
+from ladle.operator.load import GatewayLoad, Observation, PodLoad
 from ladle.operator.scaling import (
     ScalerState,
     ScalingPolicy,

@@ -26,7 +26,7 @@ from ladle.api import API_VERSION, ISVC_KIND, JSON, InferenceService, rfc3339
 from ladle.kube import REQUEST_ERRORS, ApiError, KubeClient, resource_path
 from ladle.operator.conditions import SCALING_ACTIVE, SCALING_LIMITED, Condition, merge_conditions
 from ladle.operator.events import EventRecorder, ObjectRef
-from ladle.operator.observation import Observation
+from ladle.operator.load import Observation
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     Decision,

@@ -5,7 +5,7 @@ its panic state, recent decisions) and one tick's observation. The operator's sc
 the simulator in ``bench/autoscale_sim.py`` run exactly this code, so what the benchmark
 measures is what the cluster does.
 
-Demand is the number of requests that want a replica (read by ``observation``): what the
+Demand is the number of requests that want a replica (read by ``ladle.operator.load``): what the
 runtime pods run and queue (``ladle:num_requests_running`` + ``ladle:num_requests_waiting``),
 or the gateway's in-flight count when that is larger (requests on their way to a pod), plus
 what the requests the gateway holds ask for. A target per replica turns demand into replicas;
@@ -34,8 +34,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from ladle.operator import load_window, observation
-from ladle.operator.observation import Observation
+from ladle.operator import load, load_window
+from ladle.operator.load import Observation
 from ladle.operator.pace import Paces
 from ladle.words import plural
 
@@ -141,12 +141,12 @@ class Decision:
 
 def load_in_replicas(policy: ScalingPolicy, demand: float, kv_usage: float) -> float:
     """Demand in replicas' worth at the targets; with both targets the larger wins."""
-    load = 0.0
+    replicas = 0.0
     if policy.target_concurrency is not None:
-        load = demand / policy.target_concurrency
+        replicas = demand / policy.target_concurrency
     if policy.target_kv_usage is not None:
-        load = max(load, kv_usage / policy.target_kv_usage)
-    return load
+        replicas = max(replicas, kv_usage / policy.target_kv_usage)
+    return replicas
 
 
 def replicas_for(policy: ScalingPolicy, demand: float, kv_usage: float) -> int:
@@ -172,9 +172,9 @@ def _with_tolerance(
         return max(current, replicas_for(policy, demand / up, kv / up))
     down = 1.0 - TOLERANCE
     if noise is not None:
-        load = load_in_replicas(policy, demand, kv)
-        settled = math.ceil((load + noise) / (1.0 + SETTLE))
-        return min(current, settled) if load < down * current else current
+        worth = load_in_replicas(policy, demand, kv)
+        settled = math.ceil((worth + noise) / (1.0 + SETTLE))
+        return min(current, settled) if worth < down * current else current
     if wanted < current:
         return min(current, replicas_for(policy, demand / down, kv / down))
     return wanted
@@ -196,10 +196,10 @@ def decide(
 ) -> tuple[Decision, ScalerState]:
     """One tick of the scaler: the replica count to run, and the state for the next tick."""
     now = obs.time
-    problems = observation.problems(obs)
+    problems = load.problems(obs)
     target = policy.target_concurrency
     paces = state.paces
-    valid = [p for p in obs.pods if observation.valid(p)]
+    valid = [p for p in obs.pods if load.valid(p)]
     if target is not None:
         # An unreadable pod drops out of the pace's memory: when it is back, the gaps it
         # stalled for are not its pace.
@@ -208,15 +208,15 @@ def decide(
     # Paced only when every pod is: a pod still counted as it runs (a new canary's, before
     # its pace is known) keeps the headroom such counts need.
     paced = bool(lines) and all(p.replica_set in lines for p in valid)
-    demand, kv, scale = observation.demand(obs, target, lines)
+    demand, kv, scale = load.demand(obs, target, lines)
     start_seconds = obs.start_seconds or state.start_seconds
     gateway = obs.gateway
     held = 0.0
     queue: tuple[tuple[float, float], ...] = ()
-    if observation.readable(gateway):
+    if load.readable(gateway):
         held = gateway.held
         queue = (*(q for q in state.held if q[0] > now - policy.panic_window), (now, held))
-        demand += observation.held_demand(gateway, queue, scale, start_seconds)
+        demand += load.held_demand(gateway, queue, scale, start_seconds)
     last_active = state.last_active if state.last_active is not None else now
     if demand > 0:
         last_active = now
@@ -250,7 +250,7 @@ def decide(
     noise = load_window.noise([y for _, y in loads[:-1]]) if paced else None  # earlier ticks'
     stable_wanted = _with_tolerance(policy, stable_demand, stable_kv, obs.current_replicas, noise)
     panic_wanted = replicas_for(policy, panic_demand, panic_kv)
-    arrivals, arrival_counts, growth = observation.arrivals(
+    arrivals, arrival_counts, growth = load.arrivals(
         state.arrivals, state.arrival_counts, gateway, now, scale, target
     )
     rising = load_window.rising(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ladle.operator.observation import GatewayLoad, PodLoad
+from ladle.operator.load import GatewayLoad, PodLoad
 from ladle.runtime_metrics import ITL, KV_USAGE, RUNNING, WAITING, samples
 
 GATEWAY_IN_FLIGHT = "ladle_gateway_in_flight_requests"

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from ladle.operator.observation import GatewayLoad
+from ladle.operator.load import GatewayLoad
 from ladle.operator.scrape import parse_gateway
 from ladle.runtime_metrics import RUNNING, samples
 

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from ladle.api import parse_isvc
 from ladle.gateway.metrics import GatewayMetrics
 from ladle.operator.autoscaler import autoscaling_status, policy_for
-from ladle.operator.observation import GatewayLoad
+from ladle.operator.load import GatewayLoad
 from ladle.operator.scaling import (
     METRICS_UNAVAILABLE,
     PANIC,

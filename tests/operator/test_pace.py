@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
-from ladle.operator.observation import PodLoad
+from ladle.operator.load import PodLoad
 from ladle.operator.pace import HALF_LIFE_SECONDS, Pace, Paces, at_target
 
 TICK = 2.0

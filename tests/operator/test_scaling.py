@@ -14,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from paced_pods import PacedPod
 
-from ladle.operator.observation import GatewayLoad, Observation, PodLoad, arrivals_so_far
+from ladle.operator.load import GatewayLoad, Observation, PodLoad, arrivals_so_far
 from ladle.operator.pace import Pace, Paces, at_target
 from ladle.operator.scaling import (
     ACTIVATING,
