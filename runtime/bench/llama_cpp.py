@@ -2,8 +2,8 @@
 
 llama.cpp is reachable only as source: the PyPI sdist of ``llama-cpp-python`` vendors it. The
 first use downloads that sdist with pip, builds ``llama-server`` and ``llama-quantize`` with
-``-DGGML_NATIVE=ON`` (for this CPU; a different CPU gets a fresh build) at low priority, and
-makes GGUF files of our cached model with the vendored converter (which needs the
+``-DGGML_NATIVE=ON`` (for this CPU, less AMX; a different CPU gets a fresh build) at low
+priority, and makes GGUF files of our cached model with the vendored converter (which needs the
 ``llamacpp`` extra: sentencepiece). Everything lands in ``$LADLE_CACHE_DIR/llama.cpp``; later
 runs find it there. None of this is a dependency of the runtime.
 
@@ -45,10 +45,26 @@ def source_dir() -> Path:
     return _root() / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 
 
-def _cpu_key() -> str:
+# llama.cpp 0.3.36's AMX kernels (its Q8_0 matmul) died with SIGILL at their first
+# ``tilezero`` on the Xeon VM this was measured on, although the kernel grants AMX; built
+# without AMX, llama.cpp runs its AVX-512 VNNI kernels there, as on any other AVX-512 CPU.
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def _configure() -> list[str]:
     from ladle.runtime.kernels.cpu_kernels import _cpu_flags
 
-    return hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16]
+    flags = ["-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
+    if "amx_tile" in _cpu_flags().split():
+        flags += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
+    return flags
+
+
+def _build_key() -> str:
+    """This CPU and the build's flags: a different CPU or configuration builds afresh."""
+    from ladle.runtime.kernels.cpu_kernels import _cpu_flags
+
+    return hashlib.sha256("\n".join([_cpu_flags(), *_configure()]).encode()).hexdigest()[:16]
 
 
 def _run(cmd: list[str], log: Path, what: str, cwd: Path | None = None) -> None:
@@ -96,22 +112,21 @@ def build(jobs: int = 2) -> Path:
     src = source_dir()
     build_dir = src / "build"
     stamp = build_dir / "ladle-cpu"
-    if stamp.is_file() and stamp.read_text() != _cpu_key():
-        shutil.rmtree(build_dir)  # GGML_NATIVE compiled for another CPU
+    if stamp.is_file() and stamp.read_text() != _build_key():
+        shutil.rmtree(build_dir)  # GGML_NATIVE compiled for another CPU, or other flags
     bin_dir = build_dir / "bin"
     if not all((bin_dir / t).is_file() for t in TARGETS) or not stamp.is_file():
         print(f"llama.cpp: building {', '.join(TARGETS)} (minutes; log: {log})", flush=True)
     nice = ["nice", "-n", "10"] if shutil.which("nice") else []
     if not (build_dir / "CMakeCache.txt").is_file():
-        configure = ["-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"]
-        _run(["cmake", "-B", str(build_dir), *configure], log, "cmake configure", cwd=src)
+        _run(["cmake", "-B", str(build_dir), *_configure()], log, "cmake configure", cwd=src)
     _run(
         [*nice, "cmake", "--build", str(build_dir), "--target", *TARGETS, f"-j{jobs}"],
         log,
         "the llama.cpp build",
         cwd=src,
     )
-    stamp.write_text(_cpu_key())
+    stamp.write_text(_build_key())
     return bin_dir
 
 
