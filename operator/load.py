@@ -69,26 +69,27 @@ def _bad(value: float) -> bool:
 
 
 def problems(obs: Observation) -> list[str]:
-    problems = []
+    """What the tick could not read, each named: the decision holds the count on any."""
+    found = []
     for pod in obs.pods:
         if pod.error is not None:
-            problems.append(f"pod {pod.name}: {pod.error}")
-        elif _bad(pod.running) or _bad(pod.waiting) or _bad(pod.kv_usage) or pod.kv_usage > 1.0:
-            problems.append(
+            found.append(f"pod {pod.name}: {pod.error}")
+        elif not valid(pod):
+            found.append(
                 f"pod {pod.name}: nonsensical values (running {pod.running}, waiting "
                 f"{pod.waiting}, KV usage {pod.kv_usage})"
             )
     if len(obs.pods) < obs.ready_replicas:
-        problems.append(f"{obs.ready_replicas - len(obs.pods)} ready pods were not scraped")
+        found.append(f"{obs.ready_replicas - len(obs.pods)} ready pods were not scraped")
     gateway = obs.gateway
     if gateway is not None:
         if gateway.error is not None:
-            problems.append(f"gateway: {gateway.error}")
-        elif _bad(gateway.in_flight) or _bad(gateway.held):
-            problems.append(
+            found.append(f"gateway: {gateway.error}")
+        elif not readable(gateway):
+            found.append(
                 f"gateway: nonsensical values (in flight {gateway.in_flight}, held {gateway.held})"
             )
-    return problems
+    return found
 
 
 def valid(pod: PodLoad) -> bool:
@@ -172,12 +173,12 @@ def arrivals(
     scale: float,
     target: float | None,
 ) -> tuple[tuple[tuple[float, float], ...], Mapping[str, float], float | None]:
-    """The arrival samples and counts to keep (after ``earlier`` samples and the replicas'
-    last ``counts``), and the load's growth they show in replicas'
-    worth a second (at the target's pace, by ``scale``), or None where the gateway does not
-    count arrivals, has not timed a slot, or only a KV-cache target is set. Without counts (no
-    gateway, or one that is not a number) the samples start afresh; a tick that could not read
-    the gateway decides nothing and keeps them."""
+    """The arrival samples and counts to keep (after the ``earlier`` samples and each replica's
+    last count in ``counts``), and the load's growth they show in replicas' worth a second (at
+    the target's pace, by ``scale``), or None where the gateway does not count arrivals, has
+    not timed a slot, or only a KV-cache target is set. Without counts (no gateway, or one that
+    is not a number) the samples start afresh; a tick that could not read the gateway decides
+    nothing and keeps them."""
     if (
         not readable(gateway)
         or gateway.arrivals is None
