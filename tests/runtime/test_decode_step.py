@@ -29,7 +29,17 @@ from ladle.runtime.kernels.decode_step import CpuDecodeStep
 from ladle.runtime.lora.batch import LoRABatch
 from ladle.runtime.quantization.apply import int8_activations
 
-PROMPTS = [[5], [17, 300, 42], [9, 8, 7, 6], list(range(100, 109)), list(range(200, 217))]
+# Eight, the fused step's most: the batch runs through every row count its GEMV specializes.
+PROMPTS = [
+    [5],
+    [17, 300, 42],
+    [9, 8, 7, 6],
+    list(range(100, 109)),
+    list(range(200, 217)),
+    [11, 12],
+    list(range(300, 305)),
+    [400],
+]
 STEPS = 6
 
 
@@ -56,7 +66,7 @@ def _compare_decode_steps(
     assert isinstance(fused, CpuDecodeStep)
     for i, ids in enumerate(PROMPTS):
         # Each prompt runs two steps longer than the one before: the batch shrinks from all
-        # five rows (the GEMV's tiles of outputs) to one (its one output at a time).
+        # eight rows (the GEMV's tiles of outputs) to one (its one output at a time).
         params = SamplingParams(max_tokens=STEPS + 2 * i, temperature=0.0, ignore_eos=True)
         engine.add_request(f"r{i}", ids, params, lora_request=adapters[i] if adapters else None)
     forward = engine.model.forward
@@ -131,7 +141,7 @@ def test_fused_step_with_adapters(
     if quantization:
         flags |= {"quantization": quantization, "quantization_method": "rtn"}
     llm = _engine(path, **flags)
-    adapters = [first, None, second, first, None]
+    adapters = [first, None, second, first, None, second, None, first]
     assert _compare_decode_steps(llm, threads=[1, 2, 3], adapters=adapters) >= STEPS
 
 
