@@ -19,9 +19,7 @@ second reads its KV cache.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,40 +30,12 @@ if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
+from harness import baseline_library  # noqa: E402
 
-from ladle.runtime.kernels import cpu_kernels, prebuilt  # noqa: E402
+from ladle.runtime.kernels import cpu_kernels  # noqa: E402
 
 SEQS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 128, 9, 3, 64, 16, 30
 FLUSH_BYTES = 1 << 30  # more than any last-level cache seen here (480 MB)
-
-
-def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
-    """The kernels of ``rev``, built with this checkout's flags, their signatures set as now
-    (the attention entry point's has not changed)."""
-    for source in (*prebuilt.SOURCES, prebuilt.HEADER):
-        relative = source.relative_to(ROOT / "src" / "ladle").as_posix()
-        shown = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rev}:{relative}"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if shown.returncode == 0:  # a source added since is left out
-            (folder / source.name).write_text(shown.stdout)
-    sources = list(folder.glob("*.c"))
-    target = folder / "baseline.so"
-    cc = cpu_kernels.compiler()
-    assert cc is not None, "no C compiler"
-    subprocess.run(
-        [cc, *cpu_kernels.FLAGS, "-o", str(target), *map(str, sources), "-lm"],
-        check=True,
-        capture_output=True,
-    )
-    lib = ctypes.CDLL(str(target))
-    name = "ladle_paged_decode_attention_f32"
-    fn = getattr(lib, name)
-    fn.restype, fn.argtypes = cpu_kernels._SIGNATURES[name]
-    return lib
 
 
 def main() -> None:

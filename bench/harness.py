@@ -1,11 +1,13 @@
 """What the benchmark scripts share: ``ladle serve`` and ``ladle gateway`` as subprocesses on
-free ports, waited on until ready, and one ``ladle bench serve`` run read back from its result
-file. The scripts beside it import it by name (a script's folder is first on ``sys.path``)."""
+free ports, waited on until ready, one ``ladle bench serve`` run read back from its result
+file, and an earlier commit's C kernels built to race this checkout's. The scripts beside it
+import it by name (a script's folder is first on ``sys.path``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import socket
@@ -23,6 +25,39 @@ import psutil
 import yaml
 
 LADLE = [sys.executable, "-m", "ladle.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def baseline_library(rev: str, folder: Path) -> ctypes.CDLL:
+    """The C kernels of commit ``rev``, built in ``folder`` with this checkout's flags, with
+    this checkout's signatures for the entry points it has (a benchmark calls only those whose
+    signature has not changed)."""
+    from ladle.runtime.kernels import cpu_kernels, prebuilt
+
+    for source in (*prebuilt.SOURCES, prebuilt.HEADER):
+        relative = source.relative_to(ROOT / "src" / "ladle").as_posix()
+        shown = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{relative}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if shown.returncode == 0:  # a source added since is left out
+            (folder / source.name).write_text(shown.stdout)
+    target = folder / "baseline.so"
+    cc = cpu_kernels.compiler()
+    assert cc is not None, "no C compiler"
+    subprocess.run(
+        [cc, *cpu_kernels.FLAGS, "-o", str(target), *map(str, folder.glob("*.c")), "-lm"],
+        check=True,
+        capture_output=True,
+    )
+    lib = ctypes.CDLL(str(target))
+    for name, (restype, argtypes) in cpu_kernels._SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype, fn.argtypes = restype, argtypes
+    return lib
 
 
 def free_port() -> int:

@@ -74,7 +74,7 @@ class DecodeProfile:
         return "\n".join(lines)
 
 
-def _start_decoding(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[str]:
+def start_decoding(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[str]:
     """Admit the prompts and step until every one of them decodes; their request ids."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -91,7 +91,7 @@ def _start_decoding(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list
 
 def profile_decode(llm: LLM, prompts: list[list[int]], steps: int = 8) -> DecodeProfile:
     engine = llm.engine
-    ids = _start_decoding(llm, prompts, steps + 4)
+    ids = start_decoding(llm, prompts, steps + 4)
     prof, wall, timers = _profiled_steps(llm, steps)
     engine.abort_request(ids)
     return _buckets(prof, wall, timers, len(prompts), steps)
@@ -178,7 +178,7 @@ def latency_profile(
     if fused is None:
         modes = {"op by op (engine default here)": None}
     total = (rounds + 1) * steps * len(modes) + 8
-    ids = _start_decoding(llm, [prompt], total)
+    ids = start_decoding(llm, [prompt], total)
     times: dict[str, list[float]] = {name: [] for name in modes}
     try:
         for round_ in range(rounds):
