@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The fused CPU decode step (``decode_step.c``) of this checkout against that of an earlier
-commit, on the default model in fp32, at the batch sizes it serves, in one process.
+commit, on the default model (fp32, or quantized with ``--quantization``), at the batch sizes
+it serves, in one process.
 
 For each batch size the engine runs that many 64-token prompts to their decode phase, and one
 decode step's inputs are kept. Both builds (the earlier commit's sources compiled with this
@@ -13,6 +14,7 @@ taken within each round.
 
     .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc     # about 4 minutes
     .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc --batches 1 --threads 1
+    .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc --quantization int8
 """
 
 from __future__ import annotations
@@ -75,18 +77,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=10, help="steps a timed block")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--quantization", choices=["int8", "int4"], help="default: none, fp32")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if not all(1 <= b <= MAX_BATCH for b in batches):
         parser.error(f"--batches: each between 1 and {MAX_BATCH}, the fused step's most")
     torch.set_num_threads(args.threads)
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", quantization=args.quantization)
     forward = llm.engine.runner.forward
     new = forward.fused
     assert new is not None, "the fused CPU decode step is not available here"
     weights = llm.engine.model.weight_bytes()
     flush = torch.ones(FLUSH_BYTES // 4)
-    print(f"fused decode step, default model fp32 ({weights / 1e6:.0f} MB of weights), "
+    print(f"fused decode step, default model {args.quantization or 'fp32'} "
+          f"({weights / 1e6:.0f} MB of weights), "
           f"{args.threads} threads, {args.rounds} rounds of {args.steps} steps an arm; "
           f"baseline {args.baseline_rev}")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
