@@ -12,7 +12,7 @@ Reported per batch: the median time a step and its spread (min-max over rounds),
 read per second, and this checkout's step time over the baseline's, the median of the ratios
 taken within each round.
 
-    .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc     # about 4 minutes
+    .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc     # about a minute
     .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc --batches 1 --threads 1
     .venv/bin/python bench/decode_step.py --baseline-rev 29cdcdc --quantization int8
 """
