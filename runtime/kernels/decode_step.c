@@ -261,6 +261,7 @@ static inline __attribute__((always_inline)) void dense_outputs(const float *x, 
     }
 }
 
+/* A case for every batch the fused step takes (decode_step.py's MAX_BATCH: 8). */
 static void dense_gemv(const float *x, int64_t ldx, const ladle_linear *lin, float *y,
                        int64_t ldy, int32_t R, int32_t n0, int32_t n1) {
 #define DENSE_CASE(C)                                                                         \
