@@ -7,7 +7,8 @@ For each batch size the engine runs that many 64-token prompts to their decode p
 decode step's inputs are kept. Both builds (the earlier commit's sources compiled with this
 checkout's flags) then run that same step over the same weights and KV cache, in interleaved
 rounds (the order alternating; a read of more memory than the last-level cache holds before
-each arm, so that neither finds weights the other left there). Both must give the same logits.
+each arm, so that neither finds weights the other left there). Both must give the same logits,
+up to rounding where the sums' order changed (the largest difference is printed).
 Reported per batch: the median time a step and its spread (min-max over rounds), the weights
 read per second, and this checkout's step time over the baseline's, the median of the ratios
 taken within each round.
@@ -99,8 +100,9 @@ def main() -> None:
         arms = {"baseline": old, "this checkout": new}
         for n, batch in enumerate(batches):
             inputs = step_inputs(llm, batch, 1000 + 1000 * n)
-            logits = {name: arm.run(*inputs)[1].clone() for name, arm in arms.items()}
-            assert torch.equal(*logits.values()), "the two builds' logits differ"
+            before, after = (arm.run(*inputs)[1].clone() for arm in arms.values())
+            torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+            difference = float((after - before).abs().max())
             times: dict[str, list[float]] = {name: [] for name in arms}
             for r in range(args.rounds):
                 for name in list(arms) if r % 2 == 0 else list(arms)[::-1]:
@@ -109,7 +111,7 @@ def main() -> None:
                     for _ in range(args.steps):
                         arms[name].run(*inputs)
                     times[name].append((time.perf_counter() - start) / args.steps * 1e3)
-            print(f"batch {batch}:")
+            print(f"batch {batch} (logits' largest difference {difference:.1e}):")
             for name, values in times.items():
                 median = statistics.median(values)
                 print(f"  {name:<14} {median:7.2f} ms a step ({min(values):.2f}-"

@@ -72,6 +72,20 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4)));
 static inline vf vload(const float *p) { return *(const vf_unaligned *)p; }
 
+/* The sum of a vector's lanes as a tree of shuffles and adds: lane by lane, in order, a tile
+ * of 16 outputs spent more time on its sums than on its FMAs. */
+static inline float hsum(vf v) {
+#if VW == 16
+    return _mm512_reduce_add_ps((__m512)v);
+#elif VW == 8
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+    return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
+}
+
 /* INT8: per output channel; INT4 and INT8_GROUPS: scale and offset per group of inputs. */
 enum { DENSE = 0, INT8 = 1, INT4 = 2, INT8_GROUPS = 3 };
 
@@ -189,9 +203,7 @@ static inline __attribute__((always_inline)) void dense_row(const float *x, int6
         for (int r = 0; r < R; r++) acc[r][0] += vload(x + r * ldx + k) * w0;
     }
     for (int r = 0; r < R; r++) {
-        const vf both = acc[r][0] + acc[r][1];
-        float sum = 0.0f;
-        for (int l = 0; l < VW; l++) sum += both[l];
+        float sum = hsum(acc[r][0] + acc[r][1]);
         for (int kk = k; kk < K; kk++) sum += x[r * ldx + kk] * w[kk];
         out[r][0] = sum;
     }
@@ -220,8 +232,7 @@ static inline __attribute__((always_inline)) void dense_tile(const float *x, int
     }
     for (int r = 0; r < R; r++)
         for (int o = 0; o < OUTS; o++) {
-            float sum = 0.0f;
-            for (int l = 0; l < VW; l++) sum += acc[r][o][l];
+            float sum = hsum(acc[r][o]);
             for (int kk = k; kk < K; kk++) sum += x[r * ldx + kk] * w[(int64_t)o * K + kk];
             out[r][o] = sum;
         }
@@ -286,8 +297,7 @@ static float dot(const float *a, const float *b, int32_t K) {
     vf acc = (vf){0};
     int32_t k = 0;
     for (; k + VW <= K; k += VW) acc += vload(a + k) * vload(b + k);
-    float sum = 0.0f;
-    for (int l = 0; l < VW; l++) sum += acc[l];
+    float sum = hsum(acc);
     for (; k < K; k++) sum += a[k] * b[k];
     return sum;
 }
